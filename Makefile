@@ -1,0 +1,42 @@
+# Tessera: `make run` starts everything, `make test` runs the whole suite, `make bench` measures.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
+
+.PHONY: install browser assets test bench run clean
+
+# torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's Chromium drives the browser tests (Playwright's own download does not work offline).
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+# Front-end libraries (chart.js) come from the npm registry at set-up and are served as static
+# files from var/assets; nothing is loaded from a CDN and nothing third-party is committed.
+ASSETS := var/assets/vendor/chart.umd.min.js
+assets: $(ASSETS)
+
+$(ASSETS): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	mkdir -p var/assets/vendor
+	cp node_modules/chart.js/dist/chart.umd.min.js node_modules/chart.js/dist/chart.umd.min.js.map var/assets/vendor/
+	touch $(ASSETS)
+
+test: install browser assets
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) var

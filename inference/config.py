@@ -1,0 +1,133 @@
+"""Engine arguments (vLLM's names) and the model facts read from config.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int = 2 << 30  # bytes for the KV pool on CPU
+    gpu_memory_utilization: float = 0.9
+    device: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None  # cap on one prefill's share of a step
+    scheduler_delay_ms: float = 0.0
+    attention_backend: str | None = None  # "torch" or "triton"; default by device
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    served_model_name: str | None = None
+
+    @classmethod
+    def names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts the model code needs, from an HF config.json."""
+
+    path: str
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    raw: dict
+
+    @classmethod
+    def from_path(cls, path: str) -> "ModelConfig":
+        folder = Path(path)
+        config_file = folder / "config.json"
+        if not folder.is_dir():
+            raise FileNotFoundError(f"model folder {folder} does not exist")
+        if not config_file.exists():
+            raise FileNotFoundError(f"model folder {folder} has no config.json")
+        return cls.from_dict(str(folder), json.loads(config_file.read_text()))
+
+    @classmethod
+    def from_dict(cls, path: str, raw: dict) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+        if not supported:
+            raise ValueError(
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {path}/config.json; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = supported[0]
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters")
+        theta = raw.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
+            rope = None
+        eos = raw.get("eos_token_id")
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", family == "mistral") else None
+        return cls(
+            path=path,
+            architecture=arch,
+            family=family,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
+            sliding_window=sliding,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            raw=raw,
+        )
+
+    def resolve_dtype(self, dtype: str) -> torch.dtype:
+        if dtype == "auto":
+            dtype = self.torch_dtype if self.torch_dtype in DTYPES else "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+        return DTYPES[dtype]

@@ -1,0 +1,368 @@
+"""The step-level engine (vLLM's LLMEngine API): add_request / step / abort_request."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from inference.config import EngineArgs, ModelConfig
+from inference.detokenizer import IncrementalDetokenizer
+from inference.kv_cache_manager import KVCacheManager
+from inference.layers.ops import get_ops
+from inference.loader import build_model, check_model_folder, init_dummy_weights, load_tokenizer, load_weights
+from inference.metrics import EngineMetrics
+from inference.model_runner import ModelRunner
+from inference.outputs import CompletionOutput, RequestOutput
+from inference.request import Request, RequestStatus
+from inference.sampler import Sampler, top_logprobs
+from inference.sampling_params import SamplingParams
+from inference.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("inference")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, progress: bool = True):
+        self.args = args
+        self.device = resolve_device(args.device)
+        torch.manual_seed(args.seed)
+        check_model_folder(args.model, args.load_format)
+        self.model_config = cfg = ModelConfig.from_path(args.model)
+        self.dtype = cfg.resolve_dtype(args.dtype)
+        self.max_model_len = resolve_max_model_len(cfg, args.max_model_len)
+        self.tokenizer = load_tokenizer(args.model)
+        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
+        self.served_model_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+        self.ops = get_ops(args.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
+        self.model = self._load_model(progress)
+        self.memory = self._plan_memory()
+        num_blocks = self.memory["num_kv_blocks"]
+        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.kv, num_blocks, self.dtype, self.device)
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv)
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids)
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        self._idle_since_arrival: float | None = None
+        logger.info("engine ready: %s", self.memory)
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _load_model(self, progress: bool):
+        model = build_model(self.model_config, self.ops, self.dtype, self.device, self.max_model_len)
+        if self.args.load_format == "dummy":
+            init_dummy_weights(model, self.args.seed)
+        else:
+            load_weights(model, self.args.model, progress)
+        return model.eval()
+
+    def _plan_memory(self) -> dict:
+        """Size the KV pool from num_kv_blocks or a memory budget; fail with numbers if too small."""
+        cfg, args = self.model_config, self.args
+        layer = self.model.layers[0].self_attn
+        per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, layer.num_kv_heads, cfg.head_dim, self.dtype)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        useful = args.max_num_seqs * blocks_per_seq
+        activation_peak, total = 0, args.kv_cache_memory
+        if args.num_kv_blocks is not None:
+            num_blocks = args.num_kv_blocks
+        elif self.device.type == "cuda":
+            total, activation_peak = profile_cuda(self)
+            budget = total * args.gpu_memory_utilization - weights - activation_peak
+            num_blocks = min(int(budget // per_block), useful)
+        else:
+            num_blocks = min(args.kv_cache_memory // per_block, useful)
+        if num_blocks * args.block_size < self.max_model_len:
+            raise ValueError(
+                f"KV pool too small: {num_blocks} blocks x {args.block_size} tokens = "
+                f"{num_blocks * args.block_size} tokens < max_model_len {self.max_model_len}; "
+                f"one block takes {per_block} bytes. Raise num_kv_blocks / kv_cache_memory or lower max_model_len."
+            )
+        return {
+            "total_bytes": int(total),
+            "weights_bytes": int(weights),
+            "activation_peak_bytes": int(activation_peak),
+            "kv_pool_bytes": int(num_blocks * per_block),
+            "num_kv_blocks": int(num_blocks),
+            "block_size": args.block_size,
+            "max_model_len": self.max_model_len,
+            "max_concurrency_at_max_model_len": round(num_blocks / blocks_per_seq, 2),
+            "weights_dtype": str(self.dtype).removeprefix("torch."),
+        }
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        args = self.args
+        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len})"
+            )
+        return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
+                               args.enable_chunked_prefill, args.long_prefill_token_threshold)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        """prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text too)."""
+        params = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        request = Request(request_id, text, token_ids, params, priority, arrival_time)
+        request.detok = self._detokenizer(request)
+        self.requests[request_id] = request
+        if not self.scheduler.has_unfinished():
+            self._idle_since_arrival = time.monotonic()
+        self.scheduler.add_request(request)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one output token)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        p = request.params
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.skip_special_tokens,
+                                      p.stop_strings, p.include_stop_str_in_output)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop a request now and free its blocks; unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            for seq in request.group:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        if self._should_wait_for_more_arrivals():
+            return []
+        plan = self.scheduler.schedule()
+        touched: dict[str, Request] = {r.request_id: r for r in plan.finished}
+        if not plan.is_empty:
+            self._run(plan, touched)
+        self._observe_kv_fill()
+        return [self._finish_output(r) for r in touched.values()]
+
+    def _should_wait_for_more_arrivals(self) -> bool:
+        """scheduler_delay_ms: an idle engine may wait briefly to batch a burst of arrivals."""
+        if self._idle_since_arrival is None or not self.args.scheduler_delay_ms:
+            return False
+        if (time.monotonic() - self._idle_since_arrival) * 1000 < self.args.scheduler_delay_ms:
+            return True
+        self._idle_since_arrival = None
+        return False
+
+    def _run(self, plan, touched: dict[str, Request]) -> None:
+        self.runner.copy_blocks(plan.block_copies)
+        inputs = self.runner.prepare(plan.scheduled)
+        hidden, logits = self.runner.execute(inputs)
+        for request, num_new in plan.scheduled.items():
+            self._advance(request, num_new)
+        self._record_prompt_logprobs(inputs, hidden)
+        if logits is not None:
+            self._sample(inputs.sampling_requests, logits, touched)
+
+    def _advance(self, request: Request, num_new: int) -> None:
+        prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
+        self.metrics.prompt_tokens_total += min(num_new, prompt_left)
+        request.num_computed_tokens += num_new
+        self.kv.cache_full_blocks(request)
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor, touched: dict[str, Request]) -> None:
+        seqs, rows = [], []
+        for row, request in enumerate(requests):
+            group = self._fork(request) if request.needs_fork else [request]
+            seqs.extend(group)
+            rows.extend([row] * len(group))
+        if len(rows) != len(requests):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens, logprobs = self.sampler(logits, seqs)
+        now = time.time()
+        for seq, token, entry in zip(seqs, tokens, logprobs):
+            self._append(seq, token, entry, now)
+            touched[seq.request_id] = self.requests.get(seq.request_id, seq)
+
+    def _fork(self, parent: Request) -> list[Request]:
+        """n > 1: after prefill, n sequences share the prompt's blocks (copy on write later)."""
+        root_params = parent.params
+        parent.params = root_params.for_child(0)
+        for index in range(1, root_params.n):
+            child = Request(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                            root_params.for_child(index), parent.priority,
+                            parent.metrics.arrival_time, index=index)
+            child.arrival_order = parent.arrival_order
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            child.prompt_logprobs = parent.prompt_logprobs
+            child.detok = self._detokenizer(child)
+            child.group = parent.group
+            parent.group.append(child)
+            self.kv.fork(parent, child)
+            self.scheduler.add_running(child)
+        return parent.group
+
+    def _append(self, seq: Request, token: int, logprob_entry, now: float) -> None:
+        seq.append_token(token)
+        self.metrics.generation_tokens_total += 1
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+            if seq.index == 0:
+                self.metrics.time_to_first_token_seconds.observe(now - seq.metrics.arrival_time)
+                if seq.metrics.queue_time is not None:
+                    self.metrics.request_queue_time_seconds.observe(seq.metrics.queue_time)
+        if logprob_entry is not None:
+            self._decode_logprobs(logprob_entry)
+            seq.logprobs.append(logprob_entry)
+            seq.cumulative_logprob += logprob_entry[token].logprob
+        stop_string = seq.detok.add_token(token)
+        status = self._stop_status(seq, token, stop_string)
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            self.metrics.observe_finished(seq.metrics, seq.num_output_tokens)
+
+    def _stop_status(self, seq: Request, token: int, stop_string: str | None) -> RequestStatus | None:
+        params = seq.params
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in params.stop_token_ids:
+            seq.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if may_stop and stop_string is not None:
+            seq.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _decode_logprobs(self, entry) -> None:
+        for token_id, lp in entry.items():
+            lp.decoded_token = self.tokenizer.decode([token_id])
+
+    def _record_prompt_logprobs(self, inputs, hidden) -> None:
+        for request, (first_row, count, first_pos) in inputs.prompt_rows.items():
+            logprobs = torch.log_softmax(self.runner.logits_of(hidden[first_row:first_row + count]).float(), dim=-1)
+            k = request.params.prompt_logprobs
+            for i in range(count):
+                target = first_pos + i + 1  # the row at position p predicts the token at p + 1
+                if target < request.num_prompt_tokens:
+                    entry = top_logprobs(logprobs[i], request.prompt_token_ids[target], k)
+                    self._decode_logprobs(entry)
+                    request.prompt_logprobs.append(entry)
+
+    def _observe_kv_fill(self) -> None:
+        used = self.kv.pool.num_blocks - self.kv.pool.num_free
+        if used:
+            real = sum(r.num_computed_tokens for r in self.scheduler.running)
+            self.metrics.observe_kv_fill(used * self.kv.block_size, real)
+
+    # ---- outputs --------------------------------------------------------------------------
+
+    def _finish_output(self, request: Request) -> RequestOutput:
+        root = request.group[0]
+        finished = all(s.is_finished for s in root.group) and (
+            len(root.group) == root.n or root.status is RequestStatus.FINISHED_ABORTED
+            or root.num_output_tokens == 0
+        )
+        if finished:
+            self.requests.pop(root.request_id, None)
+        outputs = [self._completion(s) for s in root.group]
+        return RequestOutput(
+            request_id=root.request_id, prompt=root.prompt, prompt_token_ids=root.prompt_token_ids,
+            outputs=outputs, finished=finished, num_cached_tokens=root.num_cached_tokens,
+            prompt_logprobs=root.prompt_logprobs, metrics=root.metrics,
+        )
+
+    @staticmethod
+    def _completion(seq: Request) -> CompletionOutput:
+        finished = seq.is_finished
+        return CompletionOutput(
+            index=seq.index, text=seq.detok.visible_text(finished), token_ids=seq.output_token_ids,
+            finish_reason=seq.status.value if finished else None, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+        )
+
+    # ---- introspection --------------------------------------------------------------------
+
+    def get_stats(self) -> dict:
+        stats = self.kv.stats()
+        stats.update(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.metrics.prompt_tokens_total,
+            generation_tokens_total=self.metrics.generation_tokens_total,
+            requests_finished_total=self.metrics.requests_finished_total,
+            kv_fill_at_peak=self.metrics.kv_fill_at_peak,
+        )
+        return stats
+
+    def block_map(self, top: int = 10) -> dict:
+        """Compact per-block states (0 free, 1 cached, 2 used, 3 shared) and the biggest holders."""
+        holders = sorted(((len(t), getattr(s, "request_id", "?")) for s, t in self.kv.tables.items()), reverse=True)
+        return {
+            "block_size": self.kv.block_size,
+            "states": "".join(str(c) for c in self.kv.pool.state_codes()),
+            "top_requests": [{"request_id": rid, "blocks": n} for n, rid in holders[:top]],
+        }
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit} positions")
+    return asked
+
+
+def profile_cuda(engine: LLMEngine) -> tuple[int, int]:
+    """Total device memory and the activation peak of a forward at max_num_batched_tokens."""
+    from inference.profiling import activation_peak_bytes
+
+    total = torch.cuda.get_device_properties(engine.device).total_memory
+    return total, activation_peak_bytes(engine)

@@ -1,0 +1,40 @@
+"""Vocab-parallel token embedding and LM head (each rank holds a contiguous slice of the vocab)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from inference.layers.linear import copy_checked
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, dtype):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.shard = -(-vocab_size // tp_size())
+        self.start = tp_rank() * self.shard
+        self.end = min(self.start + self.shard, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        rows = loaded[self.start:self.end]
+        copy_checked(param.data[: rows.shape[0]], rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        local = (input_ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
+        return all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits = hidden @ weight.T per vocab shard, gathered across ranks."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight)
+        return all_gather_last_dim(local)[..., : self.vocab_size]

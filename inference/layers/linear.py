@@ -1,0 +1,138 @@
+"""One linear-layer interface with pluggable weight formats and tensor-parallel sharding.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that knows how to
+cut this rank's slice out of a checkpoint tensor, so models never deal with sharding or
+quantization themselves. A LinearMethod creates the parameters and computes the product; the
+unquantized one is below, quantized formats plug in the same way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference.distributed import all_reduce, tp_rank, tp_size
+
+
+class UnquantizedLinearMethod:
+    """A plain [out, in] weight in the model's dtype."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+
+class LinearBase(nn.Module):
+    """in_features x out_features held by this rank; subclasses say how checkpoints are cut."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, in_features, out_features, dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        copy_checked(param.data, loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks (dim 0 of the [out, in] weight)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None):
+        self.full_out = out_features
+        super().__init__(in_features, divide(out_features, tp_size()), bias, dtype, method)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        size = param.shape[0]
+        copy_checked(param.data, loaded.narrow(0, tp_rank() * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up): shard_id is the index."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype, method=None):
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias, dtype, method)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        per_rank = [divide(s, tp_size()) for s in self.out_sizes]
+        offset = sum(per_rank[:shard_id])
+        size = per_rank[shard_id]
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul, split by heads (GQA-aware).
+
+    With fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype, method=None):
+        size = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, size)
+        self.num_kv_heads = max(1, num_kv_heads // size)
+        self.kv_replicas = max(1, size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
+        super().__init__(hidden, out, bias, dtype, method)
+
+    @property
+    def output_sizes(self) -> tuple[int, int, int]:
+        return (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        q_size, kv_size, _ = self.output_sizes
+        if shard_id == "q":
+            offset, size, rank_index = 0, q_size, tp_rank()
+        else:
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank_index = kv_size, tp_rank() // self.kv_replicas
+        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank_index * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None):
+        super().__init__(divide(in_features, tp_size()), out_features, bias, dtype, method)
+
+    def weight_loader(self, param, loaded, shard_id=None):
+        if param.dim() == 1:  # the bias is added once, after the reduction
+            copy_checked(param.data, loaded)
+            return
+        size = param.shape[1]
+        copy_checked(param.data, loaded.narrow(1, tp_rank() * size, size))
+
+    def forward(self, x):
+        out = all_reduce(self.method.apply(self, x, None))
+        return out if self.bias is None else out + self.bias
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by tensor_parallel_size {denominator}")
+    return numerator // denominator
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter {tuple(dst.shape)}")
+    dst.copy_(src)

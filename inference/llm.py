@@ -1,0 +1,79 @@
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...)), as in vLLM."""
+from __future__ import annotations
+
+import itertools
+import time
+
+from tqdm.auto import tqdm
+
+from inference.config import EngineArgs
+from inference.engine import LLMEngine
+from inference.outputs import RequestOutput
+from inference.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args):
+        unknown = set(engine_args) - EngineArgs.names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, priority=None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        Bad input (an empty prompt, one longer than max_model_len, invalid sampling values)
+        raises ValueError before anything is queued, so nothing else is affected.
+        """
+        inputs = self._inputs(prompts, prompt_token_ids)
+        params = self._per_prompt(sampling_params or SamplingParams(), len(inputs), "sampling_params")
+        priorities = self._per_prompt(priority if priority is not None else 0, len(inputs), "priority")
+        request_ids = [str(next(self._ids)) for _ in inputs]
+        engine = self.llm_engine
+        added = []
+        try:
+            for rid, prompt, sp, prio in zip(request_ids, inputs, params, priorities):
+                engine.add_request(rid, prompt, sp, priority=prio)
+                added.append(rid)
+        except ValueError:
+            engine.abort_request(added)
+            raise
+        return self._run_to_completion(request_ids, use_tqdm)
+
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    generated += sum(len(o.token_ids) for o in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix_str(f"output {generated / (time.perf_counter() - start):.1f} tok/s")
+        bar.close()
+        return [finished[rid] for rid in request_ids]
+
+    @staticmethod
+    def _inputs(prompts, prompt_token_ids) -> list:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("give prompts or prompt_token_ids")
+        if prompts is not None:
+            return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+            prompt_token_ids = [prompt_token_ids]
+        return [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+
+    @staticmethod
+    def _per_prompt(value, count: int, name: str) -> list:
+        if isinstance(value, list):
+            if len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+            return value
+        return [value] * count

@@ -1,0 +1,64 @@
+"""Engine metrics in vLLM's names and meanings (under the tessera: prefix when exported)."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def to_dict(self) -> dict:
+        return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total, "count": self.count}
+
+
+@dataclass
+class EngineMetrics:
+    """Counters and histograms updated every step; gauges are read from the scheduler on demand."""
+
+    num_preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished_total: int = 0
+    time_to_first_token_seconds: Histogram = field(default_factory=Histogram)
+    time_per_output_token_seconds: Histogram = field(default_factory=Histogram)
+    e2e_request_latency_seconds: Histogram = field(default_factory=Histogram)
+    request_queue_time_seconds: Histogram = field(default_factory=Histogram)
+    peak_allocated_slots: int = 0
+    real_tokens_at_peak: int = 0
+
+    def observe_finished(self, metrics, num_output_tokens: int) -> None:
+        self.requests_finished_total += 1
+        if metrics.finished_time is not None:
+            self.e2e_request_latency_seconds.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_token_time is not None and num_output_tokens > 1 and metrics.finished_time:
+            tpot = (metrics.finished_time - metrics.first_token_time) / (num_output_tokens - 1)
+            self.time_per_output_token_seconds.observe(tpot)
+
+    def observe_kv_fill(self, allocated_slots: int, real_tokens: int) -> None:
+        if allocated_slots > self.peak_allocated_slots:
+            self.peak_allocated_slots, self.real_tokens_at_peak = allocated_slots, real_tokens
+
+    @property
+    def kv_fill_at_peak(self) -> float:
+        return self.real_tokens_at_peak / self.peak_allocated_slots if self.peak_allocated_slots else 0.0
+
+    def histograms(self) -> dict:
+        return {
+            "time_to_first_token_seconds": self.time_to_first_token_seconds.to_dict(),
+            "time_per_output_token_seconds": self.time_per_output_token_seconds.to_dict(),
+            "e2e_request_latency_seconds": self.e2e_request_latency_seconds.to_dict(),
+            "request_queue_time_seconds": self.request_queue_time_seconds.to_dict(),
+        }

@@ -1,0 +1,95 @@
+"""Owns the model and the K/V memory; turns a scheduler decision into one flattened forward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.kv_cache_manager import KVCacheManager
+from inference.layers.ops import AttentionMetadata
+from inference.request import Request
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[int]  # hidden-state row of each request that samples this step
+    sampling_requests: list[Request]
+    prompt_rows: dict[Request, tuple[int, int, int]]  # request -> (first row, row count, first position)
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KVCacheManager, num_blocks: int, dtype, device):
+        self.model, self.kv, self.device = model, kv, torch.device(device)
+        self.block_size = kv.block_size
+        attn_layers = [layer.self_attn.attn for layer in model.layers]
+        first = attn_layers[0]
+        shape = (num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in attn_layers]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in attn_layers]
+        for attn, k, v in zip(attn_layers, self.k_caches, self.v_caches):
+            attn.k_cache, attn.v_cache = k, v
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def prepare(self, scheduled: dict[Request, int]) -> StepInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start, seq_lens, tables = [0], [], []
+        sample_rows, sampling_requests, prompt_rows = [], [], {}
+        bs = self.block_size
+        for request, num_new in scheduled.items():
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            table = self.kv.block_ids(request)
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if request.prompt_logprobs is not None and start < request.num_prompt_tokens:
+                prompt_rows[request] = (query_start[-1], num_new, start)
+            query_start.append(query_start[-1] + num_new)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == request.num_tokens:
+                sample_rows.append(query_start[-1] - 1)
+                sampling_requests.append(request)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            decode_only=len(input_ids) == len(seq_lens),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta, sample_rows=sample_rows, sampling_requests=sampling_requests, prompt_rows=prompt_rows,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks before a sequence writes into its own copy."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for cache in self.k_caches + self.v_caches:
+            cache[dst] = cache[src]
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the forward; returns (hidden states of all tokens, logits of the sampling rows)."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)) if inputs.sample_rows else None
+        return hidden, logits
+
+    @torch.inference_mode()
+    def logits_of(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_rows)

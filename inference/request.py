@@ -1,0 +1,103 @@
+"""Per-request state as the scheduler and cache manager see it."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from inference.outputs import Logprob, RequestMetrics
+from inference.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence: its tokens, how many of them have K/V in the cache, and its outputs.
+
+    A request with n > 1 is the parent: after its prefill it forks into n sequences (index
+    0..n-1) that share its blocks; `group` holds all of them.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
+                 index: int = 0):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.index = index
+        self.n = params.n  # sequences this prompt forks into (kept after the fork sets params.n = 1)
+        self.arrival_order = next(_arrival_counter)
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.generator = self._make_generator(params.seed)
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.cumulative_logprob = 0.0
+        self.group: list[Request] = [self]
+        self.detok = None  # set by the engine (IncrementalDetokenizer)
+
+    @staticmethod
+    def _make_generator(seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed(seed)
+        return gen
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: lower priority value first, then first come first served."""
+        return (self.priority, self.arrival_order, self.index)
+
+    @property
+    def needs_fork(self) -> bool:
+        return self.n > 1 and len(self.group) == 1
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return f"Request({self.request_id}#{self.index}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens})"

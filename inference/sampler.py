@@ -1,0 +1,112 @@
+"""One batched sampling pass per step; every row keeps its own parameters and seeded generator.
+
+Order (as in vLLM): raw logprobs -> min_tokens masking -> penalties -> greedy argmax, or
+temperature -> top-k / top-p / min-p -> sample. Sampling draws q ~ Exp(1) per row with that
+row's generator and takes argmax(p / q), which is an exact sample from p and reproducible per
+request whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from inference.outputs import Logprob
+from inference.request import Request
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int]):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        logits = logits.float()
+        raw_logprobs = self._raw_logprobs(logits, seqs)
+        self._mask_min_tokens(logits, seqs)
+        self._apply_penalties(logits, seqs)
+        tokens = self._pick(logits, seqs)
+        token_list = tokens.tolist()
+        return token_list, self._logprob_entries(raw_logprobs, token_list, seqs)
+
+    def _raw_logprobs(self, logits, seqs):
+        if all(s.params.logprobs is None for s in seqs):
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    def _mask_min_tokens(self, logits, seqs):
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                banned = seq.params.stop_token_ids + ([] if seq.params.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[row, banned] = float("-inf")
+
+    def _apply_penalties(self, logits, seqs):
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            if not params.uses_penalties:
+                continue
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device).unique()
+                values = logits[row, seen]
+                logits[row, seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                                values * params.repetition_penalty)
+            if params.presence_penalty or params.frequency_penalty:
+                outputs = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(outputs, minlength=logits.shape[1]).to(logits.dtype)
+                logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _pick(self, logits, seqs) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        random_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not random_rows:
+            return greedy
+        rows = torch.tensor(random_rows, device=logits.device)
+        sub = logits[rows]
+        params = [seqs[i].params for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=sub.dtype)
+        probs = self._filter(torch.softmax(sub / temps[:, None], dim=-1), params)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=seqs[i].generator)
+        greedy[rows] = (probs / noise).argmax(dim=-1)
+        return greedy
+
+    def _filter(self, probs, params) -> torch.Tensor:
+        """top-k, then top-p (nucleus), then min-p; the kept mass is renormalised implicitly."""
+        if any(p.top_k > 0 for p in params):
+            ks = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[1] for p in params], device=probs.device)
+            sorted_probs = probs.sort(dim=-1, descending=True).values
+            kth = sorted_probs.gather(1, (ks.clamp(max=probs.shape[1]) - 1)[:, None])
+            probs = probs.masked_fill(probs < kth, 0.0)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], device=probs.device, dtype=probs.dtype)
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop_sorted = mass_before > top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)
+            probs = probs.masked_fill(drop_sorted.scatter(1, order, drop_sorted), 0.0)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=probs.device, dtype=probs.dtype)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    def _logprob_entries(self, raw_logprobs, tokens, seqs):
+        entries: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        if raw_logprobs is None:
+            return entries
+        for row, seq in enumerate(seqs):
+            k = seq.params.logprobs
+            if k is None:
+                continue
+            entries[row] = top_logprobs(raw_logprobs[row], tokens[row], k)
+        return entries
+
+
+def top_logprobs(row_logprobs: torch.Tensor, chosen: int, k: int) -> dict[int, Logprob]:
+    """The chosen token's logprob and rank plus the k most likely tokens."""
+    chosen_lp = row_logprobs[chosen]
+    entry = {chosen: Logprob(float(chosen_lp), int((row_logprobs > chosen_lp).sum()) + 1)}
+    if k > 0:
+        values, ids = row_logprobs.topk(k)
+        for rank, (tid, lp) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
+            entry.setdefault(tid, Logprob(lp, rank))
+    return entry

@@ -1,0 +1,78 @@
+"""Sampling parameters, named and validated as in vLLM and the OpenAI API."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Invalid values raise ValueError naming the field.
+
+    n > 1 forks one prompt into n sequences after prefill; sequence i samples with seed + i
+    (when a seed is given), so it reproduces an n=1 request with that seed.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self):
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "must be -1, 0 (off) or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "must be an integer >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "must be an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop_strings), "must be a non-empty string or a list of them"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be a list of token ids"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    def for_child(self, index: int) -> "SamplingParams":
+        """Parameters of the index-th of n forked sequences: n=1 and seed + index."""
+        from dataclasses import replace
+
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)

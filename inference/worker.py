@@ -1,0 +1,491 @@
+"""The persistent engine worker: reads requests from Redis, steps the engine, streams deltas back.
+
+Protocol (docs/protocol.md): requests arrive on one stream read through a consumer group (several
+workers share it); each engine step appends one entry per progressing request to that request's
+own output stream (bounded, expiring); aborts arrive on a pub/sub channel (plus a key for requests
+not yet read); a heartbeat hash with engine stats is refreshed every second with a TTL. A worker
+reaps the pending requests of consumers whose heartbeat is gone, failing them with an error event.
+
+No Django here: the web tier and this loop share nothing but Redis.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import redis
+
+log = logging.getLogger("tessera.worker")
+
+# Key names: the same as platform/engine_client/protocol.py (a test keeps them equal).
+PREFIX = "tessera:engine"
+REQUEST_STREAM = f"{PREFIX}:requests"
+CONSUMER_GROUP = "engines"
+ABORT_CHANNEL = f"{PREFIX}:abort"
+WORKERS_SET = f"{PREFIX}:workers"
+
+
+def output_stream(request_id: str) -> str:
+    return f"{PREFIX}:out:{request_id}"
+
+
+def aborted_key(request_id: str) -> str:
+    return f"{PREFIX}:aborted:{request_id}"
+
+
+def heartbeat_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def block_map_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}:blocks"
+
+
+def _encode(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+@dataclass
+class WorkerConfig:
+    worker_id: str = ""
+    model_name: str = ""
+    heartbeat_interval: float = 1.0
+    heartbeat_ttl: float = 5.0
+    idle_block_ms: int = 50  # XREADGROUP wait when the engine has nothing to do
+    max_inflight: int = 0  # requests held at once; 0 = 2 * the engine's max_num_seqs
+    output_maxlen: int = 10_000  # entries kept per output stream
+    output_ttl: int = 3600  # seconds an output stream lives after its last write
+    reap_interval: float = 2.0
+    drain_timeout: float = 30.0  # on SIGTERM, how long in-flight requests may finish
+    extra_info: dict = field(default_factory=dict)  # published in the heartbeat's config field
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    entry_id: str
+    n: int
+    prompt_tokens: int = 0
+    want_logprobs: int | None = None
+    submitted_at: float | None = None
+    received_at: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    sent_text: list[str] = field(default_factory=list)
+    sent_len: list[int] = field(default_factory=list)  # characters of text already sent per choice
+    sent_ids: list[int] = field(default_factory=list)  # tokens already sent per choice
+    finished: list[bool] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.sent_len = [0] * self.n
+        self.sent_ids = [0] * self.n
+        self.finished = [False] * self.n
+        self.finish_reasons = [None] * self.n
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.sent_ids)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens}
+
+    def metrics(self) -> dict:
+        now = time.time()
+        queue_ms = None if self.submitted_at is None else max(0.0, (self.received_at - self.submitted_at) * 1000)
+        ttft_ms = None if self.first_token_at is None else (self.first_token_at - self.received_at) * 1000
+        return {"queue_ms": queue_ms, "ttft_ms": ttft_ms, "latency_ms": (now - self.received_at) * 1000,
+                "num_preemptions": self.num_preemptions}
+
+
+class EngineWorker:
+    """Serve one engine (inference LLMEngine) over Redis. run() loops until stop() is called."""
+
+    def __init__(self, engine, redis_client: redis.Redis, config: WorkerConfig | None = None):
+        self.engine = engine
+        self.r = redis_client
+        self.config = config or WorkerConfig()
+        self.worker_id = self.config.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.states: dict[str, RequestState] = {}
+        self.counters = {"requests_total": 0, "aborts_total": 0, "errors_total": 0, "steps_total": 0}
+        self.started_at = time.time()
+        self._stopping = threading.Event()
+        self._draining = False
+        self._snapshot: dict = {}
+        self._snapshot_at = 0.0
+        self._block_map = None
+        self._last_reap = 0.0
+        self._step_ms = 0.0
+        self._pubsub = None
+        self._heartbeat_thread: threading.Thread | None = None
+        self.max_inflight = self.config.max_inflight or 2 * self._engine_max_num_seqs()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _engine_max_num_seqs(self) -> int:
+        for holder in (getattr(self.engine, "args", None), getattr(self.engine, "engine_args", None),
+                       getattr(self.engine, "config", None)):
+            value = getattr(holder, "max_num_seqs", None)
+            if isinstance(value, int):
+                return value
+        return 128
+
+    def setup(self) -> None:
+        try:
+            self.r.xgroup_create(REQUEST_STREAM, CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.subscribe(ABORT_CHANNEL)
+        self._take_snapshot(force=True)
+        self.publish_heartbeat()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+        log.info("engine worker %s serving %s", self.worker_id, self.config.model_name)
+
+    def stop(self, drain: bool = True) -> None:
+        """Stop reading new requests; in-flight ones finish (drain) or fail at once."""
+        self._draining = True
+        if not drain:
+            self._stopping.set()
+
+    def run(self) -> None:
+        self.setup()
+        drain_deadline = None
+        try:
+            while not self._stopping.is_set():
+                if self._draining:
+                    drain_deadline = drain_deadline or time.monotonic() + self.config.drain_timeout
+                    if not self.states or time.monotonic() > drain_deadline:
+                        break
+                self.run_once()
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self.fail_all("worker_shutdown", "the engine worker shut down before this request finished")
+        if self._heartbeat_thread:
+            self._heartbeat_thread.join(timeout=2)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(heartbeat_key(self.worker_id), block_map_key(self.worker_id))
+        pipe.srem(WORKERS_SET, self.worker_id)
+        pipe.xgroup_delconsumer(REQUEST_STREAM, CONSUMER_GROUP, self.worker_id)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("clean-up on shutdown failed: %s", exc)
+        if self._pubsub is not None:
+            self._pubsub.close()
+        log.info("engine worker %s stopped", self.worker_id)
+
+    # ------------------------------------------------------------ one iteration
+
+    def run_once(self) -> None:
+        """Read new requests, apply aborts, run one engine step and publish its deltas."""
+        busy = self.engine.has_unfinished_requests()
+        if not self._draining:
+            self.read_requests(block_ms=None if busy else self.config.idle_block_ms)
+        self.apply_aborts()
+        if self.engine.has_unfinished_requests():
+            self.step()
+        self._take_snapshot()
+        if time.monotonic() - self._last_reap > self.config.reap_interval:
+            self._last_reap = time.monotonic()
+            self.reap_dead_workers()
+
+    def read_requests(self, block_ms: int | None) -> None:
+        room = self.max_inflight - len(self.states)
+        if room <= 0:
+            if block_ms:
+                time.sleep(block_ms / 1000)
+            return
+        reply = self.r.xreadgroup(CONSUMER_GROUP, self.worker_id, {REQUEST_STREAM: ">"},
+                                  count=room, block=block_ms)
+        entries = [(eid.decode(), json.loads(fields[b"data"])) for _s, items in reply or [] for eid, fields in items]
+        if not entries:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for _eid, message in entries:
+            pipe.exists(aborted_key(message.get("request_id", "")))
+        aborted = pipe.execute()
+        out = self.r.pipeline(transaction=False)
+        for (entry_id, message), was_aborted in zip(entries, aborted):
+            self.accept(entry_id, message, bool(was_aborted), out)
+        out.execute()
+
+    def accept(self, entry_id: str, message: dict, was_aborted: bool, pipe) -> None:
+        """Hand one request to the engine, or answer it at once (aborted, expired, invalid)."""
+        from inference.sampling_params import SamplingParams
+
+        request_id = message.get("request_id") or entry_id
+        self.counters["requests_total"] += 1
+        deadline = message.get("deadline")
+        if was_aborted:
+            return self._finish_early(pipe, entry_id, request_id, "abort")
+        if deadline and time.time() > deadline:
+            return self._fail_early(pipe, entry_id, request_id, "expired", "the request waited in the queue past its deadline")
+        try:
+            params = SamplingParams(**message.get("sampling_params", {}))
+            prompt = ({"prompt_token_ids": message["prompt_token_ids"]}
+                      if message.get("prompt_token_ids") is not None else message["prompt"])
+            self.engine.add_request(request_id, prompt, params, priority=int(message.get("priority", 0)))
+        except (ValueError, TypeError, KeyError) as exc:
+            return self._fail_early(pipe, entry_id, request_id, "invalid_request", str(exc))
+        state = RequestState(request_id, entry_id, n=params.n, want_logprobs=params.logprobs,
+                             submitted_at=message.get("submitted_at"))
+        state.prompt_tokens = self._prompt_len(message)
+        self.states[request_id] = state
+        self._emit(pipe, request_id, [{"type": "accepted", "worker_id": self.worker_id,
+                                       "prompt_tokens": state.prompt_tokens}])
+
+    def _prompt_len(self, message: dict) -> int:
+        if message.get("prompt_token_ids") is not None:
+            return len(message["prompt_token_ids"])
+        return len(self.engine.tokenizer.encode(message["prompt"]))
+
+    def _finish_early(self, pipe, entry_id, request_id, reason) -> None:
+        self.counters["aborts_total"] += 1
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        self._emit(pipe, request_id, [{"type": "finish", "finish_reasons": [reason], "usage": usage, "metrics": {}}])
+        pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, entry_id)
+
+    def _fail_early(self, pipe, entry_id, request_id, code, message) -> None:
+        self.counters["errors_total"] += 1
+        self._emit(pipe, request_id, [{"type": "error", "code": code, "message": message}])
+        pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, entry_id)
+
+    def _emit(self, pipe, request_id: str, events: list[dict]) -> None:
+        key = output_stream(request_id)
+        pipe.xadd(key, {"events": _encode(events)}, maxlen=self.config.output_maxlen, approximate=True)
+        pipe.expire(key, self.config.output_ttl)
+
+    # ------------------------------------------------------------ aborts
+
+    def apply_aborts(self) -> None:
+        while True:
+            message = self._pubsub.get_message(timeout=0.0)
+            if message is None:
+                return
+            if message.get("type") != "message":
+                continue
+            request_id = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
+            if request_id in self.states:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort in the engine (frees its blocks now) and end the stream with finish_reason 'abort'."""
+        state = self.states.pop(request_id)
+        self.engine.abort_request(request_id)
+        self.counters["aborts_total"] += 1
+        reasons = [r or "abort" for r in state.finish_reasons]
+        pipe = self.r.pipeline(transaction=False)
+        self._emit(pipe, request_id, [{"type": "finish", "finish_reasons": reasons, "usage": state.usage(),
+                                       "metrics": state.metrics()}])
+        pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+        pipe.execute()
+
+    # ------------------------------------------------------------ stepping
+
+    def step(self) -> None:
+        started = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # one broken batch must not kill the worker and strand every client
+            log.exception("engine step failed")
+            self.fail_all("engine_error", f"engine step failed: {exc}")
+            return
+        self.counters["steps_total"] += 1
+        pipe = self.r.pipeline(transaction=False)
+        for output in outputs:
+            state = self.states.get(output.request_id)
+            if state is not None:
+                self.publish_output(pipe, state, output)
+        pipe.execute()
+        elapsed = (time.perf_counter() - started) * 1000
+        self._step_ms = 0.9 * self._step_ms + 0.1 * elapsed if self._step_ms else elapsed
+
+    def publish_output(self, pipe, state: RequestState, output) -> None:
+        """One XADD with this step's delta of every choice; on finish the usage and an XACK."""
+        if getattr(output, "error", None):
+            self.states.pop(state.request_id, None)
+            self.counters["errors_total"] += 1
+            self._emit(pipe, state.request_id, [{"type": "error", "code": "engine_error", "message": output.error}])
+            pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+            return
+        state.cached_tokens = output.num_cached_tokens or 0
+        state.prompt_tokens = len(output.prompt_token_ids) or state.prompt_tokens
+        if output.metrics is not None:
+            state.num_preemptions = output.metrics.num_preemptions
+        events = [e for c in output.outputs if (e := self._delta(state, c)) is not None]
+        if output.finished:
+            self.states.pop(state.request_id, None)
+            events.append({"type": "finish", "finish_reasons": state.finish_reasons,
+                           "usage": state.usage(), "metrics": state.metrics()})
+            pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+        if events:
+            self._emit(pipe, state.request_id, events)
+
+    def _delta(self, state: RequestState, completion) -> dict | None:
+        i = completion.index
+        if i >= state.n or state.finished[i]:
+            return None
+        new_ids = completion.token_ids[state.sent_ids[i]:]
+        new_text = completion.text[state.sent_len[i]:]
+        finished = completion.finish_reason is not None
+        if not new_ids and not new_text and not finished:
+            return None
+        event = {"type": "delta", "index": i, "text": new_text, "token_ids": list(new_ids),
+                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        if state.want_logprobs is not None and completion.logprobs is not None:
+            event["logprobs"] = self._logprobs(completion, state.sent_ids[i], len(completion.token_ids), state.want_logprobs)
+        if new_ids and state.first_token_at is None:
+            state.first_token_at = time.time()
+        state.sent_ids[i] = len(completion.token_ids)
+        state.sent_len[i] = max(state.sent_len[i], len(completion.text))
+        state.finished[i] = finished
+        state.finish_reasons[i] = completion.finish_reason
+        return event
+
+    def _logprobs(self, completion, start: int, end: int, top_n: int) -> list[dict]:
+        entries = []
+        for pos in range(start, min(end, len(completion.logprobs))):
+            token_id = completion.token_ids[pos]
+            candidates = completion.logprobs[pos] or {}
+            chosen = candidates.get(token_id)
+            ranked = sorted(candidates.items(), key=lambda kv: kv[1].rank)[:top_n]
+            entries.append({
+                "token_id": token_id,
+                "token": self._token_text(token_id, chosen),
+                "logprob": chosen.logprob if chosen is not None else None,
+                "top": [{"token_id": tid, "token": self._token_text(tid, lp), "logprob": lp.logprob}
+                        for tid, lp in ranked],
+            })
+        return entries
+
+    def _token_text(self, token_id: int, logprob) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.engine.tokenizer.decode([token_id])
+
+    def fail_all(self, code: str, message: str) -> None:
+        """End every in-flight request with an error event and drop it from the engine."""
+        if not self.states:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for request_id, state in list(self.states.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine may already be broken; the client must still be told
+                log.exception("abort of %s failed", request_id)
+            self._emit(pipe, request_id, [{"type": "error", "code": code, "message": message}])
+            pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+            self.counters["errors_total"] += 1
+        self.states.clear()
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            log.exception("could not publish %s errors", code)
+
+    # ------------------------------------------------------------ dead workers
+
+    def reap_dead_workers(self) -> int:
+        """Fail the pending requests of consumers without a heartbeat (a worker that died mid-request)."""
+        try:
+            consumers = self.r.xinfo_consumers(REQUEST_STREAM, CONSUMER_GROUP)
+        except redis.ResponseError:
+            return 0
+        reaped = 0
+        for consumer in consumers:
+            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+            if name == self.worker_id or self.r.exists(heartbeat_key(name)):
+                continue
+            reaped += self._reap_consumer(name, int(consumer.get("pending", 0)))
+        return reaped
+
+    def _reap_consumer(self, name: str, pending: int) -> int:
+        reaped = 0
+        if pending:
+            rows = self.r.xpending_range(REQUEST_STREAM, CONSUMER_GROUP, min="-", max="+", count=pending, consumername=name)
+            ids = [row["message_id"] for row in rows]
+            # XCLAIM with a min idle time: of two surviving workers only one wins each entry.
+            claimed = self.r.xclaim(REQUEST_STREAM, CONSUMER_GROUP, self.worker_id, min_idle_time=500, message_ids=ids) if ids else []
+            pipe = self.r.pipeline(transaction=False)
+            for entry_id, fields in claimed:
+                if not fields:
+                    continue
+                request_id = json.loads(fields[b"data"]).get("request_id")
+                self._emit(pipe, request_id, [{"type": "error", "code": "worker_lost",
+                                               "message": f"engine worker {name} died while running this request"}])
+                pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, entry_id)
+                reaped += 1
+            pipe.execute()
+        still = self.r.xpending_range(REQUEST_STREAM, CONSUMER_GROUP, min="-", max="+", count=1, consumername=name)
+        if not still:
+            self.r.xgroup_delconsumer(REQUEST_STREAM, CONSUMER_GROUP, name)
+            self.r.srem(WORKERS_SET, name)
+        if reaped:
+            log.warning("failed %d requests of dead worker %s", reaped, name)
+        return reaped
+
+    # ------------------------------------------------------------ heartbeat
+
+    def _take_snapshot(self, force: bool = False) -> None:
+        """Copy engine stats and the block map for the heartbeat thread (only this thread touches the engine)."""
+        now = time.monotonic()
+        if not force and now - self._snapshot_at < self.config.heartbeat_interval / 2:
+            return
+        self._snapshot_at = now
+        stats = dict(self.engine.get_stats())
+        stats.update(self.counters)
+        stats.update({"inflight": len(self.states), "step_ms": round(self._step_ms, 3),
+                      "last_step_at": time.time(), "draining": self._draining})
+        self._snapshot = stats
+        block_map = getattr(self.engine, "block_map", None)
+        if block_map is not None:
+            self._block_map = block_map()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stopping.wait(self.config.heartbeat_interval):
+            try:
+                self.publish_heartbeat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    def publish_heartbeat(self) -> None:
+        stats = dict(self._snapshot)
+        stats["tokens_per_s"] = self._tokens_per_s(stats)
+        now = time.time()
+        ttl_ms = int(self.config.heartbeat_ttl * 1000)
+        key = heartbeat_key(self.worker_id)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(key, mapping={
+            "worker_id": self.worker_id, "model": self.config.model_name,
+            "served_model_name": self.config.model_name, "pid": os.getpid(), "host": socket.gethostname(),
+            "started_at": self.started_at, "updated_at": now,
+            "stats": _encode(stats), "config": _encode(self.config.extra_info),
+        })
+        pipe.pexpire(key, ttl_ms)
+        pipe.sadd(WORKERS_SET, self.worker_id)
+        if self._block_map is not None:
+            pipe.set(block_map_key(self.worker_id), _encode(self._block_map), px=ttl_ms)
+        pipe.execute()
+
+    _last_tokens: tuple[float, int] | None = None
+
+    def _tokens_per_s(self, stats: dict) -> float:
+        total = int(stats.get("generation_tokens_total", 0) or 0)
+        now = time.monotonic()
+        previous, self._last_tokens = self._last_tokens, (now, total)
+        if previous is None or now <= previous[0]:
+            return 0.0
+        return round((total - previous[1]) / (now - previous[0]), 2)

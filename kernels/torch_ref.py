@@ -1,0 +1,146 @@
+"""Pure-torch references for every kernel in this package.
+
+Each function defines the meaning of the Triton kernel of the same name and is what the engine
+runs on CPU, so they are vectorised (no per-token Python loops) rather than naive.
+
+Shared layouts:
+- k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (one pair per layer).
+- slot = block_id * block_size + offset_in_block; slot -1 means "skip this token".
+- block_tables: int32 [num_seqs, max_blocks_per_seq]; entries past a sequence's used length
+  are padding and must never be read.
+- query_start_loc: int32 [num_seqs + 1], cumulative count of new (query) tokens per sequence.
+- seq_lens: int32 [num_seqs], context length of each sequence after this step's tokens are added.
+  Query token j of sequence i sits at position seq_lens[i] - query_len_i + j and attends causally
+  to every position <= its own.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write k, v ([T, Hkv, D]) into the paged caches at slot_mapping ([T]); -1 skips."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(flat_v.dtype))
+
+
+def gather_kv(k_cache, v_cache, block_table_row, length):
+    """K and V of one sequence's first `length` positions, as [length, Hkv, D]."""
+    block_size = k_cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = block_table_row[:num_blocks].long()
+    k = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:length]
+    v = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:length]
+    return k, v
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D].
+
+    K/V are gathered through the block tables into a padded [B, Hkv, L, D] batch; query heads
+    are grouped per KV head ([B, Hkv, G, D]) so GQA needs no repeated K/V.
+    """
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks].long()
+    # Shorter sequences' table entries past their used length are padding: never follow them
+    # (they may be out of range); point them at block 0 and zero what comes back below.
+    used_blocks = (seq_lens.long().to(blocks.device) + block_size - 1) // block_size
+    blocks = blocks.masked_fill(torch.arange(num_blocks, device=blocks.device)[None, :] >= used_blocks[:, None], 0)
+    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+    k = k_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+    v = v_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
+    positions = torch.arange(max_len, device=q.device)
+    valid = positions[None, :] < seq_lens[:, None].to(positions.device)  # [B, L]
+    # Slots past a sequence's length hold stale or uninitialised memory (NaN/Inf from torch.empty
+    # included); a -inf score alone does not help because 0 * NaN = NaN in the P @ V product.
+    k = k.masked_fill(~valid[:, None, :, None], 0)
+    v = v.masked_fill(~valid[:, None, :, None], 0)
+    mask = torch.zeros(batch, 1, 1, max_len, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    qg = q.view(batch, num_kv_heads, group, head_dim)
+    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+    """Ragged batch of new tokens: q [T, Hq, D] -> out [T, Hq, D].
+
+    The new tokens' K/V must already be in the cache (store_kv_cache first). Each sequence's
+    queries attend causally to its cached prefix and to themselves.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    for i, total in enumerate(lengths):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        k, v = gather_kv(k_cache, v_cache, block_tables[i], total)
+        qi = q[start:end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qi = qi.reshape(num_kv_heads, group * q_len, head_dim)
+        ki, vi = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+        mask = causal_mask(q_len, total, q.dtype, q.device).repeat(group, 1)  # [G*q_len, L]
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[start:end] = oi.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
+            q_len, num_heads, head_dim
+        )
+    return out
+
+
+def causal_mask(q_len, total, dtype, device):
+    """Additive mask [q_len, total]: query j (at position total - q_len + j) sees keys <= itself."""
+    query_pos = torch.arange(total - q_len, total, device=device)[:, None]
+    key_pos = torch.arange(total, device=device)[None, :]
+    mask = torch.zeros(q_len, total, dtype=dtype, device=device)
+    return mask.masked_fill_(key_pos > query_pos, float("-inf"))
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm in float32, cast back to x's dtype (as HF Llama does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """residual' = x + residual (or x when residual is None); returns (rms_norm(residual'), residual')."""
+    new_residual = x if residual is None else x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
+    """Neox-style rotary applied in place to q [T, Hq, D] and k [T, Hkv, D].
+
+    cos_sin_cache: [max_position, D] holding cos in the first D/2 columns and sin in the rest
+    (llama3 frequency scaling, when used, is already baked into the cache).
+    """
+    cos_sin = cos_sin_cache.index_select(0, positions.long())
+    half = cos_sin.shape[-1] // 2
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+    for x in (q, k):
+        x1, x2 = x[..., :half], x[..., half:]
+        r1 = x1.float() * cos - x2.float() * sin
+        r2 = x2.float() * cos + x1.float() * sin
+        x[..., :half] = r1.to(x.dtype)
+        x[..., half:] = r2.to(x.dtype)
+
+
+def silu_and_mul(x):
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,251 @@
+"""The batch runner: feeds a batch's pending lines to the engine with a bounded number in flight.
+
+One runner per batch at a time (a lease row in the batch, renewed while it runs). Worker threads
+only wait on engine output streams; this thread does every database write, so a line's result is
+recorded exactly once by a conditional update (see services.record_line_result).
+
+After a crash the next lease holder re-attaches to the lines the dead runner left running (their
+engine output streams are still in Redis), so a line that was already generated is not generated
+again; a line whose stream is gone is aborted (so a queued copy never runs) and requeued.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+
+from engine_client import client as engine
+from engine_client import protocol
+from quotas.exceptions import PlanViolation
+
+from . import conf, engine_calls, progress, quota, selectors, services
+from .models import Batch, BatchLine
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_CODES = ("worker_lost", "worker_shutdown", "no_worker", "engine_error", "expired")
+MAX_ATTEMPTS = 3
+NO_WORKER_PAUSE_S = 10
+
+
+class LeaseLost(Exception):
+    """Another runner owns the batch now: stop without touching it."""
+
+
+class BatchRunner:
+    def __init__(self, batch_id: int):
+        self.batch_id = batch_id
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.batch = Batch.objects.select_related("user").get(pk=batch_id)
+        self.user = self.batch.user
+        self.plan = quota.token_budget_plan(self.user)
+        self.in_flight: dict[Future, tuple[BatchLine, engine_calls.EngineCall]] = {}
+        self.max_in_flight = conf.get("BATCH_MAX_IN_FLIGHT")
+        self.pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix=f"batch{batch_id}")
+        self.paused = False
+        self.stopping = False
+        self.last_renew = self.last_push = time.monotonic()
+        self.dirty = False
+
+    # ------------------------------------------------------------ top level
+
+    def run(self) -> str:
+        """Run the batch to its end; returns the final status, or 'busy'/'paused'/'lost'."""
+        if not services.acquire_lease(self.batch_id, self.owner):
+            return "busy"
+        try:
+            if self.batch.status == Batch.Status.FINALIZING:
+                ending = self.ending_after_crash()
+            else:
+                self.reattach_orphans()
+                ending = self.loop()
+            if ending in (Batch.Status.COMPLETED, Batch.Status.CANCELLED, Batch.Status.EXPIRED):
+                services.finalize_batch(self.batch_id, ending)
+            return ending
+        except LeaseLost:
+            self.abandon_in_flight()
+            return "lost"
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            services.release_lease(self.batch_id, self.owner)
+
+    def loop(self) -> str:
+        while True:
+            self.keep_lease()
+            ending = services.begin_cancel_or_expiry(self.batch_id)
+            if ending:
+                return self.stop(ending)
+            if not self.paused:
+                self.fill()
+            elif not self.in_flight:
+                return "paused"  # the watchdog resumes it after resume_after; no worker slot is held meanwhile
+            if not self.in_flight:
+                if not selectors.has_unfinished_lines(self.batch_id):
+                    return Batch.Status.COMPLETED
+                continue
+            self.collect(timeout=0.5)
+            self.maybe_push()
+
+    # ------------------------------------------------------------ feeding
+
+    def fill(self) -> None:
+        room = self.max_in_flight - len(self.in_flight)
+        if room <= 0:
+            return
+        for line in selectors.pending_lines(self.batch_id, room):
+            if not self.start_line(line):
+                break
+
+    def start_line(self, line: BatchLine) -> bool:
+        """Reserve, mark running, submit, and wait for it in a thread; False stops this round of feeding."""
+        try:
+            call = engine_calls.build_call(line.url, line.body)
+            reservation = quota.reserve_line(self.user, self.plan, call.model, engine_calls.prompt_tokens(call),
+                                             call.max_tokens)
+        except quota.BudgetSpent as spent:
+            self.pause(spent.reason, spent.retry_after_s)
+            return False
+        except (ValueError, PlanViolation) as exc:
+            self.fail_before_submit(line, exc)
+            return True
+        services.clear_paused(self.batch_id)
+        request_id = engine.new_request_id()
+        if not services.mark_line_running(line, request_id, reservation.as_dict()):
+            quota.settle_line(reservation.as_dict(), 0, 0)
+            return True
+        try:
+            engine_calls.submit(call, request_id, self.user.pk)
+        except Exception:
+            log.exception("batch %s: submitting line %s failed", self.batch_id, line.line_number)
+            services.return_line_to_pending(line)
+            quota.settle_line(line.reservation, 0, 0)
+            self.pause("Waiting: the engine request queue is unreachable.", NO_WORKER_PAUSE_S)
+            return False
+        self.watch(line, call)
+        return True
+
+    def watch(self, line: BatchLine, call) -> None:
+        future = self.pool.submit(engine_calls.wait, call, line.engine_request_id, conf.get("BATCH_LINE_TIMEOUT"))
+        self.in_flight[future] = (line, call)
+
+    def fail_before_submit(self, line: BatchLine, exc: Exception) -> None:
+        message = getattr(exc, "message", None) or str(exc)
+        code = getattr(exc, "code", "invalid_request")
+        status = getattr(exc, "status_code", 400)
+        outcome = engine_calls.LineOutcome(ok=False, status_code=status, body={"error": {
+            "message": message, "type": "invalid_request_error", "param": getattr(exc, "param", None), "code": code}})
+        if services.mark_line_running(line, f"unsent-{uuid.uuid4().hex}", None):
+            services.record_line_result(line, outcome)
+            self.dirty = True
+
+    def pause(self, reason: str, retry_after_s: int) -> None:
+        self.paused = True
+        services.set_paused(self.batch_id, reason, retry_after_s)
+
+    # ------------------------------------------------------------ results
+
+    def collect(self, timeout: float) -> None:
+        done, _ = wait(list(self.in_flight), timeout=timeout, return_when=FIRST_COMPLETED)
+        for future in done:
+            line, call = self.in_flight.pop(future)
+            self.finish_line(line, call, future)
+
+    def finish_line(self, line: BatchLine, call, future: Future) -> None:
+        try:
+            outcome = future.result()
+        except Exception as exc:  # Redis trouble while waiting: treat like a lost worker
+            log.exception("batch %s: waiting for line %s failed", self.batch_id, line.line_number)
+            outcome = engine_calls.error_outcome({"code": "worker_lost", "message": str(exc)}, {}, 0.0)
+        usage = outcome.usage or {}
+        quota.settle_line(line.reservation, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+        code = ((outcome.body or {}).get("error") or {}).get("code") if not outcome.ok else None
+        if code in RETRYABLE_CODES and line.attempts < MAX_ATTEMPTS:
+            services.requeue_line(line)
+            if code == "no_worker":
+                self.pause("Waiting: no engine worker is running.", NO_WORKER_PAUSE_S)
+            return
+        if engine_calls.was_aborted(outcome):
+            if not self.stopping:  # aborted by someone else: run it again
+                services.requeue_line(line)
+            return  # aborted by our cancel/expiry: closed with the other unfinished lines
+        if services.record_line_result(line, outcome):
+            self.record_usage(line, call, outcome)
+            self.dirty = True
+        engine.delete_output(line.engine_request_id)
+
+    def record_usage(self, line: BatchLine, call, outcome) -> None:
+        from usage.services import record_usage
+
+        usage, metrics = outcome.usage or {}, outcome.metrics or {}
+        error = ((outcome.body or {}).get("error") or {}).get("code", "") if not outcome.ok else ""
+        record_usage(user=self.user, source="batch", endpoint=line.url, model=call.model,
+                     request_id=line.engine_request_id, prompt_tokens=usage.get("prompt_tokens", 0),
+                     completion_tokens=usage.get("completion_tokens", 0),
+                     cached_tokens=usage.get("cached_tokens", 0), ttft_ms=metrics.get("ttft_ms"),
+                     latency_ms=outcome.latency_ms, status_code=outcome.status_code, error_code=error or "")
+
+    # ------------------------------------------------------------ endings
+
+    def stop(self, ending: str) -> str:
+        """Cancel or expiry: abort what runs, keep what already finished, close the rest."""
+        self.stopping = True
+        for line, _call in self.in_flight.values():
+            engine.abort(line.engine_request_id)
+        while self.in_flight:
+            self.keep_lease()
+            self.collect(timeout=1.0)
+        status = BatchLine.Status.CANCELLED if ending == Batch.Status.CANCELLED else BatchLine.Status.EXPIRED
+        code = "batch_cancelled" if ending == Batch.Status.CANCELLED else "batch_expired"
+        message = ("The batch was cancelled before this request ran." if ending == Batch.Status.CANCELLED
+                   else "This request could not be executed before the completion window expired.")
+        for line in services.orphaned_lines(self.batch_id):
+            quota.settle_line(line.reservation, 0, 0)
+        services.close_unfinished_lines(self.batch_id, status, code, message)
+        return ending
+
+    def ending_after_crash(self) -> str:
+        batch = Batch.objects.get(pk=self.batch_id)
+        if batch.cancelling_at:
+            return Batch.Status.CANCELLED
+        if batch.lines.filter(status=BatchLine.Status.EXPIRED).exists():
+            return Batch.Status.EXPIRED
+        return Batch.Status.COMPLETED
+
+    def reattach_orphans(self) -> None:
+        """Lines a dead runner left running: follow their engine output if it exists, else requeue."""
+        redis = engine.redis_client()
+        for line in services.orphaned_lines(self.batch_id):
+            if redis.exists(protocol.output_stream(line.engine_request_id)):
+                self.watch(line, engine_calls.build_call(line.url, line.body))
+            else:
+                engine.abort(line.engine_request_id)  # a copy still queued must never run
+                quota.settle_line(line.reservation, 0, 0)
+                services.requeue_line(line)
+
+    def abandon_in_flight(self) -> None:
+        self.in_flight.clear()  # the new lease holder re-attaches to them
+
+    # ------------------------------------------------------------ housekeeping
+
+    def keep_lease(self) -> None:
+        now = time.monotonic()
+        if now - self.last_renew >= conf.get("BATCH_LEASE_SECONDS") / 4:
+            if not services.renew_lease(self.batch_id, self.owner):
+                raise LeaseLost(self.batch_id)
+            self.last_renew = now
+
+    def maybe_push(self) -> None:
+        now = time.monotonic()
+        if self.dirty and now - self.last_push >= conf.get("BATCH_PROGRESS_INTERVAL"):
+            progress.push(self.batch_id)
+            self.dirty, self.last_push = False, now
+
+
+def run_batch(batch_id: int) -> str:
+    if not Batch.objects.filter(pk=batch_id).exists():
+        return "missing"
+    return BatchRunner(batch_id).run()
+

@@ -1,0 +1,179 @@
+"""The playground websocket: thin; services do the work, streaming.Follower follows the engine.
+
+Client -> server frames: {"type": "send", "conversation_id"?, "content", "settings"} |
+{"type": "edit", "message_id", "content", "settings"} | {"type": "regenerate", "message_id", "settings"} |
+{"type": "stop"} | {"type": "resume", "message_id"} | {"type": "select_branch", "conversation_id", "message_id"}.
+settings = {"model", "system_prompt", "params": {temperature, top_p, max_tokens, seed, stop,
+presence_penalty, frequency_penalty}}.
+Server -> client: ready, started, delta {message_id, text}, done {message}, branch {messages}, error
+{code, message, retry_after?}. Protocol notes in docs/playground.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from channels.db import database_sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from engine_client import client as engine
+from quotas.exceptions import PlanViolation, QuotaExceeded
+
+from . import prompting, selectors, services, streaming
+from .models import Message
+
+WATCH_REFRESH_S = 5.0
+_background: set[asyncio.Task] = set()  # strong references: replies outlive their socket
+
+
+def _spawn(coro) -> asyncio.Task:
+    task = asyncio.create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    return task
+
+
+class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
+    async def connect(self):
+        self.user = self.scope.get("user")
+        if self.user is None or not self.user.is_authenticated:
+            await self.close(code=4401)
+            return
+        self.follower: streaming.Follower | None = None
+        self.follow_task: asyncio.Task | None = None
+        self.watch_task: asyncio.Task | None = None
+        await self.accept()
+        await self.send_json({"type": "ready", "model": prompting.served_model_name()})
+
+    async def disconnect(self, code):
+        if getattr(self, "follower", None) is not None:
+            self.follower.detach()  # the owner keeps saving; the watch key lapses unless we come back
+        if getattr(self, "watch_task", None) is not None:
+            self.watch_task.cancel()
+
+    async def receive_json(self, content, **kwargs):
+        handler = {"send": self.on_send, "edit": self.on_edit, "regenerate": self.on_regenerate,
+                   "stop": self.on_stop, "resume": self.on_resume,
+                   "select_branch": self.on_select_branch}.get(content.get("type"))
+        if handler is None:
+            await self.send_error("bad_frame", "Unknown frame type.")
+            return
+        await handler(content)
+
+    async def send_error(self, code: str, message: str, **extra) -> None:
+        await self.send_json({"type": "error", "code": code, "message": message, **extra})
+
+    # ------------------------------------------------------------ starting replies
+
+    def _busy(self) -> bool:
+        return self.follow_task is not None and not self.follow_task.done()
+
+    async def on_send(self, frame):
+        conversation_id = frame.get("conversation_id")
+
+        def begin():
+            conversation = None
+            if conversation_id:
+                conversation = selectors.conversation_for(self.user, conversation_id)
+                if conversation is None:
+                    raise services.ChatError("Conversation not found.", code="not_found")
+            return services.send_message(self.user, frame.get("content"), frame.get("settings") or {}, conversation)
+
+        await self._start(begin)
+
+    async def on_edit(self, frame):
+        def begin():
+            message = self._own_message(frame.get("message_id"))
+            return services.edit_message(self.user, message, frame.get("content"), frame.get("settings") or {})
+
+        await self._start(begin)
+
+    async def on_regenerate(self, frame):
+        def begin():
+            message = self._own_message(frame.get("message_id"))
+            return services.regenerate(self.user, message, frame.get("settings") or {})
+
+        await self._start(begin)
+
+    def _own_message(self, message_id) -> Message:
+        message = selectors.message_for(self.user, message_id)
+        if message is None:
+            raise services.ChatError("Message not found.", code="not_found")
+        return message
+
+    async def _start(self, begin) -> None:
+        if self._busy():
+            await self.send_error("busy", "An answer is still being generated; stop it first.")
+            return
+        try:
+            reply = await database_sync_to_async(begin)()
+        except QuotaExceeded as exc:
+            await self.send_error(exc.code, exc.message, retry_after=exc.retry_after)
+            return
+        except (PlanViolation, services.ChatError) as exc:
+            await self.send_error(exc.code, exc.message if hasattr(exc, "message") else str(exc))
+            return
+        await self.send_json(await database_sync_to_async(selectors.reply_started_payload)(reply))
+        submitted_at = time.time()
+        follower = streaming.Follower(reply.message_id, reply.request_id, self.send_json, owner=True,
+                                      submitted_at=submitted_at)
+        try:
+            await engine.asubmit(prompt_token_ids=reply.prompt_token_ids, sampling_params=reply.sampling_params,
+                                 priority_class="interactive", user=self.user.pk, request_id=reply.request_id)
+        except Exception as exc:  # Redis unreachable: nothing was queued
+            follower.outcome.error, follower.outcome.error_code = f"Could not queue the request: {exc}", "submit_failed"
+            await follower._finish()
+            return
+        self._follow(follower)
+
+    def _follow(self, follower: streaming.Follower) -> None:
+        self.follower = follower
+        self.follow_task = _spawn(follower.run())
+        if self.watch_task is not None:
+            self.watch_task.cancel()
+        self.watch_task = asyncio.create_task(self._keep_watching(follower))
+
+    async def _keep_watching(self, follower: streaming.Follower) -> None:
+        """Tell the reply's owner that a socket still shows it (so it is not aborted as abandoned)."""
+        while not self.follow_task.done():
+            await streaming.mark_watched(follower.message_id)
+            await asyncio.sleep(WATCH_REFRESH_S)
+
+    # ------------------------------------------------------------ stop, resume, branches
+
+    async def on_stop(self, frame):
+        message_id = frame.get("message_id") or (self.follower.message_id if self.follower else None)
+        message = await database_sync_to_async(selectors.message_for)(self.user, message_id)
+        if message is None or message.status != Message.Status.STREAMING:
+            await self.send_error("not_streaming", "Nothing is being generated.")
+            return
+        await engine.aabort(message.request_id)  # the stream then ends with finish_reason "abort"
+
+    async def on_resume(self, frame):
+        """After a reload or dropped socket: replay the reply from the start of its output stream."""
+        message = await database_sync_to_async(selectors.message_for)(self.user, frame.get("message_id"))
+        if message is None:
+            await self.send_error("not_found", "Message not found.")
+            return
+        if message.status != Message.Status.STREAMING:
+            await self.send_json({"type": "done", "message": await database_sync_to_async(
+                selectors.message_payload)(message)})
+            return
+        if self._busy():
+            await self.send_error("busy", "Already following an answer.")
+            return
+        await self.send_json({"type": "resumed", "message_id": message.pk})
+        self._follow(streaming.Follower(message.pk, message.request_id, self.send_json, owner=False))
+
+    async def on_select_branch(self, frame):
+        def select():
+            message = self._own_message(frame.get("message_id"))
+            conversation = services.select_branch(message.conversation, message)
+            return selectors.current_branch(conversation)
+
+        try:
+            branch = await database_sync_to_async(select)()
+        except services.ChatError as exc:
+            await self.send_error(exc.code, str(exc))
+            return
+        await self.send_json({"type": "branch", "messages": branch})

@@ -1,0 +1,119 @@
+"""The engine, live: every worker's heartbeat and block map, summarised for the dashboard.
+
+Reads go through engine_client (the only module that knows the engine's Redis keys); this module
+only reshapes what the workers publish (docs/protocol.md, "Heartbeat") into one JSON snapshot,
+sent over the dashboard websocket every second and served by GET /dashboard/api/engine/.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from engine_client import client
+
+# One letter per block in the map sent to the browser.
+FREE, CACHED, USED, SHARED = "f", "c", "u", "s"
+_STATE_NAMES = {"free": FREE, "f": FREE, ".": FREE, "0": FREE, "cached": CACHED, "c": CACHED,
+                "used": USED, "in_use": USED, "u": USED, "1": USED, "shared": SHARED, "s": SHARED,
+                "2": SHARED}
+MEMORY_KEYS = ("memory", "memory_budget")
+TOP_REQUESTS = 8
+
+
+def engine_snapshot() -> dict:
+    """{"workers": [...], "totals": {...}, "at": unix s} from every live worker."""
+    return summarize(client.workers(), client.block_maps(), now=time.time())
+
+
+def summarize(workers: list[dict], block_maps: dict, now: float) -> dict:
+    rows = [_worker_row(w, block_maps.get(w.get("worker_id")), now)
+            for w in sorted(workers, key=lambda w: w.get("worker_id", ""))]
+    return {"at": now, "workers": rows, "totals": _totals(rows)}
+
+
+def _worker_row(info: dict, block_map, now: float) -> dict:
+    stats = info.get("stats") or {}
+    config = info.get("config") or {}
+    updated = float(info.get("updated_at") or 0)
+    started = float(info.get("started_at") or 0)
+    return {
+        "worker_id": info.get("worker_id", ""),
+        "model": info.get("served_model_name") or info.get("model", ""),
+        "host": info.get("host", ""),
+        "pid": info.get("pid", ""),
+        "heartbeat_age_s": round(max(0.0, now - updated), 2) if updated else None,
+        "uptime_s": round(now - started) if started else None,
+        "num_running": int(stats.get("num_running", 0) or 0),
+        "num_waiting": int(stats.get("num_waiting", 0) or 0),
+        "kv_usage": float(stats.get("kv_usage", 0) or 0),
+        "prefix_cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0) or 0),
+        "num_preemptions": int(stats.get("num_preemptions", 0) or 0),
+        "tokens_per_s": float(stats.get("tokens_per_s", 0) or 0),
+        "blocks_total": int(stats.get("blocks_total", 0) or 0),
+        "step_ms": stats.get("step_ms"),
+        "draining": bool(stats.get("draining", False)),
+        "max_model_len": config.get("max_model_len"),
+        "memory": memory_budget(stats, config),
+        "block_map": normalize_block_map(block_map),
+    }
+
+
+def memory_budget(stats: dict, config: dict) -> dict | None:
+    """The budget the worker computed at start-up (total, weights, activation peak, KV pool, ...)."""
+    for source in (stats, config):
+        for key in MEMORY_KEYS:
+            if isinstance(source.get(key), dict):
+                return source[key]
+    return None
+
+
+def normalize_block_map(raw) -> dict | None:
+    """Any of the shapes a worker may publish -> {"blocks": "fcus..", "counts", "top_requests"}.
+
+    Accepted: a string with one letter per block, a list of state names / letters / ref counts
+    (0 free, 1 in use, 2+ shared; "cached" = free with a prefix hash), or a dict holding such a
+    list under "blocks" or "states" plus "top_requests" ([{request_id, blocks}] or {id: blocks}).
+    """
+    if raw is None:
+        return None
+    top = []
+    if isinstance(raw, dict):
+        top = _top_requests(raw.get("top_requests") or raw.get("requests") or [])
+        raw = raw.get("blocks", raw.get("states", ""))
+    blocks = "".join(_state_letter(item) for item in raw)
+    counts = Counter(blocks)
+    return {"blocks": blocks, "counts": {name: counts.get(letter, 0) for name, letter in
+                                         (("free", FREE), ("cached", CACHED), ("used", USED), ("shared", SHARED))},
+            "top_requests": top[:TOP_REQUESTS]}
+
+
+def _state_letter(item) -> str:
+    if isinstance(item, bool):
+        return USED if item else FREE
+    if isinstance(item, int):
+        return FREE if item <= 0 else USED if item == 1 else SHARED
+    return _STATE_NAMES.get(str(item).lower(), FREE)
+
+
+def _top_requests(raw) -> list[dict]:
+    if isinstance(raw, dict):
+        raw = [{"request_id": k, "blocks": v} for k, v in raw.items()]
+    rows = [{"request_id": str(r.get("request_id", r.get("id", ""))), "blocks": int(r.get("blocks", 0))}
+            for r in raw if isinstance(r, dict)]
+    return sorted(rows, key=lambda r: -r["blocks"])
+
+
+def _totals(rows: list[dict]) -> dict:
+    blocks = sum(r["blocks_total"] for r in rows)
+    used = sum(r["kv_usage"] * r["blocks_total"] for r in rows)
+    return {
+        "workers": len(rows),
+        "num_running": sum(r["num_running"] for r in rows),
+        "num_waiting": sum(r["num_waiting"] for r in rows),
+        # Pool-weighted: a big worker at 90% matters more than a small idle one.
+        "kv_usage": round(used / blocks, 4) if blocks else (round(sum(r["kv_usage"] for r in rows) / len(rows), 4)
+                                                            if rows else 0.0),
+        "prefix_cache_hit_rate": round(sum(r["prefix_cache_hit_rate"] for r in rows) / len(rows), 4) if rows else 0.0,
+        "num_preemptions": sum(r["num_preemptions"] for r in rows),
+        "tokens_per_s": round(sum(r["tokens_per_s"] for r in rows), 2),
+    }

@@ -1,0 +1,132 @@
+"""Engine results and events -> OpenAI response bodies and SSE chunks (chat and text completions)."""
+from __future__ import annotations
+
+import json
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+def usage_body(usage: dict | None) -> dict:
+    usage = usage or {}
+    prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))}}
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    return {"content": [{
+        "token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
+        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])} for t in e["top"]],
+    } for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(e["token"])
+        offset += len(e["token"])
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for e in entries],
+            "text_offset": offsets}
+
+
+def _head(gen, object_name: str) -> dict:
+    return {"id": gen.request_id, "object": object_name, "created": gen.created, "model": gen.model}
+
+
+# ---------------------------------------------------------------- whole responses
+
+def chat_response(gen, result: dict) -> dict:
+    choices = [{
+        "index": c["index"],
+        "message": {"role": "assistant", "content": c["text"]},
+        "logprobs": chat_logprobs(c["logprobs"]) if gen.logprobs is not None else None,
+        "finish_reason": c["finish_reason"],
+    } for c in result["choices"]]
+    return {**_head(gen, "chat.completion"), "choices": choices, "usage": usage_body(result["usage"]),
+            "system_fingerprint": None}
+
+
+def completion_response(gen, result: dict) -> dict:
+    choices = [{
+        "index": c["index"], "text": c["text"],
+        "logprobs": completion_logprobs(c["logprobs"]) if gen.logprobs is not None else None,
+        "finish_reason": c["finish_reason"],
+    } for c in result["choices"]]
+    return {**_head(gen, "text_completion"), "choices": choices, "usage": usage_body(result["usage"]),
+            "system_fingerprint": None}
+
+
+# ---------------------------------------------------------------- streamed chunks
+
+class ChunkWriter:
+    """Turns engine events into the endpoint's SSE chunks, keeping per-choice state (role sent, offsets)."""
+
+    def __init__(self, gen):
+        self.gen = gen
+        self.chat = gen.endpoint == "chat"
+        self.role_sent: set[int] = set()
+        self.offsets: dict[int, int] = {}
+
+    def _chunk(self, choices: list[dict], usage=None) -> bytes:
+        body = {**_head(self.gen, "chat.completion.chunk" if self.chat else "text_completion"), "choices": choices,
+                "system_fingerprint": None}
+        if self.gen.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def start(self) -> list[bytes]:
+        """Chat streams open with one role chunk per choice (as OpenAI's do)."""
+        if not self.chat:
+            return []
+        chunks = []
+        for index in range(self.gen.n):
+            self.role_sent.add(index)
+            chunks.append(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]))
+        return chunks
+
+    def delta(self, event: dict) -> list[bytes]:
+        index, text = event["index"], event.get("text", "")
+        logprobs = event.get("logprobs") if self.gen.logprobs is not None else None
+        finish = event.get("finish_reason")
+        out = []
+        if text or logprobs:
+            out.append(self._content_chunk(index, text, logprobs))
+        if finish:
+            out.append(self._finish_chunk(index, finish))
+        return out
+
+    def _content_chunk(self, index: int, text: str, logprobs) -> bytes:
+        if self.chat:
+            return self._chunk([{"index": index, "delta": {"content": text},
+                                 "logprobs": chat_logprobs(logprobs) if logprobs else None, "finish_reason": None}])
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(text)
+        return self._chunk([{"index": index, "text": text,
+                             "logprobs": completion_logprobs(logprobs, offset) if logprobs else None,
+                             "finish_reason": None}])
+
+    def _finish_chunk(self, index: int, reason: str) -> bytes:
+        if self.chat:
+            return self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+        return self._chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": reason}])
+
+    def finish(self, event: dict, finished: set[int]) -> list[bytes]:
+        """Finish chunks for choices the deltas did not close (aborts), then the usage chunk."""
+        out = []
+        for index, reason in enumerate(event.get("finish_reasons") or []):
+            if index not in finished and reason:
+                out.append(self._finish_chunk(index, reason))
+        if self.gen.include_usage:
+            out.append(self._chunk([], usage=usage_body(event.get("usage"))))
+        return out

@@ -1,0 +1,227 @@
+"""Request and response shapes of the OpenAI-compatible endpoints.
+
+The request serializers validate every body (so the OpenAPI schema generated from them is the
+validation that really runs); the response serializers document what the views return.
+"""
+from __future__ import annotations
+
+from rest_framework import serializers
+
+ROLES = ["system", "developer", "user", "assistant", "tool"]
+
+
+class StringOrListField(serializers.Field):
+    """stop: a string or a list of strings."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, str):
+            return [data] if data else []
+        if isinstance(data, list) and all(isinstance(s, str) for s in data):
+            return [s for s in data if s]
+        raise serializers.ValidationError("must be a string or a list of strings")
+
+    def to_representation(self, value):
+        return value
+
+
+class PromptField(serializers.Field):
+    """prompt: a string, a list of token ids, or a one-element list of either."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, list) and len(data) == 1 and isinstance(data[0], (str, list)):
+            data = data[0]
+        if isinstance(data, str) and data:
+            return data
+        if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data):
+            return data
+        if isinstance(data, list) and len(data) > 1 and all(isinstance(p, (str, list)) for p in data):
+            raise serializers.ValidationError("only one prompt per request is supported; send one request per prompt")
+        raise serializers.ValidationError("must be a non-empty string or a list of token ids")
+
+    def to_representation(self, value):
+        return value
+
+
+class MessageSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=ROLES)
+    content = serializers.JSONField(required=False, allow_null=True)
+    name = serializers.CharField(required=False)
+
+    def validate_content(self, value):
+        if value is None or isinstance(value, str):
+            return value or ""
+        if isinstance(value, list):
+            parts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise serializers.ValidationError("only text content parts are supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        raise serializers.ValidationError("must be a string or a list of text parts")
+
+
+class StreamOptionsSerializer(serializers.Serializer):
+    include_usage = serializers.BooleanField(required=False, default=False)
+
+
+class SamplingSerializer(serializers.Serializer):
+    """Fields shared by both endpoints (OpenAI's plus vLLM's extras)."""
+
+    model = serializers.CharField()
+    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=2)
+    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=1)
+    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=16)
+    stream = serializers.BooleanField(required=False, default=False)
+    stream_options = StreamOptionsSerializer(required=False, allow_null=True)
+    stop = StringOrListField(required=False, allow_null=True)
+    seed = serializers.IntegerField(required=False, allow_null=True)
+    presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2, max_value=2)
+    frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2, max_value=2)
+    user = serializers.CharField(required=False, allow_blank=True, allow_null=True)
+    # vLLM's extra sampling parameters
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=-1)
+    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=1)
+    repetition_penalty = serializers.FloatField(required=False, allow_null=True, min_value=0.01)
+    min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    ignore_eos = serializers.BooleanField(required=False, default=False)
+    stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, allow_null=True)
+    skip_special_tokens = serializers.BooleanField(required=False, default=True)
+    include_stop_str_in_output = serializers.BooleanField(required=False, default=False)
+    priority = serializers.IntegerField(required=False, default=0, min_value=0, max_value=999,
+                                        help_text="order inside the API priority class (lower runs first)")
+
+
+class ChatCompletionRequestSerializer(SamplingSerializer):
+    messages = MessageSerializer(many=True, allow_empty=False)
+    max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    logprobs = serializers.BooleanField(required=False, default=False)
+    top_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20)
+    tools = serializers.JSONField(required=False, allow_null=True, help_text="not supported: must be empty")
+
+    def validate_tools(self, value):
+        if value:
+            raise serializers.ValidationError("tool calling is not supported")
+        return value
+
+
+class CompletionRequestSerializer(SamplingSerializer):
+    prompt = PromptField(help_text="a string or a list of token ids")
+    logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=5)
+    echo = serializers.BooleanField(required=False, default=False)
+    best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    suffix = serializers.CharField(required=False, allow_null=True)
+
+    def validate_echo(self, value):
+        if value:
+            raise serializers.ValidationError("echo is not supported")
+        return value
+
+    def validate_suffix(self, value):
+        if value:
+            raise serializers.ValidationError("suffix is not supported")
+        return value
+
+
+# ---------------------------------------------------------------- responses (documentation)
+
+class ErrorDetailSerializer(serializers.Serializer):
+    message = serializers.CharField()
+    type = serializers.CharField()
+    param = serializers.CharField(allow_null=True)
+    code = serializers.CharField(allow_null=True)
+
+
+class ErrorSerializer(serializers.Serializer):
+    error = ErrorDetailSerializer()
+
+
+class PromptTokensDetailsSerializer(serializers.Serializer):
+    cached_tokens = serializers.IntegerField()
+
+
+class UsageSerializer(serializers.Serializer):
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    total_tokens = serializers.IntegerField()
+    prompt_tokens_details = PromptTokensDetailsSerializer()
+
+
+class ChatMessageSerializer(serializers.Serializer):
+    role = serializers.CharField()
+    content = serializers.CharField()
+
+
+class TopLogprobSerializer(serializers.Serializer):
+    token = serializers.CharField()
+    logprob = serializers.FloatField()
+    bytes = serializers.ListField(child=serializers.IntegerField())
+
+
+class TokenLogprobSerializer(TopLogprobSerializer):
+    top_logprobs = TopLogprobSerializer(many=True)
+
+
+class ChatLogprobsSerializer(serializers.Serializer):
+    content = TokenLogprobSerializer(many=True)
+
+
+class ChatChoiceSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    message = ChatMessageSerializer()
+    logprobs = ChatLogprobsSerializer(allow_null=True)
+    finish_reason = serializers.CharField(allow_null=True)
+
+
+class ChatCompletionSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(help_text="chat.completion")
+    created = serializers.IntegerField()
+    model = serializers.CharField()
+    choices = ChatChoiceSerializer(many=True)
+    usage = UsageSerializer()
+    system_fingerprint = serializers.CharField(allow_null=True)
+
+
+class CompletionLogprobsSerializer(serializers.Serializer):
+    tokens = serializers.ListField(child=serializers.CharField())
+    token_logprobs = serializers.ListField(child=serializers.FloatField(allow_null=True))
+    top_logprobs = serializers.ListField(child=serializers.DictField(child=serializers.FloatField()))
+    text_offset = serializers.ListField(child=serializers.IntegerField())
+
+
+class CompletionChoiceSerializer(serializers.Serializer):
+    index = serializers.IntegerField()
+    text = serializers.CharField()
+    logprobs = CompletionLogprobsSerializer(allow_null=True)
+    finish_reason = serializers.CharField(allow_null=True)
+
+
+class CompletionSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(help_text="text_completion")
+    created = serializers.IntegerField()
+    model = serializers.CharField()
+    choices = CompletionChoiceSerializer(many=True)
+    usage = UsageSerializer()
+    system_fingerprint = serializers.CharField(allow_null=True)
+
+
+class ModelSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(help_text="model")
+    created = serializers.IntegerField()
+    owned_by = serializers.CharField()
+    max_model_len = serializers.IntegerField(allow_null=True)
+
+
+class ModelListSerializer(serializers.Serializer):
+    object = serializers.CharField(help_text="list")
+    data = ModelSerializer(many=True)
+
+
+class HealthSerializer(serializers.Serializer):
+    status = serializers.CharField(help_text="ok or unavailable")
+    engine = serializers.BooleanField()
+    redis = serializers.BooleanField()
+    workers = serializers.ListField(child=serializers.CharField())

@@ -1,0 +1,377 @@
+"""The /v1 generation flow: authenticate, validate, admit (quota + queue), stream, settle, record usage.
+
+Views call handle_generation(); everything a request goes through lives here in order, and the
+quota reservation / settlement happens in exactly one place (admit() / _finish()).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import JsonResponse, StreamingHttpResponse
+
+from accounts.authentication import bearer_token
+from accounts.services import authenticate_api_key
+from engine_client import client as engine
+from quotas import services as quotas
+from usage.services import record_usage
+
+from . import formatting, tokenization
+from .errors import OpenAIError, error_response, sse_error
+from .serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
+
+log = logging.getLogger("tessera.api")
+
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENGINE_ERROR_STATUS = {"invalid_request": 400, "no_worker": 503, "worker_lost": 503, "worker_shutdown": 503,
+                       "expired": 503, "timeout": 504, "engine_error": 500}
+QUOTA_RENEW_S = 30.0
+
+
+@dataclass
+class Generation:
+    """One /v1 generation request as it moves through the flow."""
+
+    endpoint: str  # "chat" or "completions"
+    user: object = None
+    api_key: object = None
+    model: str = ""
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.perf_counter)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sampling_params: dict = field(default_factory=dict)
+    n: int = 1
+    max_tokens: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    priority: int = 0
+    reservation: object = None
+    headers: dict = field(default_factory=dict)
+    # outcome
+    ttft_ms: float | None = None
+    completion_tokens: int = 0
+    usage: dict | None = None
+    status_code: int = 200
+    error_code: str = ""
+    finished: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+# ---------------------------------------------------------------- models and workers
+
+def configured_model_name() -> str:
+    return getattr(settings, "SERVED_MODEL_NAME", "") or os.path.basename(os.path.normpath(settings.MODEL))
+
+
+def models_from_workers(workers: list[dict]) -> dict[str, dict]:
+    """served name -> {"max_model_len", "model_path", "created"} from live heartbeats (+ the configured model)."""
+    models = {}
+    for worker in workers:
+        config = worker.get("config") or {}
+        name = worker.get("served_model_name") or worker.get("model")
+        if name and name not in models:
+            models[name] = {"max_model_len": config.get("max_model_len"), "model_path": config.get("model_path"),
+                            "created": int(worker.get("started_at", 0))}
+    return models
+
+
+async def served_models() -> dict[str, dict]:
+    models = models_from_workers(await engine.aworkers())
+    models.setdefault(configured_model_name(), {"max_model_len": None, "model_path": settings.MODEL, "created": 0})
+    return models
+
+
+def model_card(name: str, info: dict) -> dict:
+    return {"id": name, "object": "model", "created": info.get("created") or 0, "owned_by": "tessera",
+            "max_model_len": info.get("max_model_len")}
+
+
+# ---------------------------------------------------------------- request parsing
+
+async def authenticate(request, gen: Generation) -> None:
+    raw = bearer_token(request.headers.get("Authorization"))
+    if raw is None:
+        raise OpenAIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.",
+                          code="missing_api_key")
+    key = await sync_to_async(authenticate_api_key)(raw)
+    if key is None:
+        raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
+    gen.api_key, gen.user = key, key.user
+
+
+def parse_json(request) -> dict:
+    try:
+        body = json.loads(request.body or b"")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def validate(serializer_cls, body: dict) -> dict:
+    serializer = serializer_cls(data=body)
+    if serializer.is_valid():
+        return serializer.validated_data
+    param, message = _first_error(serializer.errors)
+    raise OpenAIError(400, f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
+
+
+def _first_error(errors, prefix="") -> tuple[str, str]:
+    if isinstance(errors, list):
+        for i, item in enumerate(errors):
+            if item:
+                if isinstance(item, (dict, list)) and not isinstance(item, str):
+                    return _first_error(item, f"{prefix}[{i}]" if prefix else str(i))
+                return prefix or "body", str(item)
+    if isinstance(errors, dict):
+        name, value = next(iter(errors.items()))
+        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(value, list) and value and not isinstance(value[0], (dict, list)):
+            return path, str(value[0])
+        return _first_error(value, path)
+    return prefix or "body", str(errors)
+
+
+# ---------------------------------------------------------------- building the engine request
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                   "include_stop_str_in_output")
+
+
+def sampling_params(data: dict, max_tokens: int, logprobs: int | None) -> dict:
+    params = {name: data[name] for name in SAMPLING_FIELDS if data.get(name) is not None}
+    params.update(n=data.get("n") or 1, max_tokens=max_tokens)
+    if data.get("stop"):
+        params["stop"] = data["stop"]
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    return params
+
+
+def check_sampling_params(params: dict) -> None:
+    """The engine's own validation, before anything is reserved or queued (names the bad field)."""
+    from inference.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**params)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        param = message.split(" ", 1)[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
+        raise OpenAIError(400, message, param=param, code="invalid_value") from None
+
+
+def context_check(gen: Generation, requested_max: int | None, max_model_len: int | None, prompt_param: str) -> int:
+    """The max_tokens to use; 400 when prompt + completion cannot fit the model's context."""
+    if max_model_len is None:
+        return requested_max or 16
+    if gen.prompt_tokens >= max_model_len or (requested_max and gen.prompt_tokens + requested_max > max_model_len):
+        asked = gen.prompt_tokens + (requested_max or 0)
+        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                               f"requested {asked} tokens ({gen.prompt_tokens} in the {prompt_param}, "
+                               f"{requested_max or 0} in the completion). Please reduce the length.",
+                          param=prompt_param, code="context_length_exceeded")
+    return requested_max or max_model_len - gen.prompt_tokens
+
+
+async def prepare(request, gen: Generation) -> None:
+    """Everything that can refuse a request before it costs anything (401, 400, 404, 503)."""
+    await authenticate(request, gen)
+    body = parse_json(request)
+    data = validate(ChatCompletionRequestSerializer if gen.endpoint == "chat" else CompletionRequestSerializer, body)
+    gen.model, gen.stream = data["model"], data["stream"]
+    gen.include_usage = bool(gen.stream and (data.get("stream_options") or {}).get("include_usage"))
+    gen.n, gen.priority = data.get("n") or 1, data.get("priority") or 0
+    workers = await engine.aworkers()
+    models = models_from_workers(workers)
+    if gen.model not in models and gen.model != configured_model_name():
+        raise OpenAIError(404, f"The model '{gen.model}' does not exist.", param="model", code="model_not_found")
+    if not workers:
+        raise OpenAIError(503, "No engine worker is running; try again shortly.", code="engine_unavailable")
+    if gen.model not in models:
+        raise OpenAIError(503, f"No engine worker is serving '{gen.model}' right now.", code="engine_unavailable")
+    info = models[gen.model]
+    path = info.get("model_path") or settings.MODEL
+    if gen.endpoint == "chat":
+        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
+        gen.prompt_token_ids = await sync_to_async(tokenization.chat_prompt_ids, thread_sensitive=False)(path, messages)
+        requested, prompt_param = data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
+        if data.get("top_logprobs") is not None and not data.get("logprobs"):
+            raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs", code="invalid_value")
+        gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
+    else:
+        if data.get("best_of") not in (None, gen.n):
+            raise OpenAIError(400, "best_of must equal n (or be omitted).", param="best_of", code="invalid_value")
+        prompt = data["prompt"]
+        gen.prompt_token_ids = (list(prompt) if isinstance(prompt, list) else
+                                await sync_to_async(tokenization.text_prompt_ids, thread_sensitive=False)(path, prompt))
+        requested, prompt_param = data.get("max_tokens"), "prompt"
+        gen.logprobs = data.get("logprobs")
+    gen.max_tokens = context_check(gen, requested, info.get("max_model_len"), prompt_param)
+    gen.sampling_params = sampling_params(data, gen.max_tokens, gen.logprobs)
+    check_sampling_params(gen.sampling_params)
+
+
+# ---------------------------------------------------------------- admission, streaming, settlement
+
+async def admit(gen: Generation) -> None:
+    """Reserve quota (the only place /v1 calls quotas.reserve), then queue the request for the engine."""
+    try:
+        gen.reservation = await sync_to_async(quotas.reserve)(gen.user, gen.model, gen.prompt_tokens,
+                                                              gen.max_tokens * gen.n, "api")
+    except quotas.QuotaExceeded as exc:
+        raise OpenAIError(429, exc.message, code=exc.code, type=exc.error_type, headers=exc.headers) from None
+    except quotas.PlanViolation as exc:
+        raise OpenAIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
+    gen.headers = await sync_to_async(quotas.rate_limit_headers)(gen.user)
+    await engine.asubmit(prompt_token_ids=gen.prompt_token_ids, sampling_params=gen.sampling_params,
+                         priority_class="api", priority=gen.priority, user=gen.user.pk, request_id=gen.request_id)
+
+
+async def events(gen: Generation):
+    """The request's engine events; whatever ends it (finish, error, disconnect) settles and records once."""
+    terminal = False
+    last_renew = time.monotonic()
+    try:
+        async for event in engine.astream(gen.request_id, timeout=getattr(settings, "API_REQUEST_TIMEOUT", 3600)):
+            kind = event["type"]
+            if kind == "delta" and event.get("token_ids"):
+                gen.completion_tokens += len(event["token_ids"])
+                if gen.ttft_ms is None:
+                    gen.ttft_ms = (time.perf_counter() - gen.started) * 1000
+            elif kind == "finish":
+                gen.usage, terminal = event.get("usage"), True
+            elif kind == "error":
+                gen.error_code, terminal = event.get("code", "engine_error"), True
+                gen.status_code = ENGINE_ERROR_STATUS.get(gen.error_code, 500)
+            if time.monotonic() - last_renew > QUOTA_RENEW_S:
+                last_renew = time.monotonic()
+                await sync_to_async(quotas.renew)(gen.reservation)
+            yield event
+    finally:
+        if not terminal:  # the client went away mid-stream: free the engine's blocks now
+            gen.status_code, gen.error_code = 499, "client_disconnected"
+            await engine.aabort(gen.request_id)
+        await _finish(gen)
+
+
+async def _finish(gen: Generation) -> None:
+    if gen.finished:
+        return
+    gen.finished = True
+    usage = gen.usage or {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+                          "cached_tokens": 0}
+    try:
+        if gen.reservation is not None:
+            await sync_to_async(quotas.settle)(gen.reservation, usage["prompt_tokens"], usage["completion_tokens"])
+        await _record(gen, usage)
+    except Exception:  # bookkeeping must never turn a delivered answer into a 500
+        log.exception("settling request %s failed", gen.request_id)
+
+
+async def _record(gen: Generation, usage: dict | None) -> None:
+    if gen.user is None:
+        return
+    usage = usage or {}
+    await sync_to_async(record_usage)(
+        user=gen.user, api_key=gen.api_key, source="api", endpoint=ENDPOINTS[gen.endpoint], model=gen.model,
+        request_id=gen.request_id, prompt_tokens=usage.get("prompt_tokens", gen.prompt_tokens),
+        completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
+        ttft_ms=gen.ttft_ms, latency_ms=(time.perf_counter() - gen.started) * 1000,
+        status_code=gen.status_code, error_code=gen.error_code)
+
+
+def engine_error(event: dict) -> OpenAIError:
+    code = event.get("code", "engine_error")
+    status = ENGINE_ERROR_STATUS.get(code, 500)
+    return OpenAIError(status, event.get("message", code), code=code, param=event.get("param"))
+
+
+# ---------------------------------------------------------------- the whole request
+
+async def handle_generation(request, endpoint: str):
+    """POST /v1/chat/completions and /v1/completions."""
+    gen = Generation(endpoint=endpoint)
+    gen.request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + engine.new_request_id()
+    try:
+        await prepare(request, gen)
+        await admit(gen)
+        if gen.stream:
+            return await _streaming_response(gen)
+        return await _json_response(gen)
+    except OpenAIError as error:
+        gen.status_code, gen.error_code = error.status, error.code or error.type
+        if gen.reservation is not None or gen.user is not None:
+            await _finish(gen)
+        response = error_response(error)
+        for name, value in {**gen.headers, **error.headers}.items():
+            response[name] = value
+        return response
+
+
+async def _json_response(gen: Generation):
+    result = engine.new_result()
+    async for event in events(gen):
+        engine.fold(result, event)
+    if result["error"]:
+        raise engine_error(result["error"])
+    engine.finalize(result, gen.n)
+    body = (formatting.chat_response if gen.endpoint == "chat" else formatting.completion_response)(gen, result)
+    response = JsonResponse(body)
+    for name, value in gen.headers.items():
+        response[name] = value
+    return response
+
+
+async def _streaming_response(gen: Generation):
+    """SSE. The first engine event is awaited before answering, so early failures keep their HTTP status."""
+    stream = events(gen)
+    first = await anext(stream)
+    if first["type"] == "error":
+        await stream.aclose()
+        raise engine_error(first)
+    response = StreamingHttpResponse(_sse(gen, first, stream), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"  # proxies must not buffer tokens
+    for name, value in gen.headers.items():
+        response[name] = value
+    return response
+
+
+async def _sse(gen: Generation, first: dict, stream):
+    writer = formatting.ChunkWriter(gen)
+    finished: set[int] = set()
+    try:
+        for chunk in writer.start():
+            yield chunk
+        event = first
+        while True:
+            if event["type"] == "delta":
+                if event.get("finish_reason"):
+                    finished.add(event["index"])
+                for chunk in writer.delta(event):
+                    yield chunk
+            elif event["type"] == "finish":
+                for chunk in writer.finish(event, finished):
+                    yield chunk
+                break
+            elif event["type"] == "error":
+                yield sse_error(engine_error(event))
+                break
+            event = await anext(stream, None)
+            if event is None:
+                break
+        yield formatting.DONE
+    finally:
+        await stream.aclose()  # runs events()' clean-up: abort on disconnect, settle, record usage

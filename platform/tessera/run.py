@@ -1,0 +1,286 @@
+"""`make run`: the whole platform on one machine, from one command.
+
+    python -m tessera.run          (platform/ on sys.path; the Makefile sets PYTHONPATH)
+
+Steps: prepare the model (train the demo model if MODEL is unset and it is not cached yet),
+start Redis (embedded redis-server unless REDIS_URL is set), migrate the database, make sure an
+admin user exists, then start the engine worker, a Celery worker, Celery beat and daphne, wait
+for /health, and print a line starting with "ready". Ctrl-C (or SIGTERM) stops every child;
+a child that dies is reported by name and the rest are stopped (exit status 1).
+
+Environment: PORT (8000), HOST (127.0.0.1), MODEL (the demo model), REDIS_URL (embedded),
+DATABASE_URL (SQLite in var/), TESSERA_VAR_DIR (var/), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
+DJANGO_SUPERUSER_USERNAME / DJANGO_SUPERUSER_PASSWORD / DJANGO_SUPERUSER_EMAIL, CELERY_CONCURRENCY (2),
+READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS / ENGINE_<NAME> (read by `manage.py engine`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera import embedded_redis
+from tessera.supervisor import Exited, Supervisor
+
+REPO_DIR = Path(__file__).resolve().parents[2]
+PLATFORM_DIR = REPO_DIR / "platform"
+
+
+@dataclass
+class RunConfig:
+    host: str
+    port: int
+    model: str | None  # None: the demo model in var/models
+    redis_url: str | None  # None: start an embedded redis-server
+    var_dir: Path
+    settings_module: str
+    celery_concurrency: int
+    ready_timeout: float
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "RunConfig":
+        return cls(
+            host=env.get("HOST", "127.0.0.1"),
+            port=int(env.get("PORT", "8000")),
+            model=env.get("MODEL") or None,
+            redis_url=env.get("REDIS_URL") or None,
+            var_dir=Path(env.get("TESSERA_VAR_DIR", REPO_DIR / "var")),
+            settings_module=env.get("DJANGO_SETTINGS_MODULE", "tessera.settings.dev"),
+            celery_concurrency=int(env.get("CELERY_CONCURRENCY", "2")),
+            ready_timeout=float(env.get("READY_TIMEOUT", "600")),
+        )
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}/"
+
+
+@dataclass
+class AdminLogin:
+    username: str
+    password: str | None  # None: the user already existed; its password is not known here
+    api_key: str | None = None
+
+
+class Stop(Exception):
+    """Raised by the SIGINT/SIGTERM handler to unwind into the clean shutdown."""
+
+
+def main() -> int:
+    cfg = RunConfig.from_env()
+    supervisor = Supervisor()
+    _install_signal_handlers()
+    try:
+        return run(cfg, supervisor)
+    except (Stop, KeyboardInterrupt):
+        supervisor.say("stopping ...")
+        return 0
+    finally:
+        _ignore_signals()  # a second Ctrl-C must not interrupt the shutdown itself
+        supervisor.stop()
+        supervisor.say("stopped")
+
+
+def run(cfg: RunConfig, supervisor: Supervisor) -> int:
+    cfg.var_dir.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(cfg)
+    redis_url = cfg.redis_url or start_redis(supervisor, cfg.var_dir)
+    env = child_env(cfg, model, redis_url)
+    os.environ.update(env)  # this process sets up Django with the same settings as the children
+    login = prepare_database()
+    start_services(supervisor, cfg, env)
+    exited = wait_until_ready(supervisor, cfg)
+    if exited is None:
+        print_ready(supervisor, cfg, model, login)
+        exited = supervisor.watch()
+    if exited is not None:
+        supervisor.say(f"error: {exited.describe()}; stopping the other processes")
+        return 1
+    return 0
+
+
+# -- the model -------------------------------------------------------------------------------
+
+def prepare_model(cfg: RunConfig) -> str:
+    """MODEL as given, or the demo model, trained on first run (its progress bar in the terminal)."""
+    if cfg.model:
+        if not Path(cfg.model).is_dir():
+            raise SystemExit(f"MODEL={cfg.model} is not a folder (a local Hugging Face model folder is expected)")
+        return cfg.model
+    from inference.demo import is_complete
+
+    path = cfg.var_dir / "models" / "tessera-demo"
+    if not is_complete(path):
+        print(f"first run: training the demo model into {path} (a few minutes on CPU, once)", flush=True)
+        _run_foreground([sys.executable, "-m", "inference.demo.train", "--out", str(path)])
+    return str(path)
+
+
+def _run_foreground(argv: list[str]) -> None:
+    """Run argv on this terminal (so its progress bar draws), in its own session; stop it on Ctrl-C."""
+    process = subprocess.Popen(argv, cwd=REPO_DIR, env={**os.environ, "PYTHONPATH": _pythonpath()},
+                               start_new_session=True)
+    try:
+        code = process.wait()
+    except BaseException:
+        process.terminate()
+        process.wait()
+        raise
+    if code != 0:
+        raise SystemExit(f"{' '.join(argv)} failed with exit code {code}")
+
+
+# -- redis and the environment ---------------------------------------------------------------
+
+def start_redis(supervisor: Supervisor, var_dir: Path) -> str:
+    port = embedded_redis.free_port()
+    data_dir = var_dir / "redis"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [embedded_redis.redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
+            "--dir", str(data_dir), "--save", "", "--appendonly", "no", "--loglevel", "warning"]
+    child = supervisor.start("redis", argv)
+    embedded_redis.wait_until_listening(port, child.process)
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def child_env(cfg: RunConfig, model: str, redis_url: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": _pythonpath(),
+        "PYTHONUNBUFFERED": "1",  # children's lines reach the terminal as they are written
+        "DJANGO_SETTINGS_MODULE": cfg.settings_module,
+        "TESSERA_VAR_DIR": str(cfg.var_dir),
+        "MODEL": model,
+        "REDIS_URL": redis_url,
+    }
+
+
+def _pythonpath() -> str:
+    parts = [str(REPO_DIR), str(PLATFORM_DIR)]
+    existing = os.environ.get("PYTHONPATH")
+    return os.pathsep.join(parts + ([existing] if existing else []))
+
+
+# -- the database ----------------------------------------------------------------------------
+
+def prepare_database() -> AdminLogin:
+    """Migrate, collect static files, and make sure an admin user exists."""
+    import django
+    from django.core.management import call_command
+    from django.db import connections
+
+    django.setup()
+    call_command("migrate", interactive=False, verbosity=0)
+    call_command("collectstatic", interactive=False, verbosity=0)
+    login = ensure_admin(os.environ)
+    connections.close_all()
+    return login
+
+
+def ensure_admin(env) -> AdminLogin:
+    """Create the admin (and an API key for it) on first run; DJANGO_SUPERUSER_PASSWORD resets it."""
+    from django.contrib.auth import get_user_model
+
+    from accounts.services import create_api_key
+
+    username = env.get("DJANGO_SUPERUSER_USERNAME", "admin")
+    password = env.get("DJANGO_SUPERUSER_PASSWORD")
+    user = get_user_model().objects.filter(username=username).first()
+    if user is None:
+        password = password or secrets.token_urlsafe(12)
+        user = get_user_model().objects.create_superuser(
+            username, env.get("DJANGO_SUPERUSER_EMAIL", f"{username}@localhost"), password)
+        _, api_key = create_api_key(user, name="make run")
+        return AdminLogin(username, password, api_key)
+    if password:
+        user.set_password(password)
+        user.save(update_fields=["password"])
+    return AdminLogin(username, password)
+
+
+# -- the services ----------------------------------------------------------------------------
+
+def service_commands(cfg: RunConfig) -> dict[str, list[str]]:
+    """The same entry points compose.yaml runs, one per process."""
+    py = sys.executable
+    return {
+        "engine": [py, str(REPO_DIR / "manage.py"), "engine"],
+        "worker": [py, "-m", "celery", "-A", "tessera", "worker", "--loglevel", "INFO",
+                   "--concurrency", str(cfg.celery_concurrency)],
+        "beat": [py, "-m", "celery", "-A", "tessera", "beat", "--loglevel", "INFO",
+                 "--schedule", str(cfg.var_dir / "celerybeat-schedule")],
+        "web": [py, "-m", "daphne", "-b", cfg.host, "-p", str(cfg.port), "tessera.asgi:application"],
+    }
+
+
+def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str]) -> None:
+    for name, argv in service_commands(cfg).items():
+        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR))
+
+
+def wait_until_ready(supervisor: Supervisor, cfg: RunConfig) -> Exited | None:
+    """Wait for /health to be green; a child that dies meanwhile is returned, a timeout raises."""
+    deadline = time.monotonic() + cfg.ready_timeout
+    exited = supervisor.watch(until=lambda: health_ok(cfg.url + "health") or time.monotonic() > deadline)
+    if exited is None and not health_ok(cfg.url + "health"):
+        raise SystemExit(f"{cfg.url}health was not green within {cfg.ready_timeout:g}s (READY_TIMEOUT)")
+    return exited
+
+
+def health_ok(url: str) -> bool:
+    """True when /health answers 200 and, if it says so in JSON, ok is not false."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            body = response.read()
+            if response.status != 200:
+                return False
+    except (urllib.error.URLError, OSError):
+        return False
+    try:
+        return json.loads(body).get("ok", True) is not False
+    except (ValueError, AttributeError):
+        return True
+
+
+def print_ready(supervisor: Supervisor, cfg: RunConfig, model: str, login: AdminLogin) -> None:
+    lines = ["", f"Tessera is up at {cfg.url}  (model: {model})"]
+    if login.password and login.api_key:
+        lines.append(f"  admin login: {login.username} / {login.password}   (generated now, shown once)")
+        lines.append(f"  API key:     {login.api_key}   (shown once; make more with"
+                     f" `python manage.py create_api_key {login.username}`)")
+    elif login.password:
+        lines.append(f"  admin login: {login.username} / (DJANGO_SUPERUSER_PASSWORD)")
+    else:
+        lines.append(f"  admin login: {login.username} (password shown on the first run; reset it with"
+                     f" `python manage.py changepassword {login.username}`)")
+    lines.append(f"ready: {cfg.url} (Ctrl-C stops everything)")
+    supervisor.say("\n".join(lines))
+
+
+# -- signals ---------------------------------------------------------------------------------
+
+def _raise_stop(signum, _frame):
+    raise Stop(signum)
+
+
+def _install_signal_handlers() -> None:
+    signal.signal(signal.SIGINT, _raise_stop)
+    signal.signal(signal.SIGTERM, _raise_stop)
+
+
+def _ignore_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Settings shared by every environment. Everything deployment-specific comes from the env."""
+import os
+from pathlib import Path
+
+import dj_database_url
+
+REPO_DIR = Path(__file__).resolve().parents[3]
+PLATFORM_DIR = REPO_DIR / "platform"
+VAR_DIR = Path(os.environ.get("TESSERA_VAR_DIR", REPO_DIR / "var"))
+
+SECRET_KEY = os.environ.get("SECRET_KEY", "dev-insecure-change-me")
+DEBUG = os.environ.get("DEBUG", "0") == "1"
+ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "channels",
+    "accounts",
+    "quotas",
+    "usage",
+    "engine_client",
+    "openai_api",
+    "chat",
+    "batches",
+    "dashboard",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "openai_api.middleware.OpenAIErrorMiddleware",
+]
+
+ROOT_URLCONF = "tessera.urls"
+ASGI_APPLICATION = "tessera.asgi.application"
+WSGI_APPLICATION = "tessera.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [REPO_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {
+    "default": dj_database_url.config(
+        default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}", conn_max_age=600
+    )
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+STATICFILES_DIRS = [d for d in [REPO_DIR / "platform" / "static", VAR_DIR / "assets"] if d.exists()]
+MEDIA_ROOT = VAR_DIR / "media"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Redis carries the engine protocol, the channel layer, quotas and the Celery broker.
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL]},
+    }
+}
+
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_TIME_LIMIT = 6 * 3600
+CELERY_TASK_SOFT_TIME_LIMIT = 6 * 3600 - 60
+CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# Periodic tasks (celery beat); each app adds its own entry.
+CELERY_BEAT_SCHEDULE = {
+    "dashboard-roll-up-usage": {"task": "dashboard.roll_up_usage", "schedule": 300.0},
+    # Expires overdue batches and restarts batches whose runner died (see batches/tasks.py).
+    "batches-watchdog": {"task": "batches.watchdog",
+                         "schedule": float(os.environ.get("BATCH_WATCHDOG_INTERVAL", 15))},
+    "batches-delete-expired-files": {"task": "batches.delete_expired_files", "schedule": 3600.0},
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+    "EXCEPTION_HANDLER": "openai_api.errors.drf_exception_handler",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Tessera API",
+    "DESCRIPTION": "OpenAI-compatible inference API served by Tessera",
+    "VERSION": "0.1.0",
+}
+
+# The model the engine workers serve; the web tier only needs its name and tokenizer.
+MODEL = os.environ.get("MODEL", str(VAR_DIR / "models" / "tessera-demo"))
+SERVED_MODEL_NAME = os.environ.get("SERVED_MODEL_NAME", "")
+
+# Quotas: the plan of users without one assigned in admin (None = unlimited, [] = every model).
+QUOTA_DEFAULT_PLAN = {
+    "name": "default",
+    "tokens_per_day": int(os.environ.get("QUOTA_TOKENS_PER_DAY", 200_000)),
+    "tokens_per_month": int(os.environ.get("QUOTA_TOKENS_PER_MONTH", 2_000_000)),
+    "requests_per_minute": int(os.environ.get("QUOTA_REQUESTS_PER_MINUTE", 60)),
+    "concurrent_requests": int(os.environ.get("QUOTA_CONCURRENT_REQUESTS", 4)),
+    "max_tokens_per_request": int(os.environ.get("QUOTA_MAX_TOKENS_PER_REQUEST", 2048)),
+    "allowed_models": [],
+}
+QUOTA_LEASE_SECONDS = 120  # a vanished client's concurrency slot frees itself after this
+LOGIN_ATTEMPTS_PER_15_MIN = 10  # per username and per client IP
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+}

@@ -1,0 +1,15 @@
+"""pytest settings: fast hashing, a throwaway database, a private real Redis for the session."""
+from tessera import embedded_redis
+
+from .base import *  # noqa: F401,F403
+
+DEBUG = False
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+SECRET_KEY = "test-secret-key"
+ALLOWED_HOSTS = ["*"]
+
+REDIS_URL = embedded_redis.ensure_test_redis()
+CHANNEL_LAYERS = {
+    "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+}
+CELERY_BROKER_URL = REDIS_URL
