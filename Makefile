@@ -27,6 +27,7 @@ ASSETS := var/assets/vendor/chart.umd.min.js
 assets: $(ASSETS)
 
 $(ASSETS): package.json package-lock.json
+	@command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq npm >/dev/null)
 	npm ci --no-audit --no-fund --loglevel=error
 	mkdir -p var/assets/vendor
 	cp node_modules/chart.js/dist/chart.umd.min.js node_modules/chart.js/dist/chart.umd.min.js.map var/assets/vendor/
@@ -37,6 +38,11 @@ test: install browser assets
 
 bench: install
 	$(BIN)/python benchmarks/run_all.py
+
+# Everything on this machine: the demo model on first run, Redis, the engine worker, Celery worker
+# and beat, and the web server (platform/tessera/run.py; PORT, MODEL, REDIS_URL... from the env).
+run: install assets
+	$(BIN)/python -m tessera.run
 
 clean:
 	rm -rf $(VENV) var

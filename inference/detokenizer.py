@@ -22,8 +22,12 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str
         self.hold_back = max((len(s) for s in stop_strings), default=1) - 1
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if the text now contains one."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if the text now contains one.
+
+        check_stop=False (before min_tokens) neither looks for nor cuts at stop strings: the
+        sequence goes on, so its text must keep them.
+        """
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -31,7 +35,7 @@ class IncrementalDetokenizer:
             new_text = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self.text += new_text
-            return self._check_stop(len(new_text))
+            return self._check_stop(len(new_text)) if check_stop else None
         return None
 
     def _decode(self, ids: list[int]) -> str:

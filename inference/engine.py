@@ -245,7 +245,7 @@ class LLMEngine:
             self._decode_logprobs(logprob_entry)
             seq.logprobs.append(logprob_entry)
             seq.cumulative_logprob += logprob_entry[token].logprob
-        stop_string = seq.detok.add_token(token)
+        stop_string = seq.detok.add_token(token, check_stop=seq.num_output_tokens >= seq.params.min_tokens)
         status = self._stop_status(seq, token, stop_string)
         if status is not None:
             self.scheduler.finish(seq, status)

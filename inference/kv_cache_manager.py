@@ -204,7 +204,14 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
-            hashes.append(self.pool.cache(table[i], parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            if i and self.pool.cached.get(parent) != table[i - 1].block_id:
+                # The previous block is not the one cached under its hash (a duplicate, or a hash
+                # collision with other tokens): caching this block would let a lookup that verified
+                # only parent hash + own tokens reuse K/V computed after a different prefix.
+                hashes.append(self.pool.hash_fn(parent, chunk))
+                continue
+            hashes.append(self.pool.cache(table[i], parent, chunk))
 
     def fork(self, parent, child) -> None:
         """child shares every block of parent (ref counts), e.g. the n sequences of one prompt."""

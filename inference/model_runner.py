@@ -43,7 +43,10 @@ class ModelRunner:
         query_start, seq_lens, tables = [0], [], []
         sample_rows, sampling_requests, prompt_rows = [], [], {}
         bs = self.block_size
-        for request, num_new in scheduled.items():
+        # Decodes first: attention runs them as one batch and only the rest as ragged prefill.
+        order = sorted(scheduled.items(), key=lambda item: item[1] != 1)
+        num_decodes = sum(1 for _, n in order if n == 1)
+        for request, num_new in order:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             table = self.kv.block_ids(request)
             input_ids.extend(request.token_ids[start:end])
@@ -65,7 +68,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            decode_only=len(input_ids) == len(seq_lens),
+            num_decodes=num_decodes,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),

@@ -21,7 +21,7 @@ def activation_peak_bytes(engine) -> int:
         query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        decode_only=False,
+        num_decodes=0,
     )
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)

@@ -36,6 +36,8 @@ class Sampler:
         for row, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 banned = seq.params.stop_token_ids + ([] if seq.params.ignore_eos else self.eos_token_ids)
+                # an id beyond the vocabulary can never be sampled anyway; indexing it would fail the whole batch
+                banned = [t for t in banned if t < logits.shape[1]]
                 if banned:
                     logits[row, banned] = float("-inf")
 
@@ -106,7 +108,7 @@ def top_logprobs(row_logprobs: torch.Tensor, chosen: int, k: int) -> dict[int, L
     chosen_lp = row_logprobs[chosen]
     entry = {chosen: Logprob(float(chosen_lp), int((row_logprobs > chosen_lp).sum()) + 1)}
     if k > 0:
-        values, ids = row_logprobs.topk(k)
+        values, ids = row_logprobs.topk(min(k, row_logprobs.shape[-1]))
         for rank, (tid, lp) in enumerate(zip(ids.tolist(), values.tolist()), start=1):
             entry.setdefault(tid, Logprob(lp, rank))
     return entry

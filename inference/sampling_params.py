@@ -33,32 +33,36 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop")
+        self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
 
     def _validate(self):
         checks = [
-            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "must be -1, 0 (off) or >= 1"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "must be an integer >= 1"),
-            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "must be an integer in [0, 20]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop_strings), "must be a non-empty string or a list of them"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be a list of token ids"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("n", lambda: isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", lambda: self.temperature >= 0, "must be >= 0"),
+            ("top_p", lambda: 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", lambda: isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "must be -1, 0 (off) or >= 1"),
+            ("min_p", lambda: 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", lambda: self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "must be an integer >= 1"),
+            ("min_tokens", lambda: isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
+            ("min_tokens", lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
+            ("presence_penalty", lambda: -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", lambda: -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", lambda: self.repetition_penalty > 0, "must be > 0"),
+            ("logprobs", lambda: self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "must be an integer in [0, 20]"),
+            ("prompt_logprobs", lambda: self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
+            ("stop", lambda: all(isinstance(s, str) and s for s in self.stop_strings), "must be a non-empty string or a list of them"),
+            ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be a list of token ids"),
+            ("seed", lambda: self.seed is None or isinstance(self.seed, int), "must be an integer"),
         ]
-        for name, ok, why in checks:
+        for name, check, why in checks:
+            try:
+                ok = check()
+            except TypeError:  # a value of the wrong type is invalid too, and must name its field
+                ok = False
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
 
@@ -76,3 +80,11 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _as_list(value, name: str) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"SamplingParams.{name} must be a list, got {value!r}")
+    return list(value)

@@ -148,6 +148,11 @@ class Scheduler:
                 break
             num_new = self._chunk(request, num_new, budget)
             if not self.kv.allocate_slots(request, num_new, computed):
+                if self.kv.blocks_needed(request.num_tokens) > self.kv.pool.num_blocks:
+                    # longer than the whole pool: it can never run, and waiting would block the queue
+                    self.finish(request, RequestStatus.FINISHED_LENGTH)
+                    out.finished.append(request)
+                    continue
                 if self._preempt_lower(request, out):
                     continue
                 break

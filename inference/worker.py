@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import redis
 
+from inference.sampling_params import SamplingParams
+
 log = logging.getLogger("tessera.worker")
 
 # Key names: the same as platform/engine_client/protocol.py (a test keeps them equal).
@@ -225,8 +227,6 @@ class EngineWorker:
 
     def accept(self, entry_id: str, message: dict, was_aborted: bool, pipe) -> None:
         """Hand one request to the engine, or answer it at once (aborted, expired, invalid)."""
-        from inference.sampling_params import SamplingParams
-
         request_id = message.get("request_id") or entry_id
         self.counters["requests_total"] += 1
         deadline = message.get("deadline")

@@ -70,15 +70,18 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, *
 
 def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: list[int] | int) -> list[list[int]]:
     """HF transformers greedy outputs, one prompt at a time (the correctness reference)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)
     outputs = []
     for ids, n in zip(prompts, max_new_tokens):
+        # No EOS: generation runs the full n tokens and EOS may be generated (vLLM's ignore_eos).
+        config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+                                 generation_config=config)
         outputs.append(out[0, len(ids):].tolist())
     return outputs

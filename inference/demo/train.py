@@ -49,7 +49,7 @@ class DemoConfig:
     seq_len: int = 256
     batch_size: int = 8
     steps: int = 800
-    minutes: float = 4.5  # wall-clock budget; the LR schedule follows whichever runs out first
+    minutes: float = 4.0  # wall-clock budget; the LR schedule follows whichever runs out first
     lr: float = 3e-3
     warmup_steps: int = 30
     seed: int = 0
@@ -214,8 +214,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = DemoConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder to write the Hugging Face model to")
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--minutes", type=float, default=defaults.minutes, help="wall-clock budget")
+    parser.add_argument("--steps", type=int, default=int(os.environ.get("DEMO_TRAIN_STEPS", defaults.steps)))
+    parser.add_argument("--minutes", type=float, default=float(os.environ.get("DEMO_TRAIN_MINUTES", defaults.minutes)),
+                        help="wall-clock budget")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("DEMO_TRAIN_THREADS", defaults.threads)))
     parser.add_argument("--force", action="store_true", help="retrain even if the folder is complete")
     return parser.parse_args(argv)

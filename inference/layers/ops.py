@@ -1,59 +1,100 @@
 """The one interface the model code calls for its hot operations.
 
 A backend is chosen once at start-up ("torch" on CPU, "triton" on CUDA, overridable with
-`attention_backend=`); layers never branch on the device themselves.
+`attention_backend=`); layers never branch on the device themselves. Both backends are the same
+Ops class over a different set of primitives with identical signatures: kernels/torch_ref.py
+(what the CPU runs) or the Triton launchers in kernels/.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
-
-from kernels import torch_ref
 
 
 @dataclass
 class AttentionMetadata:
-    """Per-step layout of the flattened batch (see kernels/torch_ref.py for the conventions)."""
+    """Per-step layout of the flattened batch (see kernels/torch_ref.py for the conventions).
+
+    Sequences with one new token (decodes) come first, so attention runs them as one batched
+    decode and only the rest (prefill chunks) through the ragged prefill path.
+    """
 
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
-    decode_only: bool  # every sequence has exactly one new token
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == self.num_seqs
 
 
-class TorchOps:
-    """Reference ops: what the engine runs on CPU."""
-
-    name = "torch"
+class Ops:
+    def __init__(self, name: str, primitives):
+        self.name = name
+        self.p = primitives
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        torch_ref.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        self.p.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        nd = meta.num_decodes
         if meta.decode_only:
-            return torch_ref.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
-        return torch_ref.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
-        )
+            return self.p.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        if nd == 0:
+            return self.p.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                                  meta.seq_lens, scale)
+        decode = self.p.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                               meta.seq_lens[:nd], scale)
+        prefill = self.p.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
+                                                 meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale)
+        return torch.cat([decode, prefill])
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
-        return torch_ref.fused_add_rms_norm(x, residual, weight, eps)
+        return self.p.fused_add_rms_norm(x, residual, weight, eps)
 
     def rotary(self, positions, q, k, cos_sin_cache):
-        torch_ref.rotary_embedding(positions, q, k, cos_sin_cache)
+        self.p.rotary_embedding(positions, q, k, cos_sin_cache)
 
     def silu_and_mul(self, x):
-        return torch_ref.silu_and_mul(x)
+        return self.p.silu_and_mul(x)
 
 
-def get_ops(name: str):
+def torch_primitives():
+    from kernels import torch_ref
+
+    return torch_ref
+
+
+def triton_primitives():
+    # _triton_utils first: on a CUDA-less machine it selects the interpreter before triton loads.
+    from kernels import _triton_utils  # noqa: F401
+    from kernels.activation import silu_and_mul
+    from kernels.cache import store_kv_cache
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.norm import fused_add_rms_norm
+    from kernels.prefill_attention import paged_prefill_attention
+    from kernels.rotary import rotary_embedding
+
+    return SimpleNamespace(
+        store_kv_cache=store_kv_cache, paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=paged_prefill_attention, fused_add_rms_norm=fused_add_rms_norm,
+        rotary_embedding=rotary_embedding, silu_and_mul=silu_and_mul,
+    )
+
+
+BACKENDS = {"torch": torch_primitives, "triton": triton_primitives}
+
+
+def get_ops(name: str) -> Ops:
     """Backend by name: "torch" or "triton" (the latter imports Triton lazily)."""
-    if name == "torch":
-        return TorchOps()
-    if name == "triton":
-        from inference.layers.triton_ops import TritonOps
-
-        return TritonOps()
-    raise ValueError(f"unknown attention_backend {name!r}; expected 'torch' or 'triton'")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention_backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    return Ops(name, BACKENDS[name]())

@@ -36,8 +36,8 @@ def is_locked(username: str, address: str) -> int:
 def record_failure(username: str, address: str) -> None:
     pipe = _redis().pipeline()
     for key in _keys(username, address):
-        pipe.incr(key)
-        pipe.expire(key, WINDOW_S, nx=True)  # the window starts at the first failure
+        pipe.set(key, 0, ex=WINDOW_S, nx=True)  # the window starts at the first failure
+        pipe.incr(key)  # INCR keeps the TTL
     pipe.execute()
 
 

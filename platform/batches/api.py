@@ -5,6 +5,7 @@ from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import permissions
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -23,8 +24,22 @@ PAGE_PARAMS = [OpenApiParameter("after", str, description="cursor: the id of the
                OpenApiParameter("limit", int, description="1..100, default 20")]
 
 
+class JSONRegardlessOfAccept(BaseContentNegotiation):
+    """OpenAI's API answers JSON (or raw bytes) whatever Accept says; the SDK sends application/binary."""
+
+    def select_parser(self, request, parsers):
+        for parser in parsers:
+            if parser.media_type.split(";")[0] == (request.content_type or "").split(";")[0]:
+                return parser
+        return None
+
+    def select_renderer(self, request, renderers, format_suffix=None):
+        return renderers[0], renderers[0].media_type
+
+
 class V1View(APIView):
     authentication_classes = [ApiKeyAuthentication]
+    content_negotiation_class = JSONRegardlessOfAccept
     permission_classes = [permissions.IsAuthenticated]
 
     def get_exception_handler(self):
@@ -45,17 +60,18 @@ class V1View(APIView):
 class FilesView(V1View):
     parser_classes = [MultiPartParser, FormParser, JSONParser]
 
-    @extend_schema(operation_id="files_list", parameters=PAGE_PARAMS + [
+    @extend_schema(operation_id="listFiles", parameters=PAGE_PARAMS + [
         OpenApiParameter("purpose", str), OpenApiParameter("order", str, enum=["asc", "desc"])],
         responses={200: FileListSerializer, **ERRORS})
     def get(self, request):
         files, has_more = selectors.files_page(
             request.user, purpose=request.query_params.get("purpose") or None,
-            after=request.query_params.get("after") or None, limit=selectors.page_limit(request.query_params.get("limit"), 10000, 10000),
+            after=request.query_params.get("after") or None,
+            limit=selectors.page_limit(request.query_params.get("limit"), default=10000, maximum=10000),
             order=request.query_params.get("order", "desc"))
         return Response(presenters.list_object([presenters.file_object(f) for f in files], has_more))
 
-    @extend_schema(operation_id="files_create", request={"multipart/form-data": FileUploadSerializer},
+    @extend_schema(operation_id="createFile", request={"multipart/form-data": FileUploadSerializer},
                    responses={200: FileSerializer, **ERRORS})
     def post(self, request):
         upload = request.FILES.get("file")
@@ -68,18 +84,18 @@ class FilesView(V1View):
 
 
 class FileView(V1View):
-    @extend_schema(operation_id="files_retrieve", responses={200: FileSerializer, **ERRORS})
+    @extend_schema(operation_id="retrieveFile", responses={200: FileSerializer, **ERRORS})
     def get(self, request, file_id: str):
         return Response(presenters.file_object(selectors.get_file(request.user, file_id)))
 
-    @extend_schema(operation_id="files_delete", responses={200: FileDeletedSerializer, **ERRORS})
+    @extend_schema(operation_id="deleteFile", responses={200: FileDeletedSerializer, **ERRORS})
     def delete(self, request, file_id: str):
         services.delete_file(request.user, file_id)
         return Response({"id": file_id, "object": "file", "deleted": True})
 
 
 class FileContentView(V1View):
-    @extend_schema(operation_id="files_content", responses={(200, "application/octet-stream"): OpenApiTypes.BINARY,
+    @extend_schema(operation_id="downloadFile", responses={(200, "application/octet-stream"): OpenApiTypes.BINARY,
                                                             **ERRORS})
     def get(self, request, file_id: str):
         file = selectors.get_file(request.user, file_id)
@@ -95,13 +111,13 @@ def file_download(file) -> HttpResponse:
 class BatchesView(V1View):
     parser_classes = [JSONParser]
 
-    @extend_schema(operation_id="batches_list", parameters=PAGE_PARAMS, responses={200: BatchListSerializer, **ERRORS})
+    @extend_schema(operation_id="listBatches", parameters=PAGE_PARAMS, responses={200: BatchListSerializer, **ERRORS})
     def get(self, request):
         batches, has_more = selectors.batches_page(request.user, after=request.query_params.get("after") or None,
                                                    limit=selectors.page_limit(request.query_params.get("limit")))
         return Response(presenters.list_object([presenters.batch_object(b) for b in batches], has_more))
 
-    @extend_schema(operation_id="batches_create", request=BatchCreateSerializer,
+    @extend_schema(operation_id="createBatch", request=BatchCreateSerializer,
                    responses={200: BatchSerializer, **ERRORS})
     def post(self, request):
         body = self.json_body(request)
@@ -112,12 +128,12 @@ class BatchesView(V1View):
 
 
 class BatchView(V1View):
-    @extend_schema(operation_id="batches_retrieve", responses={200: BatchSerializer, **ERRORS})
+    @extend_schema(operation_id="retrieveBatch", responses={200: BatchSerializer, **ERRORS})
     def get(self, request, batch_id: str):
         return Response(presenters.batch_object(selectors.get_batch(request.user, batch_id)))
 
 
 class BatchCancelView(V1View):
-    @extend_schema(operation_id="batches_cancel", request=None, responses={200: BatchSerializer, **ERRORS})
+    @extend_schema(operation_id="cancelBatch", request=None, responses={200: BatchSerializer, **ERRORS})
     def post(self, request, batch_id: str):
         return Response(presenters.batch_object(services.cancel_batch(request.user, batch_id)))

@@ -1,21 +1,26 @@
 """One batch line -> one engine request -> one OpenAI response body, through the engine client.
 
-The batch runner calls run_line() from a worker thread; everything here is engine I/O, no DB writes.
+A line is built with the /v1 endpoints' own pieces (openai_api: the request serializers, the chat
+template, the context check, the sampling-parameter mapping and the response formatting), so a
+batch line and the same request sent to /v1/chat/completions give the same engine request and
+the same body. The runner calls wait() from worker threads: engine I/O only, no database.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 
 from django.conf import settings
 
 from engine_client import client as engine
-
+from openai_api import formatting, tokenization
+from openai_api import services as api
+from openai_api.errors import OpenAIError
 from openai_api.serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
-from openai_api.tokenization import chat_prompt_ids, text_prompt_ids
 
 BATCH_PRIORITY_CLASS = "batch"
+ENDPOINTS = {"/v1/chat/completions": ("chat", ChatCompletionRequestSerializer),
+             "/v1/completions": ("completions", CompletionRequestSerializer)}
 
 
 @dataclass
@@ -28,34 +33,28 @@ class LineOutcome:
     metrics: dict = field(default_factory=dict)
     latency_ms: float | None = None
 
-
-@dataclass
-class EngineCall:
-    """What to send for one line: prompt (ids or text), sampling params, and how to shape the reply."""
-
-    url: str
-    model: str
-    prompt_token_ids: list[int] | None
-    prompt: str | None
-    sampling_params: dict
-    max_tokens: int
+    @property
+    def error_code(self) -> str | None:
+        return None if self.ok else ((self.body or {}).get("error") or {}).get("code")
 
 
-def served_model_names() -> set[str]:
-    names = {getattr(settings, "SERVED_MODEL_NAME", "") or os.path.basename(os.path.normpath(settings.MODEL))}
+# ---------------------------------------------------------------- models and validation
+
+def served_models() -> dict[str, dict]:
+    """served name -> {"model_path", "max_model_len"} from live workers, plus the configured model."""
     try:
-        names |= {w.get("served_model_name") for w in engine.workers() if w.get("served_model_name")}
-    except Exception:  # Redis down: the configured name still applies
-        pass
-    return {n for n in names if n}
+        models = api.models_from_workers(engine.workers())
+    except Exception:  # Redis unreachable: the configured model still applies
+        models = {}
+    models.setdefault(api.configured_model_name(), {"max_model_len": None, "model_path": settings.MODEL})
+    return models
 
 
 def model_problem_for(user):
-    """A check_model for validation: the model must be served and in the user's plan."""
+    """check_model for validation: the model must be served and in the user's plan."""
     from quotas.selectors import plan_for
 
-    plan = plan_for(user)
-    served = served_model_names()
+    plan, served = plan_for(user), served_models()
 
     def problem(model: str) -> str | None:
         if model not in served:
@@ -67,119 +66,86 @@ def model_problem_for(user):
     return problem
 
 
-REQUEST_SERIALIZERS = {"/v1/chat/completions": ChatCompletionRequestSerializer,
-                       "/v1/completions": CompletionRequestSerializer}
-
-
-def body_problem(url: str, body: dict):
-    """(param, message) when the body would be refused by the live endpoint, else None."""
-    serializer = REQUEST_SERIALIZERS[url](data=body)
-    if not serializer.is_valid():
-        param, problems = next(iter(serializer.errors.items()))
-        return param, f"{param}: {_first(problems)}"
-    return None
-
-
 def body_checker_for(user):
-    """body_problem plus the user's plan cap on max_tokens (a line the plan refuses must not start)."""
+    """check_body for validation: what the live endpoint would refuse, plus the plan's max_tokens cap."""
     from quotas.selectors import plan_for
 
-    cap = plan_for(user).max_tokens_per_request
+    cap, models = plan_for(user).max_tokens_per_request, served_models()
 
     def check(url: str, body: dict):
-        problem = body_problem(url, body)
-        if problem:
-            return problem
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-        if cap is not None and max_tokens > cap:
-            return "max_tokens", f"max_tokens is {max_tokens}, but your plan allows at most {cap} per request."
+        try:
+            gen = build_call(url, body, models)
+        except OpenAIError as error:
+            return error.param, error.message
+        if cap is not None and gen.max_tokens > cap:
+            return "max_tokens", f"max_tokens is {gen.max_tokens}, but your plan allows at most {cap} per request."
         return None
 
     return check
 
 
-def _first(problems) -> str:
-    while isinstance(problems, (list, dict)) and problems:
-        problems = problems[0] if isinstance(problems, list) else next(iter(problems.values()))
-    return str(problems)
+# ---------------------------------------------------------------- building the engine request
+
+def build_call(url: str, body: dict, models: dict | None = None) -> api.Generation:
+    """The same Generation the live endpoint would build (raises OpenAIError for a bad body)."""
+    kind, serializer = ENDPOINTS[url]
+    data = api.validate(serializer, body)
+    gen = api.Generation(endpoint=kind, model=data["model"], n=data.get("n") or 1, priority=data.get("priority") or 0)
+    gen.request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + engine.new_request_id()
+    info = (models or served_models()).get(gen.model) or {}
+    path = info.get("model_path") or settings.MODEL
+    if kind == "chat":
+        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
+        gen.prompt_token_ids = tokenization.chat_prompt_ids(path, messages)
+        requested, prompt_param = data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
+        if data.get("top_logprobs") is not None and not data.get("logprobs"):
+            raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs",
+                              code="invalid_value")
+        gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
+    else:
+        prompt = data["prompt"]
+        gen.prompt_token_ids = list(prompt) if isinstance(prompt, list) else tokenization.text_prompt_ids(path, prompt)
+        requested, prompt_param = data.get("max_tokens"), "prompt"
+        gen.logprobs = data.get("logprobs")
+    gen.max_tokens = api.context_check(gen, requested, info.get("max_model_len"), prompt_param)
+    gen.sampling_params = api.sampling_params(data, gen.max_tokens, gen.logprobs)
+    api.check_sampling_params(gen.sampling_params)
+    return gen
 
 
-# ---------------------------------------------------------------- request building
-
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "n")
-DEFAULT_MAX_TOKENS = 16
-
-
-def build_call(url: str, body: dict) -> EngineCall:
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS
-    params = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-    params["max_tokens"] = int(max_tokens)
-    if body.get("stop") is not None:
-        params["stop"] = body["stop"]
-    if url == "/v1/chat/completions":
-        ids = chat_prompt_ids(settings.MODEL, body["messages"])
-        return EngineCall(url, body["model"], list(ids), None, params, int(max_tokens))
-    prompt = body["prompt"]
-    if isinstance(prompt, list):
-        return EngineCall(url, body["model"], list(prompt), None, params, int(max_tokens))
-    return EngineCall(url, body["model"], text_prompt_ids(settings.MODEL, prompt), None, params, int(max_tokens))
-
-
-def prompt_tokens(call: EngineCall) -> int:
-    return len(call.prompt_token_ids or [])
+def reserved_completion_tokens(gen: api.Generation) -> int:
+    return gen.max_tokens * gen.n
 
 
 # ---------------------------------------------------------------- running one line
 
-def submit(call: EngineCall, request_id: str, user_id: int) -> None:
-    engine.submit(prompt_token_ids=call.prompt_token_ids, sampling_params=call.sampling_params,
-                  priority_class=BATCH_PRIORITY_CLASS, user=user_id, request_id=request_id)
+def submit(gen: api.Generation, user_id: int) -> None:
+    engine.submit(prompt_token_ids=gen.prompt_token_ids, sampling_params=gen.sampling_params,
+                  priority_class=BATCH_PRIORITY_CLASS, priority=gen.priority, user=user_id,
+                  request_id=gen.request_id)
 
 
-def wait(call: EngineCall, request_id: str, timeout: float) -> LineOutcome:
-    """Collect the request's whole result and shape it as the endpoint's response (or an error)."""
+def wait(gen: api.Generation, timeout: float) -> LineOutcome:
+    """Collect the request's whole result and shape it as the endpoint's response (or its error)."""
     started = time.monotonic()
-    result = engine.collect(request_id, n=call.sampling_params.get("n", 1), timeout=timeout)
+    result = engine.collect(gen.request_id, n=gen.n, timeout=timeout)
     latency_ms = (time.monotonic() - started) * 1000
-    engine.delete_output(request_id)
     usage = result.get("usage") or {}
     if result.get("error"):
         return error_outcome(result["error"], usage, latency_ms)
-    body = response_body(call, request_id, result)
-    return LineOutcome(ok=True, status_code=200, body=body, usage=usage, metrics=result.get("metrics") or {},
-                       latency_ms=latency_ms)
-
-
-ERROR_STATUS = {"invalid_request": 400, "no_worker": 503, "worker_lost": 503, "worker_shutdown": 503,
-                "expired": 408, "timeout": 408}
+    shape = formatting.chat_response if gen.endpoint == "chat" else formatting.completion_response
+    return LineOutcome(ok=True, status_code=200, body=shape(gen, result), usage=usage,
+                       metrics=result.get("metrics") or {}, latency_ms=latency_ms)
 
 
 def error_outcome(error: dict, usage: dict, latency_ms: float) -> LineOutcome:
-    code = error.get("code") or "engine_error"
-    status = ERROR_STATUS.get(code, 500)
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    body = {"error": {"message": error.get("message", code), "type": kind, "param": error.get("param"), "code": code}}
-    return LineOutcome(ok=False, status_code=status, body=body, error=None, usage=usage, latency_ms=latency_ms)
+    failure = api.engine_error(error)
+    return LineOutcome(ok=False, status_code=failure.status, body=failure.body(), usage=usage, latency_ms=latency_ms)
+
+
+def refused_outcome(error: OpenAIError) -> LineOutcome:
+    return LineOutcome(ok=False, status_code=error.status, body=error.body())
 
 
 def was_aborted(outcome: LineOutcome) -> bool:
-    choices = (outcome.body or {}).get("choices") or []
-    return any(c.get("finish_reason") == "abort" for c in choices)
-
-
-def response_body(call: EngineCall, request_id: str, result: dict) -> dict:
-    usage = result.get("usage") or {}
-    prompt, completion = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-    shaped_usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                    "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
-    created = int(time.time())
-    if call.url == "/v1/chat/completions":
-        choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                    "logprobs": None, "finish_reason": c["finish_reason"]} for c in result["choices"]]
-        return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
-                "model": call.model, "choices": choices, "usage": shaped_usage}
-    choices = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
-               for c in result["choices"]]
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": call.model,
-            "choices": choices, "usage": shaped_usage}
+    return any(c.get("finish_reason") == "abort" for c in (outcome.body or {}).get("choices") or [])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from quotas.exceptions import QuotaExceeded
 from quotas.ledger import QuotaLedger, Reservation
 from quotas.selectors import get_ledger, plan_for
 from quotas.services import check_plan
@@ -65,4 +64,4 @@ def settle_line(reservation: dict | None, prompt_tokens: int, completion_tokens:
         batch_ledger().settle(Reservation.from_dict(reservation), int(prompt_tokens) + int(completion_tokens))
 
 
-__all__ = ["BudgetSpent", "QuotaExceeded", "reserve_line", "settle_line", "token_budget_plan"]
+__all__ = ["BudgetSpent", "reserve_line", "settle_line", "token_budget_plan"]

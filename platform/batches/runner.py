@@ -13,12 +13,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
+from django import db
+
 from engine_client import client as engine
 from engine_client import protocol
+from openai_api.errors import OpenAIError
 from quotas.exceptions import PlanViolation
 
 from . import conf, engine_calls, progress, quota, selectors, services
@@ -35,6 +39,30 @@ class LeaseLost(Exception):
     """Another runner owns the batch now: stop without touching it."""
 
 
+class LeaseKeeper(threading.Thread):
+    """Renews the runner's lease from its own thread, so slow work in the main loop (loading the
+    tokenizer, a burst of submissions) never lets it lapse while the runner is alive."""
+
+    def __init__(self, batch_id: int, owner: str):
+        super().__init__(name=f"batch{batch_id}-lease", daemon=True)
+        self.batch_id, self.owner = batch_id, owner
+        self.lost = threading.Event()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.done.wait(conf.get("BATCH_LEASE_SECONDS") / 4):
+                if not services.renew_lease(self.batch_id, self.owner):
+                    self.lost.set()
+                    return
+        finally:
+            db.connection.close()  # this thread's own connection
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(5)
+
+
 class BatchRunner:
     def __init__(self, batch_id: int):
         self.batch_id = batch_id
@@ -42,7 +70,8 @@ class BatchRunner:
         self.batch = Batch.objects.select_related("user").get(pk=batch_id)
         self.user = self.batch.user
         self.plan = quota.token_budget_plan(self.user)
-        self.in_flight: dict[Future, tuple[BatchLine, engine_calls.EngineCall]] = {}
+        self.models = engine_calls.served_models()
+        self.in_flight: dict[Future, tuple[BatchLine, object]] = {}
         self.max_in_flight = conf.get("BATCH_MAX_IN_FLIGHT")
         self.pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix=f"batch{batch_id}")
         self.paused = False
@@ -56,6 +85,8 @@ class BatchRunner:
         """Run the batch to its end; returns the final status, or 'busy'/'paused'/'lost'."""
         if not services.acquire_lease(self.batch_id, self.owner):
             return "busy"
+        self.lease = LeaseKeeper(self.batch_id, self.owner)
+        self.lease.start()
         try:
             if self.batch.status == Batch.Status.FINALIZING:
                 ending = self.ending_after_crash()
@@ -69,6 +100,7 @@ class BatchRunner:
             self.abandon_in_flight()
             return "lost"
         finally:
+            self.lease.stop()
             self.pool.shutdown(wait=False, cancel_futures=True)
             services.release_lease(self.batch_id, self.owner)
 
@@ -85,6 +117,7 @@ class BatchRunner:
             if not self.in_flight:
                 if not selectors.has_unfinished_lines(self.batch_id):
                     return Batch.Status.COMPLETED
+                time.sleep(0.2)  # nothing could be fed right now (e.g. a line mid-requeue): poll gently
                 continue
             self.collect(timeout=0.5)
             self.maybe_push()
@@ -102,41 +135,40 @@ class BatchRunner:
     def start_line(self, line: BatchLine) -> bool:
         """Reserve, mark running, submit, and wait for it in a thread; False stops this round of feeding."""
         try:
-            call = engine_calls.build_call(line.url, line.body)
-            reservation = quota.reserve_line(self.user, self.plan, call.model, engine_calls.prompt_tokens(call),
-                                             call.max_tokens)
+            gen = engine_calls.build_call(line.url, line.body, self.models)
+            reservation = quota.reserve_line(self.user, self.plan, gen.model, gen.prompt_tokens,
+                                             engine_calls.reserved_completion_tokens(gen))
         except quota.BudgetSpent as spent:
             self.pause(spent.reason, spent.retry_after_s)
             return False
-        except (ValueError, PlanViolation) as exc:
-            self.fail_before_submit(line, exc)
+        except OpenAIError as error:
+            self.fail_before_submit(line, engine_calls.refused_outcome(error))
+            return True
+        except PlanViolation as exc:
+            self.fail_before_submit(line, engine_calls.refused_outcome(
+                OpenAIError(exc.status_code, exc.message, code=exc.code, param=exc.param)))
             return True
         services.clear_paused(self.batch_id)
-        request_id = engine.new_request_id()
-        if not services.mark_line_running(line, request_id, reservation.as_dict()):
+        if not services.mark_line_running(line, gen.request_id, reservation.as_dict()):
             quota.settle_line(reservation.as_dict(), 0, 0)
             return True
         try:
-            engine_calls.submit(call, request_id, self.user.pk)
+            engine_calls.submit(gen, self.user.pk)
         except Exception:
             log.exception("batch %s: submitting line %s failed", self.batch_id, line.line_number)
             services.return_line_to_pending(line)
             quota.settle_line(line.reservation, 0, 0)
             self.pause("Waiting: the engine request queue is unreachable.", NO_WORKER_PAUSE_S)
             return False
-        self.watch(line, call)
+        self.watch(line, gen)
         return True
 
-    def watch(self, line: BatchLine, call) -> None:
-        future = self.pool.submit(engine_calls.wait, call, line.engine_request_id, conf.get("BATCH_LINE_TIMEOUT"))
-        self.in_flight[future] = (line, call)
+    def watch(self, line: BatchLine, gen) -> None:
+        future = self.pool.submit(engine_calls.wait, gen, conf.get("BATCH_LINE_TIMEOUT"))
+        self.in_flight[future] = (line, gen)
 
-    def fail_before_submit(self, line: BatchLine, exc: Exception) -> None:
-        message = getattr(exc, "message", None) or str(exc)
-        code = getattr(exc, "code", "invalid_request")
-        status = getattr(exc, "status_code", 400)
-        outcome = engine_calls.LineOutcome(ok=False, status_code=status, body={"error": {
-            "message": message, "type": "invalid_request_error", "param": getattr(exc, "param", None), "code": code}})
+    def fail_before_submit(self, line: BatchLine, outcome) -> None:
+        """A line the endpoint or the plan refuses: recorded as failed without reaching the engine."""
         if services.mark_line_running(line, f"unsent-{uuid.uuid4().hex}", None):
             services.record_line_result(line, outcome)
             self.dirty = True
@@ -150,10 +182,10 @@ class BatchRunner:
     def collect(self, timeout: float) -> None:
         done, _ = wait(list(self.in_flight), timeout=timeout, return_when=FIRST_COMPLETED)
         for future in done:
-            line, call = self.in_flight.pop(future)
-            self.finish_line(line, call, future)
+            line, gen = self.in_flight.pop(future)
+            self.finish_line(line, gen, future)
 
-    def finish_line(self, line: BatchLine, call, future: Future) -> None:
+    def finish_line(self, line: BatchLine, gen, future: Future) -> None:
         try:
             outcome = future.result()
         except Exception as exc:  # Redis trouble while waiting: treat like a lost worker
@@ -161,7 +193,7 @@ class BatchRunner:
             outcome = engine_calls.error_outcome({"code": "worker_lost", "message": str(exc)}, {}, 0.0)
         usage = outcome.usage or {}
         quota.settle_line(line.reservation, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
-        code = ((outcome.body or {}).get("error") or {}).get("code") if not outcome.ok else None
+        code = outcome.error_code
         if code in RETRYABLE_CODES and line.attempts < MAX_ATTEMPTS:
             services.requeue_line(line)
             if code == "no_worker":
@@ -172,27 +204,27 @@ class BatchRunner:
                 services.requeue_line(line)
             return  # aborted by our cancel/expiry: closed with the other unfinished lines
         if services.record_line_result(line, outcome):
-            self.record_usage(line, call, outcome)
+            self.record_usage(line, gen, outcome)
             self.dirty = True
         engine.delete_output(line.engine_request_id)
 
-    def record_usage(self, line: BatchLine, call, outcome) -> None:
+    def record_usage(self, line: BatchLine, gen, outcome) -> None:
         from usage.services import record_usage
 
         usage, metrics = outcome.usage or {}, outcome.metrics or {}
-        error = ((outcome.body or {}).get("error") or {}).get("code", "") if not outcome.ok else ""
-        record_usage(user=self.user, source="batch", endpoint=line.url, model=call.model,
+        record_usage(user=self.user, source="batch", endpoint=line.url, model=gen.model,
                      request_id=line.engine_request_id, prompt_tokens=usage.get("prompt_tokens", 0),
                      completion_tokens=usage.get("completion_tokens", 0),
                      cached_tokens=usage.get("cached_tokens", 0), ttft_ms=metrics.get("ttft_ms"),
-                     latency_ms=outcome.latency_ms, status_code=outcome.status_code, error_code=error or "")
+                     latency_ms=outcome.latency_ms, status_code=outcome.status_code,
+                     error_code=outcome.error_code or "")
 
     # ------------------------------------------------------------ endings
 
     def stop(self, ending: str) -> str:
         """Cancel or expiry: abort what runs, keep what already finished, close the rest."""
         self.stopping = True
-        for line, _call in self.in_flight.values():
+        for line, _gen in self.in_flight.values():
             engine.abort(line.engine_request_id)
         while self.in_flight:
             self.keep_lease()
@@ -219,7 +251,9 @@ class BatchRunner:
         redis = engine.redis_client()
         for line in services.orphaned_lines(self.batch_id):
             if redis.exists(protocol.output_stream(line.engine_request_id)):
-                self.watch(line, engine_calls.build_call(line.url, line.body))
+                gen = engine_calls.build_call(line.url, line.body, self.models)
+                gen.request_id = line.engine_request_id
+                self.watch(line, gen)
             else:
                 engine.abort(line.engine_request_id)  # a copy still queued must never run
                 quota.settle_line(line.reservation, 0, 0)
@@ -231,11 +265,12 @@ class BatchRunner:
     # ------------------------------------------------------------ housekeeping
 
     def keep_lease(self) -> None:
+        if self.lease.lost.is_set():
+            raise LeaseLost(self.batch_id)
         now = time.monotonic()
-        if now - self.last_renew >= conf.get("BATCH_LEASE_SECONDS") / 4:
-            if not services.renew_lease(self.batch_id, self.owner):
-                raise LeaseLost(self.batch_id)
+        if now - self.last_renew >= conf.get("BATCH_LEASE_SECONDS"):
             self.last_renew = now
+            self.models = engine_calls.served_models()  # workers come and go
 
     def maybe_push(self) -> None:
         now = time.monotonic()

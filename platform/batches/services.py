@@ -299,17 +299,24 @@ def finalize_batch(batch_id: int, final_status: str) -> None:
         Batch.objects.filter(pk=batch_id, status=batch.status).update(status=Batch.Status.FINALIZING,
                                                                        finalizing_at=now)
         progress.push(batch_id)
+    # Read first, then write in one short transaction (SQLite: a reader that turns writer can be refused).
+    output = _jsonl(output_line(line) for line in selectors.finished_lines(batch_id, [BatchLine.Status.COMPLETED]))
+    errors = _jsonl(error_line(line) for line in selectors.finished_lines(
+        batch_id, [BatchLine.Status.FAILED, BatchLine.Status.CANCELLED, BatchLine.Status.EXPIRED]))
+    base = batch.public_id
     with transaction.atomic():
-        output = _jsonl(output_line(line) for line in selectors.finished_lines(batch_id, [BatchLine.Status.COMPLETED]))
-        errors = _jsonl(error_line(line) for line in selectors.finished_lines(
-            batch_id, [BatchLine.Status.FAILED, BatchLine.Status.CANCELLED, BatchLine.Status.EXPIRED]))
-        base = batch.public_id
-        output_file = _store_file(batch.user, output, f"{base}_output.jsonl", File.Purpose.BATCH_OUTPUT) if output else None
-        error_file = _store_file(batch.user, errors, f"{base}_error.jsonl", File.Purpose.BATCH_OUTPUT) if errors else None
-        Batch.objects.filter(pk=batch_id, status=Batch.Status.FINALIZING).update(
+        output_file = _result_file(batch.user, output, f"{base}_output.jsonl")
+        error_file = _result_file(batch.user, errors, f"{base}_error.jsonl")
+        finished = Batch.objects.filter(pk=batch_id, status=Batch.Status.FINALIZING).update(
             status=final_status, output_file=output_file, error_file=error_file, paused_reason="",
             lease_owner="", lease_until=None, **{FINAL_TIMESTAMPS[final_status]: timezone.now()})
+        if not finished:  # someone else finalized it meanwhile: keep theirs, drop these files
+            transaction.set_rollback(True)
     progress.push(batch_id)
+
+
+def _result_file(user, content: bytes, filename: str) -> File | None:
+    return _store_file(user, content, filename, File.Purpose.BATCH_OUTPUT) if content else None
 
 
 def _jsonl(rows) -> bytes:
@@ -338,7 +345,7 @@ def batches_needing_a_runner() -> list[int]:
     """Unfinished batches with no live runner (crashed worker, lost task, pause over) and stuck validations."""
     now = timezone.now()
     return selectors.stalled_batches(now) + selectors.stuck_validations(
-        now - timedelta(seconds=conf.get("BATCH_LEASE_SECONDS") * 3), now)
+        now - timedelta(seconds=max(60, conf.get("BATCH_LEASE_SECONDS") * 3)), now)
 
 
 def expire_overdue_batches() -> list[int]:

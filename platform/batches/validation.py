@@ -56,7 +56,8 @@ def validate_jsonl(content: bytes, endpoint: str, *, check_model: ModelCheck, ch
         if not raw.strip():
             continue
         if len(result.lines) + len(result.errors) >= max_lines:
-            result.errors.append(line_error("too_many_lines", f"The input file has more than {max_lines} lines.", number))
+            result.errors.append(line_error("too_many_lines", f"The input file has more than {max_lines} lines.",
+                                            number))
             break
         parsed, error = parse_line(raw, number, endpoint, check_model, check_body)
         if error is None and parsed.custom_id in seen:

@@ -122,7 +122,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
                                  priority_class="interactive", user=self.user.pk, request_id=reply.request_id)
         except Exception as exc:  # Redis unreachable: nothing was queued
             follower.outcome.error, follower.outcome.error_code = f"Could not queue the request: {exc}", "submit_failed"
-            await follower._finish()
+            await follower.finish()
             return
         self._follow(follower)
 

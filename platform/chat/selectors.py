@@ -1,6 +1,7 @@
 """Reads for the playground and history: a user's conversations, branches, exports, API requests."""
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.db.models import Q, QuerySet
 
 from usage.models import UsageRecord
@@ -22,14 +23,14 @@ def conversation_for(user, conversation_id) -> Conversation | None:
     """One of the user's own conversations, or None (another user's is indistinguishable from missing)."""
     try:
         return Conversation.objects.filter(user=user, pk=conversation_id).first()
-    except (ValueError, TypeError):  # not a UUID
+    except (ValueError, TypeError, ValidationError):  # not a UUID
         return None
 
 
 def message_for(user, message_id) -> Message | None:
     try:
         return Message.objects.select_related("conversation").filter(conversation__user=user, pk=message_id).first()
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, ValidationError):
         return None
 
 

@@ -8,6 +8,7 @@ reservation and records usage. finish_reply is safe to call from several followe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from django.db import transaction
 from django.utils import timezone
@@ -122,6 +123,8 @@ def send_message(user, content, settings: dict, conversation: Conversation | Non
     with transaction.atomic():
         if conversation is None:
             conversation = create_conversation(user, title=title_from(content))
+        elif conversation.current_leaf and conversation.current_leaf.status == Message.Status.STREAMING:
+            raise ChatError("An answer is still being generated in this conversation.", code="busy")
         clean = _apply_settings(conversation, settings)
         user_message = Message.objects.create(conversation=conversation, parent=conversation.current_leaf,
                                               role=Message.Role.USER, content=content)
@@ -215,3 +218,37 @@ def finish_reply(message_id: int, outcome: Outcome) -> Message | None:
     if message.reservation:
         quotas.settle(Reservation.from_dict(message.reservation), prompt_tokens, outcome.completion_tokens)
     return message
+
+
+STALE_AFTER_S = 600
+
+
+def outcome_from_result(result: dict, saved_content: str) -> Outcome:
+    """An Outcome from engine_client.collect()'s result (used when no live follower is left)."""
+    choice = result["choices"][0] if result["choices"] else {"text": "", "token_ids": [], "finish_reason": None}
+    usage_info = result.get("usage") or {}
+    error = result.get("error")
+    outcome = Outcome(content=choice["text"] or saved_content, finish_reason=choice.get("finish_reason") or "",
+                      prompt_tokens=usage_info.get("prompt_tokens"),
+                      completion_tokens=usage_info.get("completion_tokens", len(choice["token_ids"])),
+                      cached_tokens=usage_info.get("cached_tokens") or 0)
+    if error and error.get("code") == "timeout":  # still running with nobody following: collect() aborted it
+        outcome.finish_reason = "abort"
+    elif error:
+        outcome.error, outcome.error_code = error.get("message", "The engine failed."), error.get("code", "")
+    return outcome
+
+
+def finish_stale_replies(older_than_s: float = STALE_AFTER_S, collect_timeout_s: float = 2.0) -> int:
+    """Finish replies stuck in "streaming" (their web process died and nobody reconnected).
+
+    What the engine produced is folded from the request's output stream; a request still running
+    is aborted. Each is finished through finish_reply, so quota is settled and usage recorded once.
+    """
+    cutoff = timezone.now() - timedelta(seconds=older_than_s)
+    finished = 0
+    for message in Message.objects.filter(status=Message.Status.STREAMING, updated_at__lt=cutoff):
+        result = engine.collect(message.request_id, timeout=collect_timeout_s)
+        if finish_reply(message.pk, outcome_from_result(result, message.content)) is not None:
+            finished += 1
+    return finished

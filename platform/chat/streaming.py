@@ -7,6 +7,7 @@ engine. A reconnecting socket starts a non-owner follower that replays the strea
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -77,7 +78,7 @@ class Follower:
         except Exception as exc:  # Redis gone, etc.: the message must not stay "streaming"
             log.exception("following %s failed", self.request_id)
             self.outcome.error, self.outcome.error_code = f"Streaming failed: {exc}", "stream_failed"
-        await self._finish()
+        await self.finish()
 
     async def _on_event(self, event: dict) -> None:
         kind = event["type"]
@@ -121,7 +122,9 @@ class Follower:
             if not await is_watched(self.message_id):  # nobody came back: stop spending compute
                 await engine.aabort(self.request_id)
 
-    async def _finish(self) -> None:
+    async def finish(self) -> None:
+        if not self.owner:  # the owner measured TTFT and latency: give it the first chance to save
+            await self._wait_for_owner()
         self.outcome.content = "".join(self.text)
         if self.owner and self.first_token_at is not None:
             self.outcome.ttft_ms = round((self.first_token_at - self.submitted_at) * 1000, 1)
@@ -131,6 +134,20 @@ class Follower:
         payload = await database_sync_to_async(_payload)(self.message_id)
         if payload is not None:
             await self._emit({"type": "done", "message": payload})
+
+
+    async def _wait_for_owner(self, timeout_s: float = 3.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not await database_sync_to_async(_is_streaming)(self.message_id):
+                return
+            await asyncio.sleep(0.1)
+
+
+def _is_streaming(message_id: int) -> bool:
+    from .models import Message
+
+    return Message.objects.filter(pk=message_id, status=Message.Status.STREAMING).exists()
 
 
 def _renew_lease(message_id: int) -> None:

@@ -120,7 +120,8 @@ def request_list(request):
     query = request.GET.copy()
     query.pop("page", None)
     return render(request, "chat/requests.html", {
-        "page": page, "filters": filters, "choices": selectors.filter_choices(request.user),
+        "page": page, "filters": filters, "choices": [(field, values, filters.get(field, ""))
+                    for field, values in selectors.filter_choices(request.user).items()],
         "querystring": query.urlencode()})
 
 

@@ -1,6 +1,6 @@
 from django.contrib import admin
 
-from .models import RollupState, UsageHourly
+from .models import LatencyHourly, RollupState, UsageHourly
 
 
 @admin.register(UsageHourly)
@@ -14,6 +14,17 @@ class UsageHourlyAdmin(admin.ModelAdmin):
     raw_id_fields = ("user",)
     # Roll-ups are rebuilt from usage records; editing one by hand would be undone by the next run.
     readonly_fields = [f.name for f in UsageHourly._meta.fields]
+
+    def has_add_permission(self, request):
+        return False
+
+
+@admin.register(LatencyHourly)
+class LatencyHourlyAdmin(admin.ModelAdmin):
+    list_display = ("hour", "model", "source")
+    list_filter = ("source", "model")
+    date_hierarchy = "hour"
+    readonly_fields = [f.name for f in LatencyHourly._meta.fields]
 
     def has_add_permission(self, request):
         return False

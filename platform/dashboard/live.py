@@ -13,9 +13,11 @@ from engine_client import client
 
 # One letter per block in the map sent to the browser.
 FREE, CACHED, USED, SHARED = "f", "c", "u", "s"
-_STATE_NAMES = {"free": FREE, "f": FREE, ".": FREE, "0": FREE, "cached": CACHED, "c": CACHED,
-                "used": USED, "in_use": USED, "u": USED, "1": USED, "shared": SHARED, "s": SHARED,
-                "2": SHARED}
+# engine.block_map() codes each block as a digit: 0 free, 1 cached (free, keeps its prefix hash),
+# 2 in use by one request, 3 shared by several. Names and letters are accepted too.
+_CODES = (FREE, CACHED, USED, SHARED)
+_STATE_NAMES = {"free": FREE, "f": FREE, "cached": CACHED, "c": CACHED, "used": USED, "in_use": USED,
+                "u": USED, "shared": SHARED, "s": SHARED, **{str(i): letter for i, letter in enumerate(_CODES)}}
 MEMORY_KEYS = ("memory", "memory_budget")
 TOP_REQUESTS = 8
 
@@ -70,19 +72,19 @@ def memory_budget(stats: dict, config: dict) -> dict | None:
 def normalize_block_map(raw) -> dict | None:
     """Any of the shapes a worker may publish -> {"blocks": "fcus..", "counts", "top_requests"}.
 
-    Accepted: a string with one letter per block, a list of state names / letters / ref counts
-    (0 free, 1 in use, 2+ shared; "cached" = free with a prefix hash), or a dict holding such a
-    list under "blocks" or "states" plus "top_requests" ([{request_id, blocks}] or {id: blocks}).
+    The engine publishes {"block_size", "states": "0123...", "top_requests": [{request_id, blocks}]};
+    also accepted: the states alone, as a string or a list of codes (0-3) or names.
     """
     if raw is None:
         return None
-    top = []
+    top, block_size = [], None
     if isinstance(raw, dict):
+        block_size = raw.get("block_size")
         top = _top_requests(raw.get("top_requests") or raw.get("requests") or [])
         raw = raw.get("blocks", raw.get("states", ""))
     blocks = "".join(_state_letter(item) for item in raw)
     counts = Counter(blocks)
-    return {"blocks": blocks, "counts": {name: counts.get(letter, 0) for name, letter in
+    return {"blocks": blocks, "block_size": block_size, "counts": {name: counts.get(letter, 0) for name, letter in
                                          (("free", FREE), ("cached", CACHED), ("used", USED), ("shared", SHARED))},
             "top_requests": top[:TOP_REQUESTS]}
 
@@ -91,7 +93,7 @@ def _state_letter(item) -> str:
     if isinstance(item, bool):
         return USED if item else FREE
     if isinstance(item, int):
-        return FREE if item <= 0 else USED if item == 1 else SHARED
+        return _CODES[min(max(item, 0), 3)]
     return _STATE_NAMES.get(str(item).lower(), FREE)
 
 

@@ -46,6 +46,27 @@ class UsageHourly(models.Model):
         return self.prompt_tokens + self.completion_tokens
 
 
+class LatencyHourly(models.Model):
+    """The latency histograms of UsageHourly merged over users and keys: one row per (hour, model,
+    source), so overview percentiles over a month merge hundreds of rows, not one per user and hour."""
+
+    hour = models.DateTimeField()
+    model = models.CharField(max_length=200)
+    source = models.CharField(max_length=32)
+    ttft_hist = models.JSONField(default=dict, blank=True)
+    tpot_hist = models.JSONField(default=dict, blank=True)
+    latency_hist = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        verbose_name = "hourly latency"
+        verbose_name_plural = "hourly latency"
+        ordering = ["-hour"]
+        constraints = [models.UniqueConstraint(fields=["hour", "model", "source"], name="latency_hourly_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}:00 {self.model}/{self.source}"
+
+
 class RollupState(models.Model):
     """Roll-up watermark: every hour before rolled_until is in UsageHourly; later usage is read live."""
 

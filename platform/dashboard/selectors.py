@@ -12,16 +12,16 @@ from datetime import timezone as dt_timezone
 
 from django.contrib.auth import get_user_model
 from django.db.models import Count, Sum
-from django.db.models.functions import Trunc
 from django.utils import timezone
 
 from . import histogram, usage_source
 from .aggregate import HIST_FIELDS, SUM_FIELDS, Cell, fold, merge_hists, merge_sums
-from .models import RollupState, UsageHourly
+from .models import LatencyHourly, RollupState, UsageHourly
 
 BUCKETS = {"hour": timedelta(hours=1), "day": timedelta(days=1)}
 RANGES = {"24h": (timedelta(hours=24), "hour"), "7d": (timedelta(days=7), "hour"), "30d": (timedelta(days=30), "day")}
 DIMENSIONS = ("user_id", "api_key_id", "model", "source")
+COARSE = {"bucket", "model", "source"}  # what LatencyHourly can group and filter by
 NEAR_QUOTA = 0.8  # a user at 80% of a token budget is "near" it
 LATENCY_METRICS = {"ttft": "ttft_hist", "tpot": "tpot_hist", "latency": "latency_hist"}
 
@@ -70,21 +70,34 @@ def _split(window: Window) -> datetime:
 def grouped(window: Window, dims: tuple[str, ...] = (), *, hists: bool = False, **filters) -> dict[tuple, Cell]:
     """Usage in the window grouped by `dims` (any of "bucket", user_id, api_key_id, model, source).
 
-    Sums are aggregated by the database; latency histograms (hists=True) are merged in Python.
+    Sums are aggregated by the database; latency histograms (hists=True) are merged in Python,
+    from LatencyHourly when the grouping and filters need no user or key (the overview), else
+    from the per-user rows.
     """
     split = _split(window)
     out: dict[tuple, Cell] = {}
+    # Rows are grouped by their hour in the database and folded into day buckets here (cheap:
+    # at most one row per hour and dimension value), which needs no date functions in SQL.
+    db_dims = tuple("hour" if d == "bucket" else d for d in dims)
+
+    def cell_for(row) -> Cell:
+        key = tuple(floor_to(row["hour"], window.bucket) if d == "bucket" else row[d] for d in dims)
+        return out.setdefault(key, Cell())
+
     qs = UsageHourly.objects.filter(hour__gte=window.start, hour__lt=split, **filters)
-    if "bucket" in dims:
-        qs = qs.annotate(bucket=Trunc("hour", window.bucket, tzinfo=dt_timezone.utc))
-    if hists:
-        for row in qs.values(*dims, *SUM_FIELDS, *HIST_FIELDS).iterator(chunk_size=2000):
-            cell = out.setdefault(tuple(row[d] for d in dims), Cell())
-            merge_hists(merge_sums(cell, row), row)
+    coarse = hists and set(dims) <= COARSE and set(filters) <= COARSE
+    if hists and not coarse:  # per user or key: that user's rows are few
+        for row in qs.values(*db_dims, *SUM_FIELDS, *HIST_FIELDS).iterator(chunk_size=2000):
+            merge_hists(merge_sums(cell_for(row), row), row)
+    elif dims:
+        for row in qs.order_by().values(*db_dims).annotate(**{f: Sum(f) for f in SUM_FIELDS}):
+            merge_sums(cell_for(row), row)
     else:
-        totals = qs.order_by().values(*dims).annotate(**{f: Sum(f) for f in SUM_FIELDS})
-        for row in totals:
-            merge_sums(out.setdefault(tuple(row[d] for d in dims), Cell()), row)
+        merge_sums(out.setdefault((), Cell()), qs.aggregate(**{f: Sum(f) for f in SUM_FIELDS}))
+    if coarse:
+        latency = LatencyHourly.objects.filter(hour__gte=window.start, hour__lt=split, **filters)
+        for row in latency.values(*db_dims, *HIST_FIELDS).iterator(chunk_size=2000):
+            merge_hists(cell_for(row), row)
     for key, cell in fold(usage_source.rows_between(split, window.end, **filters)).items():
         hour, user_id, api_key_id, model, source = key
         named = {"bucket": floor_to(hour, window.bucket), "user_id": user_id, "api_key_id": api_key_id,

@@ -7,8 +7,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from . import usage_source
-from .aggregate import Cell, fold, floor_hour
-from .models import RollupState, UsageHourly
+from .aggregate import Cell, fold, floor_hour, merge_hists
+from .models import LatencyHourly, RollupState, UsageHourly
 
 HOUR = timedelta(hours=1)
 # Hours already rolled up that are rebuilt on every run, for usage rows committed late (a long
@@ -31,6 +31,8 @@ def roll_up_usage(now: datetime | None = None, lookback_hours: int = LOOKBACK_HO
         cells = fold(usage_source.rows_between(start, until))
         UsageHourly.objects.filter(hour__gte=start, hour__lt=until).delete()
         UsageHourly.objects.bulk_create((_to_model(key, cell) for key, cell in cells.items()), batch_size=2000)
+        LatencyHourly.objects.filter(hour__gte=start, hour__lt=until).delete()
+        LatencyHourly.objects.bulk_create(_latency_rows(cells), batch_size=2000)
         state.rolled_until = until
         state.save(update_fields=["rolled_until", "updated_at"])
     return {"hours": int((until - start) / HOUR), "rows": len(cells), "rolled_until": until.isoformat()}
@@ -53,8 +55,17 @@ def _to_model(key, cell: Cell) -> UsageHourly:
                        tpot_hist=cell.tpot_hist, latency_hist=cell.latency_hist)
 
 
+def _latency_rows(cells) -> list[LatencyHourly]:
+    coarse: dict[tuple, Cell] = {}
+    for (hour, _user, _key, model, source), cell in cells.items():
+        merge_hists(coarse.setdefault((hour, model, source), Cell()), cell)
+    return [LatencyHourly(hour=hour, model=model, source=source, ttft_hist=c.ttft_hist, tpot_hist=c.tpot_hist,
+                          latency_hist=c.latency_hist) for (hour, model, source), c in coarse.items()]
+
+
 def reset_rollups() -> None:
     """Forget every roll-up (the next run rebuilds from the first usage record)."""
     with transaction.atomic():
         UsageHourly.objects.all().delete()
+        LatencyHourly.objects.all().delete()
         RollupState.objects.filter(name="usage").delete()

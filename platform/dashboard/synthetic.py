@@ -62,6 +62,39 @@ def generate(*, days: int = 30, users: int = 12, requests_per_day: int = 2000, s
     return total
 
 
+def generate_batches(*, count: int = 10, seed: int = 0, now: datetime | None = None) -> int:
+    """Demo batch jobs of the demo users in every state, one still running with lines finishing now.
+
+    Only rows for the dashboard's batch panel: nothing is queued, no engine work is done.
+    """
+    from batches.models import Batch, BatchLine
+
+    rng = random.Random(seed)
+    now = now or timezone.now()
+    owners = list(get_user_model().objects.filter(username__startswith=USERNAME_PREFIX).order_by("username")[:4])
+    if not owners:
+        return 0
+    statuses = [Batch.Status.COMPLETED] * 6 + [Batch.Status.FAILED, Batch.Status.CANCELLED, Batch.Status.EXPIRED]
+    with transaction.atomic():
+        for i in range(count):
+            status = Batch.Status.IN_PROGRESS if i == 0 else statuses[i % len(statuses)]
+            created = now - timedelta(hours=rng.uniform(1, 24 * 20)) if i else now - timedelta(minutes=42)
+            total = rng.randint(50, 2000)
+            done = total if status == Batch.Status.COMPLETED else rng.randint(0, total // 2)
+            batch = Batch.objects.create(
+                user=owners[i % len(owners)], input_file_public_id=f"file-demo{i:04d}",
+                endpoint="/v1/chat/completions", status=status, total=total, completed=done,
+                failed=rng.randint(0, 3) if done else 0, expires_at=created + timedelta(hours=24),
+                in_progress_at=created + timedelta(seconds=5), metadata={"demo": True})
+            Batch.objects.filter(pk=batch.pk).update(created_at=created)
+            if status == Batch.Status.IN_PROGRESS:
+                BatchLine.objects.bulk_create(
+                    BatchLine(batch=batch, line_number=n, custom_id=f"demo-{n}", url="/v1/chat/completions", body={},
+                              status="completed", finished_at=now - timedelta(seconds=rng.uniform(0, 58)))
+                    for n in range(90))
+    return count
+
+
 def _demo_user(i: int, rng: random.Random) -> DemoUser:
     from accounts.models import ApiKey
     from accounts.services import create_api_key

@@ -29,21 +29,21 @@ def _window(request) -> selectors.Window:
     return selectors.window_for(range_key, request.GET.get("bucket"))
 
 
+@staff_or_404  # outermost: for non-staff not even the allowed methods are revealed
 @require_GET
-@staff_or_404
 def index(request):
     return render(request, "dashboard/index.html", {"ranges": list(selectors.RANGES)})
 
 
-@require_GET
 @staff_or_404
+@require_GET
 def user_page(request, user_id: int):
     user = get_object_or_404(get_user_model(), pk=user_id)
     return render(request, "dashboard/user.html", {"subject": user, "ranges": list(selectors.RANGES)})
 
 
-@require_GET
 @staff_or_404
+@require_GET
 def usage_json(request):
     window = _window(request)
     return JsonResponse({
@@ -62,8 +62,8 @@ def usage_json(request):
     })
 
 
-@require_GET
 @staff_or_404
+@require_GET
 def user_json(request, user_id: int):
     user = get_object_or_404(get_user_model(), pk=user_id)
     window = _window(request)
@@ -72,7 +72,7 @@ def user_json(request, user_id: int):
                          **selectors.user_drilldown(user, window)})
 
 
-@require_GET
 @staff_or_404
+@require_GET
 def engine_json(request):
     return JsonResponse(live.engine_snapshot())

@@ -13,6 +13,7 @@ from engine_client import client as engine
 HTTP_REQUESTS_KEY = "tessera:http:requests"
 HTTP_SECONDS_KEY = "tessera:http:seconds"
 EXTRA_COLLECTORS: list[Callable[[], list[str]]] = []
+GAUGES_NAMED_TOTAL = {"tessera_engine_blocks_total"}  # a size, not a running count
 
 
 def _route(request) -> str:
@@ -51,7 +52,7 @@ def engine_lines(workers: list[dict]) -> list[str]:
             series.setdefault(_metric_name(name), []).append(f"{_metric_name(name)}{{{labels}}} {value}")
     lines.append(f"tessera_engine_workers {len(workers)}")
     for name, samples in sorted(series.items()):
-        kind = "counter" if name.endswith("_total") else "gauge"
+        kind = "counter" if name.endswith("_total") and name not in GAUGES_NAMED_TOTAL else "gauge"
         lines.append(f"# TYPE {name} {kind}")
         lines.extend(samples)
     return lines

@@ -5,11 +5,13 @@ validation that really runs); the response serializers document what the views r
 """
 from __future__ import annotations
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 ROLES = ["system", "developer", "user", "assistant", "tool"]
 
 
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})
 class StringOrListField(serializers.Field):
     """stop: a string or a list of strings."""
 
@@ -24,6 +26,7 @@ class StringOrListField(serializers.Field):
         return value
 
 
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]})
 class PromptField(serializers.Field):
     """prompt: a string, a list of token ids, or a one-element list of either."""
 

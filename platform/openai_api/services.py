@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -96,6 +97,27 @@ def model_card(name: str, info: dict) -> dict:
             "max_model_len": info.get("max_model_len")}
 
 
+_warm = threading.Event()
+
+
+def warm_up_in_background() -> None:
+    """Import the engine's SamplingParams and load the served tokenizer before the first request needs them."""
+    if _warm.is_set():
+        return
+    _warm.set()
+
+    def warm():
+        try:
+            import inference.sampling_params  # noqa: F401  (pulls in torch: seconds)
+
+            if os.path.isdir(settings.MODEL):
+                tokenization.tokenizer_for(settings.MODEL)
+        except Exception as exc:  # a broken model folder is reported by the request that needs it
+            log.warning("warm-up failed: %s", exc)
+
+    threading.Thread(target=warm, name="api-warm-up", daemon=True).start()
+
+
 # ---------------------------------------------------------------- request parsing
 
 async def authenticate(request, gen: Generation) -> None:
@@ -136,7 +158,10 @@ def _first_error(errors, prefix="") -> tuple[str, str]:
                 return prefix or "body", str(item)
     if isinstance(errors, dict):
         name, value = next(iter(errors.items()))
-        path = f"{prefix}.{name}" if prefix else name
+        if isinstance(name, int) or (isinstance(name, str) and name.isdigit()):
+            path = f"{prefix}[{name}]"
+        else:
+            path = f"{prefix}.{name}" if prefix else name
         if isinstance(value, list) and value and not isinstance(value[0], (dict, list)):
             return path, str(value[0])
         return _first_error(value, path)

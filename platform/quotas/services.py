@@ -9,7 +9,7 @@ from __future__ import annotations
 from .exceptions import PlanViolation, QuotaExceeded
 from .ledger import Reservation
 from .limits import PlanLimits
-from .selectors import get_ledger, headers_for, plan_for, quota_status
+from .selectors import get_ledger, headers_for, plan_for, quota_status, rate_limit_headers
 
 __all__ = ["reserve", "settle", "renew", "rate_limit_headers", "QuotaExceeded", "PlanViolation", "Reservation"]
 
@@ -64,8 +64,3 @@ def renew(reservation: Reservation) -> bool:
     """Extend the concurrency lease of a long-running request (call every ~30 s while streaming)."""
     return get_ledger().renew(reservation)
 
-
-def rate_limit_headers(user) -> dict[str, str]:
-    from .selectors import rate_limit_headers as headers
-
-    return headers(user)

@@ -8,3 +8,7 @@ websocket_urlpatterns += dashboard_ws
 from chat.routing import websocket_urlpatterns as chat_ws  # noqa: E402
 
 websocket_urlpatterns += chat_ws
+
+from batches.routing import websocket_urlpatterns as batches_ws  # noqa: E402
+
+websocket_urlpatterns += batches_ws

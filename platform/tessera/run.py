@@ -15,7 +15,6 @@ READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS / ENGINE_<NAME> (read by `ma
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -77,15 +76,16 @@ class Stop(Exception):
 
 def main() -> int:
     cfg = RunConfig.from_env()
-    supervisor = Supervisor()
+    # Long enough for the engine to drain its in-flight requests (ENGINE_DRAIN_TIMEOUT, 30 s).
+    supervisor = Supervisor(grace_seconds=float(os.environ.get("ENGINE_DRAIN_TIMEOUT", 30)) + 5)
     _install_signal_handlers()
     try:
         return run(cfg, supervisor)
     except (Stop, KeyboardInterrupt):
-        supervisor.say("stopping ...")
+        supervisor.say("stopping ... (Ctrl-C again to kill at once)")
         return 0
     finally:
-        _ignore_signals()  # a second Ctrl-C must not interrupt the shutdown itself
+        _hurry_on_signal(supervisor)  # a second Ctrl-C must not break the shutdown, only speed it up
         supervisor.stop()
         supervisor.say("stopped")
 
@@ -116,10 +116,10 @@ def prepare_model(cfg: RunConfig) -> str:
         if not Path(cfg.model).is_dir():
             raise SystemExit(f"MODEL={cfg.model} is not a folder (a local Hugging Face model folder is expected)")
         return cfg.model
-    from inference.demo import is_complete
-
     path = cfg.var_dir / "models" / "tessera-demo"
-    if not is_complete(path):
+    # The trainer writes this marker last (inference.demo.COMPLETE_MARKER); checking it here keeps
+    # torch out of this long-lived process. The trainer itself re-checks every file.
+    if not (path / "demo_training.json").exists():
         print(f"first run: training the demo model into {path} (a few minutes on CPU, once)", flush=True)
         _run_foreground([sys.executable, "-m", "inference.demo.train", "--out", str(path)])
     return str(path)
@@ -147,7 +147,7 @@ def start_redis(supervisor: Supervisor, var_dir: Path) -> str:
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [embedded_redis.redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
             "--dir", str(data_dir), "--save", "", "--appendonly", "no", "--loglevel", "warning"]
-    child = supervisor.start("redis", argv)
+    child = supervisor.start("redis", argv, tier=0)  # stopped last: the engine drains into it
     embedded_redis.wait_until_listening(port, child.process)
     return f"redis://127.0.0.1:{port}/0"
 
@@ -230,25 +230,20 @@ def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str]) 
 def wait_until_ready(supervisor: Supervisor, cfg: RunConfig) -> Exited | None:
     """Wait for /health to be green; a child that dies meanwhile is returned, a timeout raises."""
     deadline = time.monotonic() + cfg.ready_timeout
-    exited = supervisor.watch(until=lambda: health_ok(cfg.url + "health") or time.monotonic() > deadline)
+    exited = supervisor.watch(until=lambda: health_ok(cfg.url + "health") or time.monotonic() > deadline,
+                              poll_seconds=1.0)
     if exited is None and not health_ok(cfg.url + "health"):
         raise SystemExit(f"{cfg.url}health was not green within {cfg.ready_timeout:g}s (READY_TIMEOUT)")
     return exited
 
 
 def health_ok(url: str) -> bool:
-    """True when /health answers 200 and, if it says so in JSON, ok is not false."""
+    """True when /health answers 200 (it answers 503 until an engine worker's heartbeat is fresh)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
-            body = response.read()
-            if response.status != 200:
-                return False
+            return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
-    try:
-        return json.loads(body).get("ok", True) is not False
-    except (ValueError, AttributeError):
-        return True
 
 
 def print_ready(supervisor: Supervisor, cfg: RunConfig, model: str, login: AdminLogin) -> None:
@@ -277,9 +272,12 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, _raise_stop)
 
 
-def _ignore_signals() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _hurry_on_signal(supervisor: Supervisor) -> None:
+    def hurry(_signum, _frame):
+        supervisor.hurry()
+
+    signal.signal(signal.SIGINT, hurry)
+    signal.signal(signal.SIGTERM, hurry)
 
 
 if __name__ == "__main__":

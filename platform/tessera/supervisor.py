@@ -1,8 +1,9 @@
 """A tiny process supervisor for `make run`: start children, prefix their output, stop them all.
 
 Each child runs in its own session (process group), so a terminal's Ctrl-C reaches only the
-supervisor, which then stops the children in reverse start order: SIGTERM to the whole group
-(that reaches Celery's pool processes too), then SIGKILL after a grace period. A child that
+supervisor, which then stops the children tier by tier (services before the Redis they talk
+to): SIGTERM to each whole group (that reaches Celery's pool processes too), then SIGKILL after
+a grace period. A child that
 exits on its own is reported by name and exit code; the caller decides what to do about it.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ class Child:
     name: str
     argv: list[str]
     process: subprocess.Popen
+    tier: int = 1  # stop order: higher tiers first (all of one tier at once), e.g. Redis is tier 0
     pump: threading.Thread | None = None
 
     @property
@@ -52,14 +54,16 @@ class Supervisor:
     children: list[Child] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stopping: bool = False
+    _hurry: bool = False
 
-    def start(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None) -> Child:
+    def start(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None,
+              tier: int = 1) -> Child:
         """Start argv as a child whose output lines are printed as 'name | line'."""
         process = subprocess.Popen(
             argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, bufsize=1, text=True, errors="replace",
         )
-        child = Child(name, argv, process)
+        child = Child(name, argv, process, tier)
         child.pump = threading.Thread(target=self._pump, args=(child,), name=f"pump-{name}", daemon=True)
         child.pump.start()
         self.children.append(child)
@@ -94,20 +98,31 @@ class Supervisor:
         return None
 
     def stop(self) -> None:
-        """SIGTERM every child's process group (newest first), wait, then SIGKILL what remains."""
+        """Stop the children tier by tier (highest first): SIGTERM to each process group of the
+        tier at once, wait up to grace_seconds, then SIGKILL whatever is left of those groups."""
         self._stopping = True
-        for child in reversed(self.children):
-            _signal_group(child, signal.SIGTERM)
-            try:
-                child.process.wait(self.grace_seconds)
-            except subprocess.TimeoutExpired:
-                self.say(f"{child.name} did not stop within {self.grace_seconds:g}s; killing it")
-            # The leader may be gone while its group lives on (e.g. orphaned pool processes).
-            _signal_group(child, signal.SIGKILL)
-            child.process.wait()
+        for tier in sorted({c.tier for c in self.children}, reverse=True):
+            self._stop_all([c for c in self.children if c.tier == tier])
         for child in self.children:
             if child.pump is not None:
                 child.pump.join(timeout=2)
+
+    def hurry(self) -> None:
+        """Cut the grace period short (a second Ctrl-C): what is still running gets SIGKILL now."""
+        self._hurry = True
+
+    def _stop_all(self, children: list[Child]) -> None:
+        for child in children:
+            _signal_group(child, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_seconds
+        while any(c.running() for c in children) and time.monotonic() < deadline and not self._hurry:
+            time.sleep(0.05)
+        for child in children:
+            if child.running():
+                self.say(f"{child.name} did not stop {'in time' if self._hurry else f'within {self.grace_seconds:g}s'}; killing it")
+            # The leader may be gone while its group lives on (e.g. orphaned pool processes).
+            _signal_group(child, signal.SIGKILL)
+            child.process.wait()
 
 
 def _signal_group(child: Child, sig: int) -> None:

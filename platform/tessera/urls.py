@@ -9,4 +9,5 @@ urlpatterns = [
     path("history/", include("chat.history_urls")),
     path("", include("chat.home_urls")),
     path("dashboard/", include("dashboard.urls")),
+    path("", include("batches.urls")),
 ]

@@ -3,9 +3,8 @@ import io
 import os
 import signal
 import sys
+import threading
 import time
-
-import pytest
 
 from tessera.supervisor import Exited, Supervisor
 
@@ -92,3 +91,31 @@ def test_watch_returns_none_when_the_condition_holds():
         assert sup.watch(poll_seconds=0.05, until=lambda: True) is None
     finally:
         sup.stop()
+
+
+def test_lower_tiers_are_stopped_after_higher_ones():
+    out = io.StringIO()
+    sup = Supervisor(out=out)
+    # Each child prints when SIGTERM arrives; the base tier must hear it last.
+    handler = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('{}', flush=True), sys.exit(0)));"
+               " print('up', flush=True); time.sleep(60)")
+    sup.start("base", [PY, "-c", handler.format("base-term")], tier=0)
+    sup.start("svc", [PY, "-c", handler.format("svc-term")])
+    assert _wait_for(lambda: out.getvalue().count("up") == 2)
+    sup.stop()
+    text = out.getvalue()
+    assert text.index("svc-term") < text.index("base-term")
+
+
+def test_hurry_cuts_the_grace_period_short():
+    out = io.StringIO()
+    sup = Supervisor(out=out, grace_seconds=30)
+    stubborn = sup.start("stubborn", [PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+                                                 " print('up', flush=True); time.sleep(60)"])
+    assert _wait_for(lambda: "up" in out.getvalue())
+    threading.Timer(0.3, sup.hurry).start()  # the second Ctrl-C, while stop() waits
+    started = time.monotonic()
+    sup.stop()
+    assert time.monotonic() - started < 5
+    assert stubborn.process.returncode == -signal.SIGKILL
+    assert "stubborn did not stop in time; killing it" in out.getvalue()

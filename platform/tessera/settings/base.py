@@ -76,7 +76,7 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
-LOGIN_URL = "login"
+LOGIN_URL = "accounts:login"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/"
 
@@ -116,6 +116,7 @@ CELERY_BEAT_SCHEDULE = {
     "batches-watchdog": {"task": "batches.watchdog",
                          "schedule": float(os.environ.get("BATCH_WATCHDOG_INTERVAL", 15))},
     "batches-delete-expired-files": {"task": "batches.delete_expired_files", "schedule": 3600.0},
+    "chat-finish-stale-replies": {"task": "chat.finish_stale_replies", "schedule": 300.0},
 }
 
 REST_FRAMEWORK = {

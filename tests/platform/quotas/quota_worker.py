@@ -1,4 +1,4 @@
-"""Run as a separate process by test_concurrency.py: N threads call the ledger at the same instant.
+"""Run as a separate process by test_quotas_concurrency.py: N threads call the ledger at the same instant.
 
 argv: redis_url prefix user_id threads tokens start_at limits_json; prints one JSON list of outcomes.
 """

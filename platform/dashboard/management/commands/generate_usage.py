@@ -1,4 +1,4 @@
-"""python manage.py generate_usage [--days 30] [--users 12] [--requests-per-day 2000] [--seed 0]"""
+"""python manage.py generate_usage [--days 30] [--users 12] [--requests-per-day 2000] [--seed 0] [--batches 10]"""
 from django.core.management.base import BaseCommand
 
 from dashboard import services, synthetic
@@ -12,9 +12,10 @@ class Command(BaseCommand):
         parser.add_argument("--users", type=int, default=12)
         parser.add_argument("--requests-per-day", type=int, default=2000)
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--batches", type=int, default=0, help="also create this many demo batch jobs")
         parser.add_argument("--no-rollup", action="store_true", help="leave the roll-up to the periodic task")
 
-    def handle(self, *args, days, users, requests_per_day, seed, no_rollup, **options):
+    def handle(self, *args, days, users, requests_per_day, seed, batches, no_rollup, **options):
         def progress(done, hours, rows):
             self.stdout.write(f"\r  hour {done}/{hours}: {rows} usage rows", ending="")
             self.stdout.flush()
@@ -23,6 +24,9 @@ class Command(BaseCommand):
         rows = synthetic.generate(days=days, users=users, requests_per_day=requests_per_day, seed=seed,
                                   progress=progress)
         self.stdout.write("")
+        if batches:
+            synthetic.generate_batches(count=batches, seed=seed)
+            self.stdout.write(f"Created {batches} demo batch jobs")
         if not no_rollup:
             done = services.roll_up_usage()
             self.stdout.write(f"Rolled up {done['hours']} hours into {done['rows']} hourly rows")

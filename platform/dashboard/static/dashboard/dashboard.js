@@ -192,6 +192,7 @@
 
   // ------------------------------------------------------------------ live engine
   function renderEngine(snap) {
+    state.lastSnapshot = snap;
     const t = snap.totals;
     $("live-running").textContent = fmtInt(t.num_running);
     $("live-waiting").textContent = fmtInt(t.num_waiting);
@@ -229,10 +230,11 @@
     if (!memory) return "–";
     const list = el("ul", null, { class: "memory" });
     Object.entries(memory).forEach(([k, v]) => {
-      const isBytes = /bytes|_b$|mem|weights|kv|activation|total/i.test(k) && typeof v === "number" && v > 4096;
-      list.appendChild(el("li", k.replace(/_/g, " ") + ": " + (isBytes ? fmtBytes(v) : fmtInt(v))));
+      const isBytes = /_bytes$/.test(k) && typeof v === "number";
+      const value = isBytes ? fmtBytes(v) : typeof v === "number" ? v.toLocaleString("en-US") : String(v);
+      list.appendChild(el("li", k.replace(/_bytes$/, "").replace(/_/g, " ") + ": " + value));
     });
-    if (maxLen) list.appendChild(el("li", "max model len: " + fmtInt(maxLen)));
+    if (maxLen && !("max_model_len" in memory)) list.appendChild(el("li", "max model len: " + fmtInt(maxLen)));
     return list;
   }
 

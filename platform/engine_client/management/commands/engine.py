@@ -102,7 +102,8 @@ class Command(BaseCommand):
         engine = llm.llm_engine
         served = (engine_args.get("served_model_name") or getattr(settings, "SERVED_MODEL_NAME", "")
                   or os.path.basename(os.path.normpath(model)))
-        info = {"engine_args": engine_args, "model_path": model, "max_model_len": _max_model_len(engine)}
+        info = {"engine_args": engine_args, "model_path": model, "max_model_len": _max_model_len(engine),
+                "memory": getattr(engine, "memory", None)}
         config = config_cls(model_name=served, extra_info=info, **worker_config_from_env())
         if options.get("worker_id"):
             config.worker_id = options["worker_id"]
@@ -119,6 +120,8 @@ class Command(BaseCommand):
 
 
 def _max_model_len(engine) -> int | None:
+    if isinstance(getattr(engine, "max_model_len", None), int):
+        return engine.max_model_len
     for holder in (getattr(engine, "args", None), getattr(engine, "engine_args", None), getattr(engine, "config", None)):
         value = getattr(holder, "max_model_len", None)
         if isinstance(value, int):

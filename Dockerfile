@@ -1,0 +1,38 @@
+# Tessera's one image: web (daphne), engine worker, Celery worker and beat all run from it
+# (compose.yaml picks the command). Front-end libraries come from npm at build time.
+#
+#   docker build -t tessera .                                                   # CUDA torch (GPU engines)
+#   docker build -t tessera --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .   # CPU only
+
+FROM node:22-slim AS assets
+WORKDIR /src
+COPY package.json package-lock.json ./
+RUN npm ci --no-audit --no-fund --loglevel=error \
+ && mkdir -p /assets/vendor \
+ && cp node_modules/chart.js/dist/chart.umd.min.js node_modules/chart.js/dist/chart.umd.min.js.map /assets/vendor/
+
+FROM python:3.11-slim
+ARG TORCH_INDEX_URL=
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONPATH=/app:/app/platform \
+    DJANGO_SETTINGS_MODULE=tessera.settings.prod \
+    TESSERA_VAR_DIR=/app/var
+WORKDIR /app
+
+# torch first, pinned, in its own layer: the largest download changes least often.
+RUN pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+COPY . .
+COPY --from=assets /assets /app/var/assets
+RUN pip install -e ".[postgres]"
+
+# Static files are collected into the image and served by whitenoise (compressed, hashed names).
+RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput --verbosity 0
+
+RUN useradd --system --uid 10001 tessera \
+ && mkdir -p /app/var/media \
+ && chown -R tessera /app/var
+USER tessera
+
+EXPOSE 8000
+CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "tessera.asgi:application"]

@@ -1,0 +1,73 @@
+"""Helpers for the engine-worker protocol tests: a tiny engine and a worker running in a thread."""
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+
+from inference import LLM
+from inference.worker import EngineWorker, WorkerConfig
+
+ENGINE_ARGS = dict(dtype="float32", device="cpu", block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
+                   max_model_len=256, num_kv_blocks=64, seed=0)
+
+
+def tiny_llm(model_dir: str) -> LLM:
+    return LLM(model=model_dir, **ENGINE_ARGS)
+
+
+def clear_engine_keys(client: redis.Redis) -> None:
+    keys = list(client.scan_iter("tessera:engine:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+class ThreadedWorker:
+    """An EngineWorker whose loop runs in a thread; crash() stops it without any clean-up."""
+
+    def __init__(self, engine, redis_url: str, **config):
+        defaults = dict(heartbeat_interval=0.2, heartbeat_ttl=1.0, reap_interval=0.3, model_name="tiny",
+                        extra_info={"max_model_len": engine.max_model_len})
+        defaults.update(config)
+        self.worker = EngineWorker(engine, redis.Redis.from_url(redis_url), WorkerConfig(**defaults))
+        self._crash = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        self.worker.setup()
+        try:
+            while not self._crash.is_set() and not self.worker._stopping.is_set():
+                if self.worker._draining and not self.worker.states:
+                    break
+                self.worker.run_once()
+        finally:
+            if not self._crash.is_set():
+                self.worker.shutdown()
+
+    def start(self) -> "ThreadedWorker":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.worker.stop(drain=False)
+        self.thread.join(10)
+
+    def crash(self) -> None:
+        """Die like a killed process: no more steps, no heartbeats, nothing cleaned up."""
+        self._crash.set()
+        self.thread.join(10)
+        self.worker._stopping.set()  # the heartbeat thread stops too; the key then expires
+        self.worker.engine.abort_request(list(self.worker.states))  # free the shared engine for later tests
+        while self.worker.engine.has_unfinished_requests():
+            self.worker.engine.step()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

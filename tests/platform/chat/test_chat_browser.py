@@ -1,0 +1,166 @@
+"""Headless Debian Chromium (driven by Playwright) against the live stack in its own processes:
+daphne, a `manage.py engine` worker on the tiny model, a private redis-server and an SQLite file
+(tests/platform/live_stack.py), started with the dev settings so that static files are served.
+
+Walks what a person does: sign up, chat and watch tokens arrive, stop, regenerate, find the
+conversation in history, create an API key, log out and in. Saves screenshots to docs/screenshots/.
+"""
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.inference.worker_helpers import wait_for
+from tests.platform.live_stack import LiveStack
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SCREENSHOTS = Path(__file__).resolve().parents[3] / "docs" / "screenshots"
+PASSWORD = "a-Long-pass-123"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not shutil.which(CHROMIUM), reason="Debian chromium is not installed (make browser)"),
+]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    """Dev settings (DEBUG=1: WhiteNoise serves platform/static without collectstatic), a roomier engine."""
+    env = {"DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1", "QUOTA_MAX_TOKENS_PER_REQUEST": "600"}
+    engine_args = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "num_kv_blocks": 256}
+    with LiveStack.start(tiny_model_dir, tmp_path_factory.mktemp("chat-browser"), env=env,
+                         engine_args=engine_args) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, stack):
+    context = browser.new_context(base_url=stack.base_url, viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    yield page
+    context.close()
+
+
+def shot(page, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=False)
+
+
+def sign_up(page, username: str) -> None:
+    page.goto("/accounts/signup/")
+    page.fill("#id_username", username)
+    page.fill("#id_password1", PASSWORD)
+    page.fill("#id_password2", PASSWORD)
+    shot(page, "signup")
+    page.click("button[type=submit]")
+    page.wait_for_url("**/chat/")
+
+
+def wait_idle(page) -> None:
+    page.wait_for_selector(".msg.streaming", state="detached")
+    page.wait_for_selector("#send", state="visible")
+
+
+def test_chat_stop_regenerate_history_and_keys_in_a_real_browser(page, stack):
+    sign_up(page, "walter")
+    page.wait_for_selector("#ws-status.online")
+
+    # Send a message and watch the answer grow while it streams.
+    page.fill("#p-max_tokens", "120")
+    page.fill("#p-temperature", "0")
+    page.fill("#prompt", "Tell me about tiles")
+    page.keyboard.press("Enter")
+    page.wait_for_selector(".msg.assistant.streaming")
+    body = page.locator(".msg.assistant .body").last
+    wait_for(lambda: len(body.inner_text()) > 0, timeout=20)
+    early = len(body.inner_text())
+    wait_idle(page)
+    assert len(body.inner_text()) > early  # tokens kept arriving after the first ones
+    assert "completion tokens" in page.locator(".msg.assistant .stats").last.inner_text()
+    assert "/chat/c/" in page.url
+    shot(page, "playground")
+
+    # A long answer, stopped mid-way with the stop button.
+    page.fill("#p-max_tokens", "500")
+    page.fill("#prompt", "Now a very long story please")
+    page.click("#send")
+    page.wait_for_selector("#stop", state="visible")
+    wait_for(lambda: len(page.locator(".msg.assistant .body").last.inner_text()) > 0, timeout=20)
+    page.click("#stop")
+    wait_idle(page)
+    assert "stopped" in page.locator(".msg.assistant .stats").last.inner_text()
+    wait_for(lambda: all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stack.worker_stats()), timeout=5)
+    saved = stack.sql("SELECT status, finish_reason FROM chat_message WHERE role='assistant' ORDER BY id DESC LIMIT 1")
+    assert saved == [("stopped", "abort")]
+
+    # Regenerate the last answer: a second version appears, with branch navigation.
+    page.fill("#p-max_tokens", "20")
+    page.locator(".msg.assistant").last.get_by_role("button", name="Regenerate").click()
+    page.wait_for_selector(".msg.assistant .branch-nav")
+    wait_idle(page)
+    assert "2/2" in page.locator(".msg.assistant .branch-nav").last.inner_text()
+
+    # History: the conversation is listed and found by search.
+    page.click("nav >> text=History")
+    page.fill("input[name=q]", "tiles")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#conversation-table >> text=Tell me about tiles")
+    shot(page, "history")
+    page.click("#conversation-table >> text=Tell me about tiles")
+    page.wait_for_selector(".msg.assistant")
+    assert page.locator(".msg").count() == 4  # two turns on the branch on screen
+
+    # API keys: create one, see it once.
+    page.click("nav >> text=API keys")
+    page.fill("#id_name", "browser-test")
+    page.click("text=Create key")
+    key = page.locator("[data-testid=new-key]").inner_text()
+    assert key.startswith("tsk-")
+    shot(page, "api-keys")
+    page.reload()
+    assert key not in page.content() and "browser-test" in page.content()
+
+    page.click("nav >> text=Usage")
+    page.wait_for_selector("#quota")
+    shot(page, "usage")
+    page.goto("/history/requests/")
+    page.wait_for_selector("#request-table")
+    shot(page, "requests")
+
+    # Log out, then log back in.
+    page.click("text=Log out")
+    page.wait_for_url("**/accounts/login/")
+    page.fill("#id_username", "walter")
+    page.fill("#id_password", PASSWORD)
+    shot(page, "login")
+    page.click("button[type=submit]")
+    page.wait_for_url("**/chat/")
+
+
+def test_model_and_user_text_cannot_inject_html(page, stack):
+    sign_up(page, "mallory")
+    page.wait_for_selector("#ws-status.online")
+    payload = "<img src=x onerror=\"window.__pwned=1\"> **bold** and `code`\n\n```\n<script>window.__pwned=2</script>\n```"
+    page.fill("#p-max_tokens", "5")
+    page.fill("#prompt", payload)
+    page.click("#send")
+    wait_idle(page)
+    user_body = page.locator(".msg.user .body").first
+    assert "<img src=x" in user_body.inner_text()  # shown as text
+    assert user_body.locator("img").count() == 0 and user_body.locator("script").count() == 0
+    assert user_body.locator("strong").inner_text() == "bold"  # the safe subset still renders
+    assert user_body.locator("pre code").count() == 1
+    assert page.evaluate("window.__pwned") is None

@@ -1,0 +1,119 @@
+"""The engine client's own behaviour: request building, async streaming, resume, liveness, health."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+from django.conf import settings
+
+from engine_client import client as engine
+from engine_client import protocol
+from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
+
+PROMPT = [5, 17, 42, 99, 7, 3]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return tiny_llm(tiny_model_dir)
+
+
+@pytest.fixture
+def r():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    clear_engine_keys(client)
+    yield client
+    clear_engine_keys(client)
+
+
+@pytest.fixture
+def worker(llm, r):
+    running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
+    wait_for(lambda: engine.health()["ok"])
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize("cls, within, expected", [
+    ("interactive", 0, 0), ("interactive", 5, 5), ("api", 0, 1000), ("api", 5000, 1999), ("batch", -3, 2000)])
+def test_priority_classes_map_onto_disjoint_engine_priority_ranges(cls, within, expected):
+    assert protocol.engine_priority(cls, within) == expected
+
+
+def test_bad_submissions_are_refused_before_anything_is_queued(r):
+    with pytest.raises(ValueError):
+        engine.submit(prompt_token_ids=PROMPT, prompt="both", sampling_params={})
+    with pytest.raises(ValueError):
+        engine.submit(sampling_params={})
+    with pytest.raises(ValueError):
+        engine.submit(prompt_token_ids=PROMPT, priority_class="vip")
+    assert r.xlen(protocol.REQUEST_STREAM) == 0 if r.exists(protocol.REQUEST_STREAM) else True
+
+
+def test_submit_writes_the_documented_message(r):
+    rid = engine.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3}, priority_class="batch",
+                        priority=7, user=42, queue_timeout=60)
+    [(_id, fields)] = r.xrange(protocol.REQUEST_STREAM)
+    message = protocol.decode(fields[b"data"])
+    assert message["request_id"] == rid and message["prompt_token_ids"] == PROMPT and message["prompt"] is None
+    assert message["priority"] == 2007 and message["priority_class"] == "batch" and message["user"] == "42"
+    assert message["deadline"] - message["submitted_at"] == pytest.approx(60)
+
+
+def test_astream_yields_what_stream_yields(worker):
+    params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
+    sync_events = list(engine.stream(engine.submit(prompt_token_ids=PROMPT, sampling_params=params), timeout=30))
+
+    async def run():
+        rid = await engine.asubmit(prompt_token_ids=PROMPT, sampling_params=params)
+        return [e async for e in engine.astream(rid, timeout=30)], await engine.acollect(rid, timeout=30)
+
+    async_events, collected = asyncio.run(run())
+    strip = lambda events: [{k: v for k, v in e.items() if k not in ("entry_id", "metrics")} for e in events]  # noqa: E731
+    assert strip(async_events) == strip(sync_events)
+    assert collected["choices"][0]["text"] == "".join(e["text"] for e in sync_events if e["type"] == "delta")
+
+
+def test_stream_resumes_after_an_entry_id_and_replays_from_the_start(worker):
+    rid = engine.submit(prompt_token_ids=PROMPT, sampling_params={"temperature": 0.0, "max_tokens": 6,
+                                                                   "ignore_eos": True})
+    events = list(engine.stream(rid, timeout=30))
+    assert list(engine.stream(rid, timeout=5)) == events, "a reconnecting reader sees everything again"
+    resumed = list(engine.stream(rid, last_id=events[0]["entry_id"], timeout=5))
+    assert resumed == [e for e in events if e["entry_id"] > events[0]["entry_id"]] or resumed == events[1:]
+
+
+def test_timeout_ends_the_stream_with_an_error_and_aborts(r):
+    rid = engine.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4})
+    events = list(engine.stream(rid, timeout=0.5, no_worker_grace=60))
+    assert [(e["type"], e["code"]) for e in events] == [("error", "timeout")]
+    assert r.exists(protocol.aborted_key(rid)), "a worker that starts later must not run it"
+
+
+def test_fold_and_finalize_build_a_result_with_every_choice():
+    result = engine.new_result()
+    for event in [
+        {"type": "delta", "index": 1, "text": "b", "token_ids": [2], "finish_reason": None},
+        {"type": "delta", "index": 0, "text": "a", "token_ids": [1], "finish_reason": "stop", "stop_reason": "x"},
+        {"type": "finish", "finish_reasons": ["stop", "abort"], "usage": {"prompt_tokens": 3}, "metrics": {}},
+    ]:
+        engine.fold(result, event)
+    result = engine.finalize(result, 3)
+    assert [c["index"] for c in result["choices"]] == [0, 1, 2]
+    assert [c["finish_reason"] for c in result["choices"]] == ["stop", "abort", None]
+    assert result["choices"][0]["stop_reason"] == "x" and result["usage"] == {"prompt_tokens": 3}
+
+
+def test_health_tracks_heartbeats_and_forgets_dead_workers(worker, r):
+    assert engine.health() == {"ok": True, "redis": True, "workers": [worker.worker.worker_id]}
+    worker.crash()
+    wait_for(lambda: not engine.health()["ok"], timeout=5)
+    assert not r.sismember(protocol.WORKERS_SET, worker.worker.worker_id)
+    assert asyncio.run(engine.ahealth())["ok"] is False
+
+
+def test_health_reports_an_unreachable_redis(monkeypatch):
+    monkeypatch.setattr(engine, "_sync_client", redis.Redis(port=1, socket_connect_timeout=0.2))
+    state = engine.health()
+    assert state["ok"] is False and state["redis"] is False

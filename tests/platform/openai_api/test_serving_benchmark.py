@@ -1,0 +1,27 @@
+"""The serving benchmark's measuring code works (a 4-request smoke run; the real runs are `make bench`)."""
+import pytest
+
+from benchmarks import serving
+
+pytestmark = pytest.mark.slow
+
+
+def test_summary_statistics():
+    results = [serving.RequestResult(ok=True, prompt_len=4, output_tokens=5, ttft=0.1, latency=0.5, itl=[0.1] * 4),
+               serving.RequestResult(ok=False, prompt_len=4, error="HTTP 500")]
+    summary = serving.summarize(results, duration=2.0)
+    assert summary["completed"] == 1 and summary["failed"] == 1 and summary["errors"] == ["HTTP 500"]
+    assert summary["output_tok_s"] == pytest.approx(2.5)
+    assert summary["tpot_ms"]["p50"] == pytest.approx(100.0) and summary["itl_ms"]["p99"] == pytest.approx(100.0)
+
+
+def test_benchmark_runs_against_a_live_stack(live_stack, tiny_model_dir, tmp_path):
+    report = serving.main(["--base-url", live_stack.base_url, "--api-key", live_stack.api_key,
+                           "--model-name", live_stack.model_name, "--model", tiny_model_dir, "--skip-offline",
+                           "--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8",
+                           "--rates", "20,inf", "--out", str(tmp_path / "serving.json")])
+    for rate in ("20.0", "inf"):
+        summary = report["rates"][rate]
+        assert summary["completed"] == 4 and summary["failed"] == 0
+        assert summary["output_tok_s"] > 0 and summary["ttft_ms"]["p50"] > 0
+    assert (tmp_path / "serving.json").exists()

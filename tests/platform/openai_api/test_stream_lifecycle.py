@@ -1,0 +1,97 @@
+"""What happens to a stream when its client leaves, or its engine worker dies."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.platform.live_stack import LiveStack
+
+pytestmark = pytest.mark.slow
+
+
+def wait_for(predicate, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout}s")
+
+
+def test_closing_a_stream_aborts_the_request_and_frees_its_kv_blocks(live_stack):
+    before = live_stack.worker_stats()[0]["aborts_total"]
+    body = {"model": live_stack.model_name, "prompt": [5, 6, 7] * 40, "max_tokens": 360, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {live_stack.api_key}"}
+    with httpx.stream("POST", live_stack.base_url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = [next(lines) for _ in range(6)]  # a few chunks, then hang up
+        assert any(line.startswith("data: ") for line in first)
+        busy = wait_for(lambda: (s := live_stack.worker_stats()[0]) and s["inflight"] == 1 and s["blocks_used"] > 0
+                        and s, timeout=5)
+    # the response is closed here, mid-generation
+    stats = wait_for(lambda: (s := live_stack.worker_stats()[0]) and s["inflight"] == 0 and s["num_running"] == 0
+                     and s["blocks_used"] == 0 and s)
+    assert stats["aborts_total"] == before + 1
+    assert stats["generation_tokens_total"] < busy["generation_tokens_total"] + 360
+    rows = wait_for(lambda: live_stack.sql(
+        "SELECT status_code, error_code, completion_tokens FROM usage_usagerecord "
+        "WHERE endpoint = '/v1/completions' ORDER BY id DESC LIMIT 1"))
+    assert rows[0][:2] == (499, "client_disconnected") and rows[0][2] < 360
+
+
+@pytest.fixture(scope="module")
+def doomed_stack(tiny_model_dir, tmp_path_factory):
+    """A stack of its own with two engine workers (`manage.py engine` x2 on one consumer group), killed here."""
+    with LiveStack.start(tiny_model_dir, tmp_path_factory.mktemp("doomed-stack"), workers=2) as stack:
+        yield stack
+
+
+def _process_running(stack: LiveStack, worker_id: str) -> str:
+    pid = int(stack.redis().hget(f"tessera:engine:worker:{worker_id}", "pid"))
+    return next(name for name, proc in stack.processes.items() if proc.pid == pid)
+
+
+def test_worker_death_and_shutdown_never_leave_a_client_waiting(doomed_stack):
+    stack = doomed_stack
+    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
+    stream = client.completions.create(model=stack.model_name, prompt=[4, 5, 6], max_tokens=400,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    [(_id, fields)] = stack.redis().xrange(f"tessera:engine:out:{first.id}", count=1)
+    victim_id = json.loads(fields[b"events"])[0]["worker_id"]
+    victim = _process_running(stack, victim_id)
+    stack.kill(victim)  # SIGKILL: no clean-up, no goodbye
+    started = time.monotonic()
+    with pytest.raises(openai.APIError) as info:
+        for _chunk in stream:
+            pass
+    assert "worker" in str(info.value)
+    assert time.monotonic() - started < 3 + 1 + 3, "the client learns within heartbeat TTL + one poll"
+
+    # the other worker of the group carries on
+    wait_for(lambda: len(httpx.get(stack.base_url + "/health").json()["workers"]) == 1)
+    reply = client.completions.create(model=stack.model_name, prompt=[4, 5, 6], max_tokens=4)
+    assert reply.usage.completion_tokens == 4
+
+    # SIGTERM: the survivor drains, removes its heartbeat and consumer, and exits 0
+    survivor_id = httpx.get(stack.base_url + "/health").json()["workers"][0]
+    survivor = _process_running(stack, survivor_id)
+    process = stack.processes[survivor]
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0
+    r = stack.redis()
+    assert not r.exists(f"tessera:engine:worker:{survivor_id}")
+    consumers = {c["name"].decode() for c in r.xinfo_consumers("tessera:engine:requests", "engines")}
+    assert survivor_id not in consumers
+    assert httpx.get(stack.base_url + "/health").status_code == 503
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(model=stack.model_name, prompt=[4, 5, 6], max_tokens=4)
+    assert info.value.status_code == 503 and info.value.body["code"] == "engine_unavailable"
