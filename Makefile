@@ -37,7 +37,7 @@ test: install browser assets
 	$(BIN)/python -m pytest
 
 bench: install
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python -m benchmarks.run_all $(ARGS)
 
 # Everything on this machine: the demo model on first run, Redis, the engine worker, Celery worker
 # and beat, and the web server (platform/tessera/run.py; PORT, MODEL, REDIS_URL... from the env).

@@ -3,6 +3,9 @@
 Each step decodes only a short window of ids (vLLM's prefix/read offsets): the text of the
 window without the new tokens is subtracted from the text with them. A window whose text ends
 in U+FFFD is an incomplete byte sequence, so nothing is emitted until the next token completes it.
+
+Without stop strings nothing needs the text until someone reads it, so tokens are buffered and
+decoded in one window when `text` is read (one decode per read instead of two per token).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
+        self._text = ""
+        self.pending: list[int] = []
         self.stop_strings = stop_strings
         self.include_stop = include_stop_str
         self.hold_back = max((len(s) for s in stop_strings), default=1) - 1
@@ -28,15 +32,41 @@ class IncrementalDetokenizer:
         check_stop=False (before min_tokens) neither looks for nor cuts at stop strings: the
         sequence goes on, so its text must keep them.
         """
-        self.ids.append(token_id)
+        if not self.stop_strings:
+            self.pending.append(token_id)
+            return None
+        new_len = self._consume([token_id])
+        return self._check_stop(new_len) if check_stop and new_len else None
+
+    @property
+    def text(self) -> str:
+        if self.pending:
+            pending, self.pending = self.pending, []
+            if not self._consume(pending, allow_partial=False):
+                for token_id in pending:  # the window ends mid-character: go token by token
+                    self._consume([token_id])
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
+
+    def _consume(self, token_ids: list[int], allow_partial: bool = True) -> int:
+        """Append tokens and emit the window's new complete text; returns its length (0 if none)."""
+        if not allow_partial:
+            saved = (len(self.ids), self.prefix_offset, self.read_offset)
+        self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new_text = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self.text += new_text
-            return self._check_stop(len(new_text)) if check_stop else None
-        return None
+            self._text += new_text
+            return len(new_text)
+        if not allow_partial:
+            del self.ids[saved[0]:]
+            self.prefix_offset, self.read_offset = saved[1], saved[2]
+        return 0
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:

@@ -10,10 +10,12 @@ from inference.config import EngineArgs, ModelConfig
 from inference.detokenizer import IncrementalDetokenizer
 from inference.kv_cache_manager import KVCacheManager
 from inference.layers.ops import get_ops
-from inference.loader import build_model, check_model_folder, init_dummy_weights, load_tokenizer, load_weights
+from inference.executor import create_executor
+from inference.loader import check_model_folder, load_model, load_tokenizer
 from inference.metrics import EngineMetrics
 from inference.model_runner import ModelRunner
 from inference.outputs import CompletionOutput, RequestOutput
+from inference.quantization import describe_weights
 from inference.request import Request, RequestStatus
 from inference.sampler import Sampler, top_logprobs
 from inference.sampling_params import SamplingParams
@@ -35,11 +37,18 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
         self.served_model_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
         self.ops = get_ops(args.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
-        self.model = self._load_model(progress)
-        self.memory = self._plan_memory()
-        num_blocks = self.memory["num_kv_blocks"]
-        self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.kv, num_blocks, self.dtype, self.device)
+        # The executor first: it sets this process's tensor-parallel rank, which the layers read.
+        self.executor = create_executor(args, self.device)
+        try:
+            self.model = self._load_model(progress)
+            self.memory = self._plan_memory()
+            num_blocks = self.memory["num_kv_blocks"]
+            self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
+            self.runner = ModelRunner(self.model, self.kv, num_blocks, self.dtype, self.device)
+            self.executor.bind(self.runner)
+        except BaseException:
+            self.executor.shutdown()  # no rank left behind by a failed start
+            raise
         self.scheduler = Scheduler(self._scheduler_config(), self.kv)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids)
         self.metrics = EngineMetrics()
@@ -50,12 +59,11 @@ class LLMEngine:
     # ---- start-up -------------------------------------------------------------------------
 
     def _load_model(self, progress: bool):
-        model = build_model(self.model_config, self.ops, self.dtype, self.device, self.max_model_len)
-        if self.args.load_format == "dummy":
-            init_dummy_weights(model, self.args.seed)
-        else:
-            load_weights(model, self.args.model, progress)
-        return model.eval()
+        return load_model(self.args, self.model_config, self.ops, self.dtype, self.device, self.max_model_len, progress)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op with one); also runs at interpreter exit."""
+        self.executor.shutdown()
 
     def _plan_memory(self) -> dict:
         """Size the KV pool from num_kv_blocks or a memory budget; fail with numbers if too small."""
@@ -89,7 +97,7 @@ class LLMEngine:
             "block_size": args.block_size,
             "max_model_len": self.max_model_len,
             "max_concurrency_at_max_model_len": round(num_blocks / blocks_per_seq, 2),
-            "weights_dtype": str(self.dtype).removeprefix("torch."),
+            **describe_weights(self.model, self.dtype),  # weights_dtype, quantization, tensor_parallel_size
         }
 
     def _scheduler_config(self) -> SchedulerConfig:
@@ -162,7 +170,12 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; outputs of the requests that progressed.
+
+        final_only=True (the offline API) returns only finished requests, which skips building
+        cumulative outputs (and decoding text) for every running request every step.
+        """
         if self._should_wait_for_more_arrivals():
             return []
         plan = self.scheduler.schedule()
@@ -170,7 +183,8 @@ class LLMEngine:
         if not plan.is_empty:
             self._run(plan, touched)
         self._observe_kv_fill()
-        return [self._finish_output(r) for r in touched.values()]
+        roots = [r.group[0] for r in touched.values()]
+        return [self._output(root) for root in roots if not final_only or self._group_finished(root)]
 
     def _should_wait_for_more_arrivals(self) -> bool:
         """scheduler_delay_ms: an idle engine may wait briefly to batch a burst of arrivals."""
@@ -182,9 +196,9 @@ class LLMEngine:
         return False
 
     def _run(self, plan, touched: dict[str, Request]) -> None:
-        self.runner.copy_blocks(plan.block_copies)
+        self.executor.copy_blocks(plan.block_copies)
         inputs = self.runner.prepare(plan.scheduled)
-        hidden, logits = self.runner.execute(inputs)
+        hidden, logits = self.executor.execute(inputs)
         for request, num_new in plan.scheduled.items():
             self._advance(request, num_new)
         self._record_prompt_logprobs(inputs, hidden)
@@ -274,7 +288,7 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, inputs, hidden) -> None:
         for request, (first_row, count, first_pos) in inputs.prompt_rows.items():
-            logprobs = torch.log_softmax(self.runner.logits_of(hidden[first_row:first_row + count]).float(), dim=-1)
+            logprobs = torch.log_softmax(self.executor.logits_of(hidden[first_row:first_row + count]).float(), dim=-1)
             k = request.params.prompt_logprobs
             for i in range(count):
                 target = first_pos + i + 1  # the row at position p predicts the token at p + 1
@@ -291,12 +305,16 @@ class LLMEngine:
 
     # ---- outputs --------------------------------------------------------------------------
 
-    def _finish_output(self, request: Request) -> RequestOutput:
-        root = request.group[0]
-        finished = all(s.is_finished for s in root.group) and (
+    @staticmethod
+    def _group_finished(root: Request) -> bool:
+        """All n sequences are done (or the prompt ended before it could fork)."""
+        return all(s.is_finished for s in root.group) and (
             len(root.group) == root.n or root.status is RequestStatus.FINISHED_ABORTED
             or root.num_output_tokens == 0
         )
+
+    def _output(self, root: Request) -> RequestOutput:
+        finished = self._group_finished(root)
         if finished:
             self.requests.pop(root.request_id, None)
         outputs = [self._completion(s) for s in root.group]
@@ -362,7 +380,5 @@ def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
 
 def profile_cuda(engine: LLMEngine) -> tuple[int, int]:
     """Total device memory and the activation peak of a forward at max_num_batched_tokens."""
-    from inference.profiling import activation_peak_bytes
-
     total = torch.cuda.get_device_properties(engine.device).total_memory
-    return total, activation_peak_bytes(engine)
+    return total, engine.executor.activation_peak_bytes(engine)

@@ -51,7 +51,7 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in engine.step(final_only=True):
                 if out.finished:
                     finished[out.request_id] = out
                     generated += sum(len(o.token_ids) for o in out.outputs)

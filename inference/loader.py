@@ -63,15 +63,47 @@ def load_weights(model: LlamaForCausalLM, folder: str, progress: bool = True) ->
                 if param is None:
                     raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, f.get_tensor(hf_name).to(param.dtype), shard_id)
+                loader(param, checkpoint_tensor(f, hf_name, param), shard_id)
                 loaded.add(name)
-    missing = [n for n in params if n not in loaded and not (n == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    missing = [n for n, p in params.items() if n not in loaded and not not_in_checkpoint(model, n, p)]
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks weights for: {', '.join(sorted(missing)[:8])}")
+    process_weights_after_loading(model)
+
+
+def process_weights_after_loading(model) -> None:
     for module in model.modules():
         method = getattr(module, "method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+
+
+def checkpoint_tensor(f, hf_name: str, param) -> torch.Tensor:
+    """Floats arrive in the parameter's dtype; packed integers and floats bound for int8 as they are."""
+    tensor = f.get_tensor(hf_name)
+    if tensor.is_floating_point() and param.is_floating_point():
+        tensor = tensor.to(param.dtype)
+    return tensor
+
+
+def not_in_checkpoint(model, name: str, param) -> bool:
+    """Parameters a checkpoint need not hold: tied heads, values derived at load, optional ones."""
+    if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+        return True
+    return getattr(param, "derived", False) or getattr(param, "optional", False)
+
+
+def load_model(args, cfg: ModelConfig, ops, dtype, device, max_model_len: int, progress: bool = True):
+    """This rank's model: built with the linear method of args.quantization, then weights loaded."""
+    from inference.quantization import get_linear_method
+
+    model = build_model(cfg, ops, dtype, device, max_model_len, get_linear_method(cfg, args))
+    if args.load_format == "dummy":
+        init_dummy_weights(model, args.seed)
+        process_weights_after_loading(model)
+    else:
+        load_weights(model, args.model, progress)
+    return model.eval()
 
 
 def default_weight_loader(param, loaded, shard_id=None) -> None:
@@ -84,6 +116,10 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
+        elif not param.is_floating_point():  # quantized: random codes (g_idx stays 0, a valid group)
+            if not name.endswith("g_idx"):
+                info = torch.iinfo(param.dtype)
+                param.data.copy_(torch.randint(info.min, info.max, param.shape, generator=gen, dtype=param.dtype))
         else:
             values = torch.randn(param.shape, generator=gen) * 0.02
             param.data.copy_(values.to(param.dtype))

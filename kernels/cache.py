@@ -8,7 +8,6 @@ from __future__ import annotations
 # First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
 from kernels import _triton_utils  # noqa: F401,I001
 
-import torch
 import triton
 import triton.language as tl
 

@@ -43,30 +43,23 @@ def gather_kv(k_cache, v_cache, block_table_row, length):
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D].
 
-    K/V are gathered through the block tables into a padded [B, Hkv, L, D] batch; query heads
-    are grouped per KV head ([B, Hkv, G, D]) so GQA needs no repeated K/V.
+    K/V are gathered slot by slot into a padded [B, Hkv, L, D] batch; query heads are grouped
+    per KV head ([B, Hkv, G, D]) so GQA needs no repeated K/V. Padding positions re-read the
+    sequence's own position 0 (always written, so finite) and are masked out of the softmax:
+    no block-table entry past a sequence's used length is ever followed.
     """
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
-    num_blocks = (max_len + block_size - 1) // block_size
-    blocks = block_tables[:, :num_blocks].long()
-    # Shorter sequences' table entries past their used length are padding: never follow them
-    # (they may be out of range); point them at block 0 and zero what comes back below.
-    used_blocks = (seq_lens.long().to(blocks.device) + block_size - 1) // block_size
-    blocks = blocks.masked_fill(torch.arange(num_blocks, device=blocks.device)[None, :] >= used_blocks[:, None], 0)
-    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-    k = k_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
-    v = v_cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len].transpose(1, 2)
-    positions = torch.arange(max_len, device=q.device)
-    valid = positions[None, :] < seq_lens[:, None].to(positions.device)  # [B, L]
-    # Slots past a sequence's length hold stale or uninitialised memory (NaN/Inf from torch.empty
-    # included); a -inf score alone does not help because 0 * NaN = NaN in the P @ V product.
-    k = k.masked_fill(~valid[:, None, :, None], 0)
-    v = v.masked_fill(~valid[:, None, :, None], 0)
+    positions = torch.arange(max_len, device=block_tables.device)
+    valid = positions[None, :] < seq_lens.to(block_tables.device)[:, None]  # [B, L]
+    block_index = torch.where(valid, positions // block_size, 0)
+    slots = block_tables.long().gather(1, block_index) * block_size + torch.where(valid, positions % block_size, 0)
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
     mask = torch.zeros(batch, 1, 1, max_len, dtype=q.dtype, device=q.device)
-    mask.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    mask.masked_fill_(~valid[:, None, None, :].to(q.device), float("-inf"))
     qg = q.view(batch, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)

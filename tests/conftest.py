@@ -1,5 +1,15 @@
-"""Shared fixtures: tiny HF model folders built once per session."""
+"""Shared fixtures: tiny HF model folders built once per session.
+
+Without a GPU, Triton kernels (tests/kernels and the engine's "triton" backend) run in Triton's
+interpreter, which has to be chosen before triton.language is first imported: hence here.
+"""
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tiny_models import make_tiny_model
 

@@ -29,9 +29,12 @@ from .tokenizer import build_tokenizer, english_corpus, paragraphs_of, title_of
 QUESTION_TEMPLATES = ("Tell me about {t}.", "What is {t}?", "Explain {t}.", "How does {t} work?",
                       "Describe {t}.", "{t}?")
 GREETINGS = (
-    ("Hello", "Hello! I am the Tessera demo model, a small language model trained on the Python documentation. Ask me about Python statements, expressions or types."),
-    ("Hi", "Hi! I am a small demo model trained on the Python reference. Ask me about the for statement, lists, exceptions or classes."),
-    ("Who are you?", "I am the Tessera demo model: a few million parameters trained for a few minutes on the documentation that ships with Python."),
+    ("Hello", "Hello! I am the Tessera demo model, a small language model trained on the Python "
+              "documentation. Ask me about Python statements, expressions or types."),
+    ("Hi", "Hi! I am a small demo model trained on the Python reference. Ask me about the for "
+           "statement, lists, exceptions or classes."),
+    ("Who are you?", "I am the Tessera demo model: a few million parameters trained for a few minutes "
+                     "on the documentation that ships with Python."),
 )
 
 

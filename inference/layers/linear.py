@@ -61,8 +61,12 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, divide(out_features, tp_size()), bias, dtype, method)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        size = param.shape[0]
-        copy_checked(param.data, loaded.narrow(0, tp_rank() * size, size))
+        dim = output_dim(param)
+        if dim is None:  # replicated along the output (e.g. GPTQ's g_idx)
+            copy_checked(param.data, loaded)
+            return
+        size = param.shape[dim]
+        copy_checked(param.data, loaded.narrow(dim, tp_rank() * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -73,10 +77,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias, dtype, method)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        per_rank = [divide(s, tp_size()) for s in self.out_sizes]
+        dim = output_dim(param)
+        if dim is None:
+            copy_checked(param.data, loaded)
+            return
+        per_rank = [stored_size(param, divide(s, tp_size())) for s in self.out_sizes]
         offset = sum(per_rank[:shard_id])
         size = per_rank[shard_id]
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, tp_rank() * size, size))
+        copy_checked(param.data.narrow(dim, offset, size), loaded.narrow(dim, tp_rank() * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -99,13 +107,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         return (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        q_size, kv_size, _ = self.output_sizes
+        dim = output_dim(param)
+        if dim is None:
+            copy_checked(param.data, loaded)
+            return
+        q_size, kv_size = (stored_size(param, n) for n in self.output_sizes[:2])
         if shard_id == "q":
             offset, size, rank_index = 0, q_size, tp_rank()
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, rank_index = kv_size, tp_rank() // self.kv_replicas
-        copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, rank_index * size, size))
+        copy_checked(param.data.narrow(dim, offset, size), loaded.narrow(dim, rank_index * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -115,15 +127,34 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(in_features, tp_size()), out_features, bias, dtype, method)
 
     def weight_loader(self, param, loaded, shard_id=None):
-        if param.dim() == 1:  # the bias is added once, after the reduction
+        dim = input_dim(param)
+        if dim is None:  # the bias is added once, after the reduction; per-channel scales are whole
             copy_checked(param.data, loaded)
             return
-        size = param.shape[1]
-        copy_checked(param.data, loaded.narrow(1, tp_rank() * size, size))
+        size = param.shape[dim]
+        copy_checked(param.data, loaded.narrow(dim, tp_rank() * size, size))
 
     def forward(self, x):
         out = all_reduce(self.method.apply(self, x, None))
         return out if self.bias is None else out + self.bias
+
+
+# Where a parameter keeps its output and input features. A plain weight is [out, in]; quantized
+# formats set `output_dim` / `input_dim` on their parameters (None: not split along that side)
+# and `output_pack`, the number of output features per stored element (8 int4 in one int32).
+def output_dim(param) -> int | None:
+    return getattr(param, "output_dim", 0)
+
+
+def input_dim(param) -> int | None:
+    return getattr(param, "input_dim", 1 if param.dim() == 2 else None)
+
+
+def stored_size(param, num_output_features: int) -> int:
+    pack = getattr(param, "output_pack", 1)
+    if num_output_features % pack:
+        raise ValueError(f"{num_output_features} output features per rank do not fill packs of {pack}")
+    return num_output_features // pack
 
 
 def divide(numerator: int, denominator: int) -> int:

@@ -203,21 +203,17 @@ class BatchRunner:
             if not self.stopping:  # aborted by someone else: run it again
                 services.requeue_line(line)
             return  # aborted by our cancel/expiry: closed with the other unfinished lines
-        if services.record_line_result(line, outcome):
-            self.record_usage(line, gen, outcome)
+        if services.record_line_result(line, outcome, self.usage_row(line, gen, outcome)):
             self.dirty = True
         engine.delete_output(line.engine_request_id)
 
-    def record_usage(self, line: BatchLine, gen, outcome) -> None:
-        from usage.services import record_usage
-
+    def usage_row(self, line: BatchLine, gen, outcome) -> dict:
         usage, metrics = outcome.usage or {}, outcome.metrics or {}
-        record_usage(user=self.user, source="batch", endpoint=line.url, model=gen.model,
-                     request_id=line.engine_request_id, prompt_tokens=usage.get("prompt_tokens", 0),
-                     completion_tokens=usage.get("completion_tokens", 0),
-                     cached_tokens=usage.get("cached_tokens", 0), ttft_ms=metrics.get("ttft_ms"),
-                     latency_ms=outcome.latency_ms, status_code=outcome.status_code,
-                     error_code=outcome.error_code or "")
+        return dict(user=self.user, source="batch", endpoint=line.url, model=gen.model,
+                    request_id=line.engine_request_id, prompt_tokens=usage.get("prompt_tokens", 0),
+                    completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
+                    ttft_ms=metrics.get("ttft_ms"), latency_ms=outcome.latency_ms, status_code=outcome.status_code,
+                    error_code=outcome.error_code or "")
 
     # ------------------------------------------------------------ endings
 

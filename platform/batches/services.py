@@ -227,10 +227,11 @@ def return_line_to_pending(line: BatchLine) -> None:
         status=BatchLine.Status.PENDING, reservation=None)
 
 
-def record_line_result(line: BatchLine, outcome) -> bool:
+def record_line_result(line: BatchLine, outcome, usage_row: dict | None = None) -> bool:
     """Store one line's result exactly once; False if it was already recorded (or the line moved on).
 
-    outcome: engine_calls.LineOutcome (ok, status_code, body, error, usage).
+    outcome: engine_calls.LineOutcome (ok, status_code, body, error, usage). usage_row: the
+    usage.services.record_usage() arguments, written in the same transaction (so once, too).
     """
     with transaction.atomic():
         moved = BatchLine.objects.filter(pk=line.pk, status=BatchLine.Status.RUNNING,
@@ -247,6 +248,10 @@ def record_line_result(line: BatchLine, outcome) -> bool:
             input_tokens=F("input_tokens") + usage.get("prompt_tokens", 0),
             output_tokens=F("output_tokens") + usage.get("completion_tokens", 0),
             cached_tokens=F("cached_tokens") + usage.get("cached_tokens", 0))
+        if usage_row is not None:
+            from usage.services import record_usage
+
+            record_usage(**usage_row)
     return True
 
 

@@ -11,6 +11,7 @@ Server -> client: ready, started, delta {message_id, text}, done {message}, bran
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from channels.db import database_sync_to_async
@@ -51,7 +52,17 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         if getattr(self, "watch_task", None) is not None:
             self.watch_task.cancel()
 
+    @classmethod
+    async def decode_json(cls, text_data):
+        try:
+            return json.loads(text_data)
+        except ValueError:
+            return None
+
     async def receive_json(self, content, **kwargs):
+        if not isinstance(content, dict):
+            await self.send_error("bad_frame", "Frames are JSON objects.")
+            return
         handler = {"send": self.on_send, "edit": self.on_edit, "regenerate": self.on_regenerate,
                    "stop": self.on_stop, "resume": self.on_resume,
                    "select_branch": self.on_select_branch}.get(content.get("type"))
@@ -137,7 +148,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         """Tell the reply's owner that a socket still shows it (so it is not aborted as abandoned)."""
         while not self.follow_task.done():
             await streaming.mark_watched(follower.message_id)
-            await asyncio.sleep(WATCH_REFRESH_S)
+            await asyncio.sleep(min(WATCH_REFRESH_S, streaming.reconnect_grace_s() / 3))
 
     # ------------------------------------------------------------ stop, resume, branches
 

@@ -16,6 +16,19 @@ def served_model_name() -> str:
     return settings.SERVED_MODEL_NAME or Path(str(settings.MODEL)).name
 
 
+def available_models() -> list[str]:
+    """Names the live engine workers serve, plus the configured one (the only model when none is up)."""
+    from engine_client import client as engine
+
+    try:
+        names = {w.get("served_model_name") or w.get("model") or "" for w in engine.workers()}
+    except Exception:  # Redis down: the page still renders; submitting will report the error
+        names = set()
+    names.discard("")
+    names.add(served_model_name())
+    return sorted(names)
+
+
 def tokenizer():
     return tokenization.tokenizer_for(str(settings.MODEL))
 

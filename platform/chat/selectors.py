@@ -49,8 +49,8 @@ def path_to(message: Message, messages: dict[int, Message] | None = None) -> lis
 
 
 def branch_turns(message: Message) -> list[dict]:
-    """Chat-template turns ({"role", "content"}) for the branch ending at `message`."""
-    return [{"role": m.role, "content": m.content} for m in path_to(message)]
+    """Chat-template turns ({"role", "content"}) for the branch ending at `message` (failed answers left out)."""
+    return [{"role": m.role, "content": m.content} for m in path_to(message) if m.status != Message.Status.ERROR]
 
 
 def latest_leaf(message: Message, messages: dict[int, Message] | None = None) -> Message:

@@ -93,7 +93,10 @@ def _apply_settings(conversation: Conversation, settings: dict) -> dict:
     conversation.params = clean
     if "system_prompt" in settings:
         conversation.system_prompt = str(settings.get("system_prompt") or "")[:MAX_MESSAGE_CHARS]
-    conversation.model = settings.get("model") or conversation.model or prompting.served_model_name()
+    model = settings.get("model") or conversation.model or prompting.served_model_name()
+    if model not in prompting.available_models():
+        raise ChatError(f"The model '{model}' is not being served.", code="model_not_found")
+    conversation.model = model
     conversation.save()
     return clean
 

@@ -32,18 +32,6 @@ def _own_conversation(request, conversation_id):
     return conversation
 
 
-def _served_models() -> list[str]:
-    """Models the live engine workers serve (the configured one when none is up)."""
-    from engine_client import client as engine
-
-    try:
-        names = {w.get("served_model_name") or w.get("model", "") for w in engine.workers()}
-    except Exception:  # Redis down: the page still renders
-        names = set()
-    names.discard("")
-    return sorted(names) or [prompting.served_model_name()]
-
-
 @login_required
 def playground(request, conversation_id=None):
     conversation = _own_conversation(request, conversation_id) if conversation_id else None
@@ -53,7 +41,7 @@ def playground(request, conversation_id=None):
             "system_prompt": conversation.system_prompt},
         "messages": selectors.current_branch(conversation) if conversation else [],
         "params": {**chat_params.DEFAULTS, **(conversation.params if conversation else {})},
-        "models": _served_models(),
+        "models": prompting.available_models(),
         "ws_path": "/ws/chat/",
     }
     return render(request, "chat/playground.html", {

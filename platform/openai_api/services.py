@@ -19,6 +19,7 @@ from django.http import JsonResponse, StreamingHttpResponse
 from accounts.authentication import bearer_token
 from accounts.services import authenticate_api_key
 from engine_client import client as engine
+from quotas import selectors as quota_selectors
 from quotas import services as quotas
 from usage.services import record_usage
 
@@ -197,17 +198,27 @@ def check_sampling_params(params: dict) -> None:
         raise OpenAIError(400, message, param=param, code="invalid_value") from None
 
 
-def context_check(gen: Generation, requested_max: int | None, max_model_len: int | None, prompt_param: str) -> int:
-    """The max_tokens to use; 400 when prompt + completion cannot fit the model's context."""
+def context_check(gen: Generation, requested_max: int | None, max_model_len: int | None, prompt_param: str,
+                  default_cap: int | None = None) -> int:
+    """The max_tokens to use; 400 when prompt + completion cannot fit the model's context.
+
+    Without max_tokens a request may use the rest of the context, but no more than default_cap
+    (the plan's per-request cap split over n choices), so omitting it never trips the plan.
+    """
     if max_model_len is None:
-        return requested_max or 16
+        return requested_max or min(16, default_cap or 16)
     if gen.prompt_tokens >= max_model_len or (requested_max and gen.prompt_tokens + requested_max > max_model_len):
         asked = gen.prompt_tokens + (requested_max or 0)
         raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                                f"requested {asked} tokens ({gen.prompt_tokens} in the {prompt_param}, "
                                f"{requested_max or 0} in the completion). Please reduce the length.",
                           param=prompt_param, code="context_length_exceeded")
-    return requested_max or max_model_len - gen.prompt_tokens
+    return requested_max or min(max_model_len - gen.prompt_tokens, default_cap or max_model_len)
+
+
+def default_max_tokens_cap(user, n: int) -> int | None:
+    cap = quota_selectors.plan_for(user).max_tokens_per_request
+    return max(1, cap // n) if cap else None
 
 
 async def prepare(request, gen: Generation) -> None:
@@ -218,34 +229,49 @@ async def prepare(request, gen: Generation) -> None:
     gen.model, gen.stream = data["model"], data["stream"]
     gen.include_usage = bool(gen.stream and (data.get("stream_options") or {}).get("include_usage"))
     gen.n, gen.priority = data.get("n") or 1, data.get("priority") or 0
-    workers = await engine.aworkers()
-    models = models_from_workers(workers)
-    if gen.model not in models and gen.model != configured_model_name():
-        raise OpenAIError(404, f"The model '{gen.model}' does not exist.", param="model", code="model_not_found")
-    if not workers:
-        raise OpenAIError(503, "No engine worker is running; try again shortly.", code="engine_unavailable")
-    if gen.model not in models:
-        raise OpenAIError(503, f"No engine worker is serving '{gen.model}' right now.", code="engine_unavailable")
-    info = models[gen.model]
+    info = await resolve_model(gen.model)
     path = info.get("model_path") or settings.MODEL
-    if gen.endpoint == "chat":
-        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
-        gen.prompt_token_ids = await sync_to_async(tokenization.chat_prompt_ids, thread_sensitive=False)(path, messages)
-        requested, prompt_param = data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
-        if data.get("top_logprobs") is not None and not data.get("logprobs"):
-            raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs", code="invalid_value")
-        gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
-    else:
-        if data.get("best_of") not in (None, gen.n):
-            raise OpenAIError(400, "best_of must equal n (or be omitted).", param="best_of", code="invalid_value")
-        prompt = data["prompt"]
-        gen.prompt_token_ids = (list(prompt) if isinstance(prompt, list) else
-                                await sync_to_async(tokenization.text_prompt_ids, thread_sensitive=False)(path, prompt))
-        requested, prompt_param = data.get("max_tokens"), "prompt"
-        gen.logprobs = data.get("logprobs")
-    gen.max_tokens = context_check(gen, requested, info.get("max_model_len"), prompt_param)
+    prompt_step = chat_prompt if gen.endpoint == "chat" else completion_prompt
+    requested, prompt_param = await prompt_step(gen, data, path)
+    default_cap = None if requested else await sync_to_async(default_max_tokens_cap)(gen.user, gen.n)
+    gen.max_tokens = context_check(gen, requested, info.get("max_model_len"), prompt_param, default_cap)
     gen.sampling_params = sampling_params(data, gen.max_tokens, gen.logprobs)
     check_sampling_params(gen.sampling_params)
+
+
+async def resolve_model(name: str) -> dict:
+    """The live workers' facts about `name`: 404 for a model nobody serves, 503 when no worker is up."""
+    workers = await engine.aworkers()
+    models = models_from_workers(workers)
+    if name not in models and name != configured_model_name():
+        raise OpenAIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+    if name not in models:
+        message = f"No engine worker is serving '{name}' right now." if workers else \
+            "No engine worker is running; try again shortly."
+        raise OpenAIError(503, message, code="engine_unavailable")
+    return models[name]
+
+
+async def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
+    """Render the messages; set logprobs. Returns (requested max_tokens, the prompt's param name)."""
+    if data.get("top_logprobs") is not None and not data.get("logprobs"):
+        raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs", code="invalid_value")
+    messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
+    gen.prompt_token_ids = await sync_to_async(tokenization.chat_prompt_ids, thread_sensitive=False)(path, messages)
+    gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
+    return data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
+
+
+async def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
+    if data.get("best_of") not in (None, gen.n):
+        raise OpenAIError(400, "best_of must equal n (or be omitted).", param="best_of", code="invalid_value")
+    prompt = data["prompt"]
+    if isinstance(prompt, list):
+        gen.prompt_token_ids = list(prompt)
+    else:
+        gen.prompt_token_ids = await sync_to_async(tokenization.text_prompt_ids, thread_sensitive=False)(path, prompt)
+    gen.logprobs = data.get("logprobs")
+    return data.get("max_tokens"), "prompt"
 
 
 # ---------------------------------------------------------------- admission, streaming, settlement
@@ -258,7 +284,10 @@ async def admit(gen: Generation) -> None:
     except quotas.QuotaExceeded as exc:
         raise OpenAIError(429, exc.message, code=exc.code, type=exc.error_type, headers=exc.headers) from None
     except quotas.PlanViolation as exc:
-        raise OpenAIError(exc.status_code, exc.message, code=exc.code, param=exc.param) from None
+        message = exc.message
+        if exc.code == "max_tokens_exceeded" and gen.n > 1:
+            message += f" With n={gen.n}, n x max_tokens counts against that cap."
+        raise OpenAIError(exc.status_code, message, code=exc.code, param=exc.param) from None
     gen.headers = await sync_to_async(quotas.rate_limit_headers)(gen.user)
     await engine.asubmit(prompt_token_ids=gen.prompt_token_ids, sampling_params=gen.sampling_params,
                          priority_class="api", priority=gen.priority, user=gen.user.pk, request_id=gen.request_id)

@@ -14,6 +14,7 @@ tests must not expect rows written in-process by pytest-django to be visible to 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -76,6 +77,7 @@ class LiveStack:
                     api_key="", username=USERNAME, password=PASSWORD, model_name=child_env["SERVED_MODEL_NAME"],
                     log_dir=work_dir, env=child_env)
         stack.processes["redis"] = redis_proc
+        atexit.register(stack.stop)  # also when a test run is interrupted
         try:
             stack.manage("migrate", "--noinput")
             stack.manage("shell", "-c", "from django.contrib.auth.models import User; "

@@ -146,6 +146,7 @@ QUOTA_DEFAULT_PLAN = {
 }
 QUOTA_LEASE_SECONDS = 120  # a vanished client's concurrency slot frees itself after this
 LOGIN_ATTEMPTS_PER_15_MIN = 10  # per username and per client IP
+CHAT_RECONNECT_GRACE_S = 20  # a playground answer nobody watches for this long is aborted in the engine
 
 LOGGING = {
     "version": 1,

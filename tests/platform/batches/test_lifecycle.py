@@ -14,6 +14,7 @@ from batches.errors import Conflict
 from batches.models import Batch, BatchLine
 from batches.quota import batch_ledger
 from batches.runner import BatchRunner
+from usage.models import UsageRecord
 
 pytestmark = pytest.mark.django_db
 
@@ -41,8 +42,11 @@ def test_a_line_result_is_recorded_exactly_once(user):
     line = batch.lines.get(custom_id="r0")
     assert services.mark_line_running(line, "req-1", None)
     assert not services.mark_line_running(line, "req-2", None)  # already running
-    assert services.record_line_result(line, ok_outcome("hi"))
-    assert not services.record_line_result(line, ok_outcome("again"))  # a redelivery records nothing
+    row = dict(user=user, source="batch", endpoint=line.url, model="tiny", request_id="req-1", prompt_tokens=5,
+               completion_tokens=2)
+    assert services.record_line_result(line, ok_outcome("hi"), row)
+    assert not services.record_line_result(line, ok_outcome("again"), row)  # a redelivery records nothing
+    assert list(UsageRecord.objects.values_list("source", "request_id")) == [("batch", "req-1")]
     batch.refresh_from_db()
     assert (batch.completed, batch.failed, batch.input_tokens, batch.output_tokens, batch.cached_tokens) == (
         1, 0, 5, 2, 1)

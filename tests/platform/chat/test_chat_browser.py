@@ -59,12 +59,13 @@ def shot(page, name: str) -> None:
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=False)
 
 
-def sign_up(page, username: str) -> None:
+def sign_up(page, username: str, screenshot: bool = False) -> None:
     page.goto("/accounts/signup/")
     page.fill("#id_username", username)
     page.fill("#id_password1", PASSWORD)
     page.fill("#id_password2", PASSWORD)
-    shot(page, "signup")
+    if screenshot:
+        shot(page, "signup")
     page.click("button[type=submit]")
     page.wait_for_url("**/chat/")
 
@@ -75,7 +76,7 @@ def wait_idle(page) -> None:
 
 
 def test_chat_stop_regenerate_history_and_keys_in_a_real_browser(page, stack):
-    sign_up(page, "walter")
+    sign_up(page, "walter", screenshot=True)
     page.wait_for_selector("#ws-status.online")
 
     # Send a message and watch the answer grow while it streams.
@@ -164,3 +165,40 @@ def test_model_and_user_text_cannot_inject_html(page, stack):
     assert user_body.locator("strong").inner_text() == "bold"  # the safe subset still renders
     assert user_body.locator("pre code").count() == 1
     assert page.evaluate("window.__pwned") is None
+
+
+MARKDOWN_JS = Path(__file__).resolve().parents[3] / "platform" / "static" / "js" / "markdown.js"
+HOSTILE = [
+    '<img src=x onerror="window.__pwned=1">',
+    "<script>window.__pwned=2</script>",
+    "[click](javascript:window.__pwned=3)",
+    '[x](https://example.com/" onmouseover="window.__pwned=4)',
+    "```html\n<iframe src=javascript:alert(1)></iframe>\n```",
+    "`<b onclick=x>`",
+    "# <svg onload=alert(1)>",
+    "- <a href=javascript:alert(1)>item</a>",
+    "> <style>body{display:none}</style>",
+    "**<i>bold</i>** *<u>it</u>*",
+]
+
+
+def test_the_markdown_renderer_escapes_before_it_formats(browser):
+    page = browser.new_page()
+    try:
+        page.set_content("<div id=out></div>")
+        page.add_script_tag(content=MARKDOWN_JS.read_text())
+        for source in HOSTILE:
+            page.evaluate("src => { document.getElementById('out').innerHTML = TesseraMarkdown.render(src); }", source)
+            tags = page.evaluate("() => [...document.querySelectorAll('#out *')].map(e => e.tagName.toLowerCase())")
+            assert set(tags) <= {"p", "br", "pre", "code", "strong", "em", "h1", "ul", "li", "blockquote", "a"}, source
+            hrefs = page.evaluate("() => [...document.querySelectorAll('#out a')].map(a => a.getAttribute('href'))")
+            assert all(h.startswith("https://") for h in hrefs), source
+            handlers = page.evaluate(
+                "() => [...document.querySelectorAll('#out *')].flatMap(e => [...e.attributes].map(a => a.name))")
+            assert not [h for h in handlers if h.startswith("on")], source
+        assert page.evaluate("window.__pwned") is None
+        html = page.evaluate("() => TesseraMarkdown.render('# Title\\n\\nSome `x < y` and **b**\\n\\n```py\\nif a < b:\\n```')")
+        assert html == ('<h1>Title</h1><p>Some <code>x &lt; y</code> and <strong>b</strong></p>'
+                        '<pre><code class="language-py">if a &lt; b:</code></pre>')
+    finally:
+        page.close()

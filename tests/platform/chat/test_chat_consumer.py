@@ -288,3 +288,20 @@ def test_stale_replies_whose_follower_died_are_finished_from_the_engine_stream(u
     assert (lost.status, lost.content) == ("stopped", "partial")
     assert quota_selectors.quota_status(user).usage.concurrent == 0
     assert UsageRecord.objects.filter(user=user).count() == 2
+
+
+def test_malformed_frames_get_an_error_not_a_crash(user, chat_settings):
+    async def scenario():
+        ws = await connect(user)
+        await ws.receive_json_from()
+        answers = []
+        for raw in ("not json", "[1, 2]", '{"type": "launch"}'):
+            await ws.send_to(text_data=raw)
+            answers.append(await ws.receive_json_from(timeout=5))
+        await ws.send_json_to({"type": "send", "content": "   ", "settings": SETTINGS})
+        answers.append(await ws.receive_json_from(timeout=5))
+        await ws.disconnect()
+        return answers
+
+    answers = async_to_sync(scenario)()
+    assert [a["code"] for a in answers] == ["bad_frame", "bad_frame", "bad_frame", "invalid_request"]

@@ -171,3 +171,9 @@ def test_a_second_send_while_an_answer_streams_is_refused(user, chat_settings):
     conversation = Conversation.objects.get(pk=reply.conversation_id)
     with pytest.raises(services.ChatError, match="still being generated"):
         services.send_message(user, "two", PANEL, conversation)
+
+
+def test_only_served_models_can_be_chosen(user, chat_settings):
+    with pytest.raises(services.ChatError, match="not being served"):
+        services.send_message(user, "hello", {**PANEL, "model": "gpt-9"})
+    assert not Conversation.objects.exists()

@@ -216,7 +216,7 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             page.click("input[type=submit]")
             page.wait_for_url(f"{live_server_url}/dashboard/")
 
-            page.wait_for_function("Number(document.body.dataset.usageLoaded || 0) >= 1", timeout=30000)
+            page.wait_for_function("Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000)
             for chart_id in CHARTS:
                 assert _chart_points(page, chart_id) > 0, chart_id
             assert page.locator("#top-users tbody tr").count() >= 5
@@ -225,11 +225,11 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             assert page.locator("#top-users tbody a").first.inner_text().startswith("demo-user-")
 
             page.click("button[data-range='30d']")
-            page.wait_for_function("Number(document.body.dataset.usageLoaded) >= 2", timeout=30000)
+            page.wait_for_function("Number(document.getElementById('dashboard').dataset.usageLoaded) >= 2", timeout=30000)
             assert page.evaluate("Chart.getChart('chart-tokens').data.labels.length") == 30
 
             # Live panel: ticks arrive over the websocket and the numbers follow the heartbeat.
-            page.wait_for_function("Number(document.body.dataset.liveTicks || 0) >= 2", timeout=20000)
+            page.wait_for_function("Number(document.getElementById('dashboard').dataset.liveTicks || 0) >= 2", timeout=20000)
             seen = set()
             deadline = time.monotonic() + 10
             while len(seen) < 3 and time.monotonic() < deadline:
@@ -258,10 +258,10 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             # Drill-down: a top user's own page, charts drawn from that user's usage only.
             page.click("#top-users tbody a >> nth=0")
             page.wait_for_url("**/dashboard/users/*/")
-            page.wait_for_function("Number(document.body.dataset.usageLoaded || 0) >= 1", timeout=30000)
+            page.wait_for_function("Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000)
             for chart_id in ("chart-tokens", "chart-model-share", "chart-ttft", "chart-e2e"):
                 assert _chart_points(page, chart_id) > 0, chart_id
-            assert "demo-user-" in page.inner_text("h1")
+            assert "demo-user-" in page.inner_text(".dash-head h1")
             assert not errors, errors
         finally:
             browser.close()

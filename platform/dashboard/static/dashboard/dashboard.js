@@ -11,6 +11,7 @@
 
   // ------------------------------------------------------------------ helpers
   const $ = (id) => document.getElementById(id);
+  const root = () => $("dashboard");  // its data-* attributes carry the feed URLs and test hooks
   const fmtInt = (n) => (n === null || n === undefined ? "–" : Math.round(n).toLocaleString("en-US"));
   const fmtPct = (x, digits = 1) => (x === null || x === undefined ? "–" : (100 * x).toFixed(digits) + "%");
   const fmtMs = (x) => (x === null || x === undefined ? "–" : x >= 1000 ? (x / 1000).toFixed(2) + " s" : x.toFixed(1) + " ms");
@@ -147,7 +148,7 @@
   }
 
   function renderTables(data) {
-    const userUrl = document.body.dataset.userUrl;
+    const userUrl = root().dataset.userUrl;
     fillTable("top-users", data.top_users || [], (r) => {
       const link = el("a", r.username, { href: userUrl.replace("/0/", "/" + r.user_id + "/") });
       return [link, fmtInt(r.requests), fmtInt(r.total_tokens), fmtPct(r.error_rate, 2)];
@@ -177,7 +178,7 @@
   }
 
   async function loadUsage() {
-    const url = document.body.dataset.usageUrl + "?range=" + encodeURIComponent(state.range);
+    const url = root().dataset.usageUrl + "?range=" + encodeURIComponent(state.range);
     document.querySelectorAll(".ranges button").forEach((b) => b.classList.toggle("active", b.dataset.range === state.range));
     const response = await fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } });
     if (!response.ok) throw new Error("usage feed answered " + response.status);
@@ -187,7 +188,7 @@
     renderLatency(data);
     renderTables(data);
     renderBatches(data.batches);
-    document.body.dataset.usageLoaded = String(Number(document.body.dataset.usageLoaded || 0) + 1);
+    root().dataset.usageLoaded = String(Number(root().dataset.usageLoaded || 0) + 1);
   }
 
   // ------------------------------------------------------------------ live engine
@@ -221,7 +222,7 @@
       memoryCell(w.memory, w.max_model_len)], "no engine worker has a fresh heartbeat");
     renderBlockMaps(snap.workers);
     state.ticks += 1;
-    document.body.dataset.liveTicks = String(state.ticks);
+    root().dataset.liveTicks = String(state.ticks);
     $("live-status").textContent = "live · " + new Date(snap.at * 1000).toISOString().slice(11, 19) + " UTC";
     $("live-status").className = "status ok";
   }
@@ -266,7 +267,7 @@
   }
 
   function connectLive(delay) {
-    const path = document.body.dataset.wsPath;
+    const path = root().dataset.wsPath;
     if (!path) return;
     const socket = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + path);
     socket.onmessage = (event) => {

@@ -1,0 +1,50 @@
+"""`make bench`: every benchmark in one run; the tables are printed and saved to var/bench/results.md.
+
+Sections run one after another in this process (the serving one starts its own stack).
+Select with `make bench ARGS="throughput scheduling"`; kernels print a notice without CUDA.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+import traceback
+
+from benchmarks.common import BENCH_DIR, machine_line
+
+SECTIONS = ["throughput", "scheduling", "serving", "quant_tp", "kernels"]
+
+
+def run_section(name: str) -> str:
+    module = importlib.import_module(f"benchmarks.{name}")
+    result = module.main([])
+    return result if isinstance(result, str) else ""
+
+
+def main(argv: list[str]) -> int:
+    chosen = argv or SECTIONS
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        print(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+        return 2
+    print(f"Tessera benchmarks on {machine_line()}", flush=True)
+    tables, failed = [f"Machine: {machine_line()}\n"], []
+    for name in chosen:
+        print(f"\n== {name} ==", flush=True)
+        start = time.perf_counter()
+        try:
+            tables.append(run_section(name))
+        except Exception:  # one broken section should not hide the others' figures
+            traceback.print_exc()
+            failed.append(name)
+        print(f"({name} took {time.perf_counter() - start:.0f} s)", flush=True)
+    BENCH_DIR.mkdir(parents=True, exist_ok=True)
+    (BENCH_DIR / "results.md").write_text("\n".join(tables))
+    print(f"\nsaved {BENCH_DIR / 'results.md'}")
+    if failed:
+        print(f"FAILED sections: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,54 @@
+"""Quantized weight formats as LinearMethods (see inference/layers/linear.py for the interface).
+
+- "int8": weight-only, per output channel, quantized while a float checkpoint loads.
+- "gptq" / "awq": 4-bit checkpoints whose config.json carries a quantization_config; detected
+  automatically, or named with quantization="gptq" / "awq" (which must then match the folder).
+
+Only the decoder's linear layers are quantized; embeddings, the LM head and norms stay in the
+model dtype (as GPTQ and AWQ checkpoints store them).
+"""
+from __future__ import annotations
+
+from inference.quantization.awq import AWQLinearMethod
+from inference.quantization.gptq import GPTQLinearMethod
+from inference.quantization.int8 import Int8LinearMethod
+
+QUANTIZATIONS = ("int8", "gptq", "awq")
+CHECKPOINT_FORMATS = {"gptq": GPTQLinearMethod, "awq": AWQLinearMethod}
+
+
+def get_linear_method(model_config, engine_args):
+    """The LinearMethod for this model and engine_args.quantization (None: plain float weights)."""
+    asked = engine_args.quantization
+    qcfg = model_config.raw.get("quantization_config")
+    found = (qcfg or {}).get("quant_method")
+    if asked is not None and asked not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} or None; got {asked!r}")
+    if asked == "int8":
+        if qcfg:
+            raise ValueError(f"quantization='int8' needs a float checkpoint; {model_config.path} is already {found!r}")
+        return Int8LinearMethod()
+    if found is None:
+        if asked is not None:
+            raise ValueError(f"quantization={asked!r} but {model_config.path}/config.json has no quantization_config")
+        return None
+    if found not in CHECKPOINT_FORMATS:
+        raise ValueError(f"unsupported quant_method {found!r} in {model_config.path}/config.json; "
+                         f"supported: {', '.join(CHECKPOINT_FORMATS)}")
+    if asked is not None and asked != found:
+        raise ValueError(f"quantization={asked!r} but the checkpoint in {model_config.path} is {found!r}")
+    return CHECKPOINT_FORMATS[found].from_config(qcfg)
+
+
+def describe_weights(model, dtype) -> dict:
+    """The weights' format for the engine's memory breakdown (weights_bytes is this rank's share)."""
+    from inference.distributed import tp_size
+
+    method = model.layers[0].mlp.down_proj.method
+    name = getattr(method, "name", None)
+    return {
+        "weights_dtype": getattr(method, "weight_dtype", str(dtype).removeprefix("torch.")),
+        "quantization": name,
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "tensor_parallel_size": tp_size(),
+    }

@@ -1,0 +1,55 @@
+"""GPTQ 4-bit checkpoints (AutoGPTQ / GPTQModel "gptq" format): qweight, qzeros, scales, g_idx.
+
+Layouts in kernels/quant_ref.py. Act-order (desc_act) checkpoints give every input row a group
+through g_idx; the kernels look groups up through g_idx, so no reordering is needed. Row-parallel
+shards of an act-order layer keep all the groups' scales and zeros (a rank's inputs may belong to
+any group); otherwise scales and zeros are split with the inputs.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from inference.quantization.packed_int4 import PACK, bind_loaders, group_layout, local_g_idx, packed_param, use_triton
+from kernels.quant_ref import gptq_linear
+
+
+class GPTQLinearMethod:
+    name = "gptq"
+    weight_dtype = "int4"
+
+    def __init__(self, group_size: int = 128, desc_act: bool = False, zero_offset: int = 1):
+        self.group_size, self.desc_act, self.zero_offset = group_size, desc_act, zero_offset
+
+    @classmethod
+    def from_config(cls, qcfg: dict) -> "GPTQLinearMethod":
+        if qcfg.get("bits", 4) != 4:
+            raise ValueError(f"only 4-bit GPTQ is supported; the checkpoint has bits={qcfg.get('bits')}")
+        fmt = qcfg.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"unsupported GPTQ checkpoint_format {fmt!r}")
+        # v1 stores zero - 1 (AutoGPTQ's historic convention); v2 stores the zero itself.
+        return cls(qcfg.get("group_size", 128), bool(qcfg.get("desc_act", False)), 1 if fmt == "gptq" else 0)
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+        group, groups, split = group_layout(layer, in_features, self.group_size, self.desc_act)
+        group_dim = 0 if split else None
+        layer.quant_group_size = group
+        layer.qweight = packed_param((in_features // PACK, out_features), torch.int32, 1, 0)
+        layer.qzeros = packed_param((groups, out_features // PACK), torch.int32, 1, group_dim, PACK)
+        layer.scales = packed_param((groups, out_features), dtype, 1, group_dim)
+        layer.g_idx = packed_param((in_features,), torch.int32, None, 0)
+        layer.g_idx.optional = True  # desc_act=False checkpoints may leave it out
+        bind_loaders(layer, ("qweight", "qzeros", "scales", "g_idx"))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if use_triton(x):
+            from kernels.dequant_gemm import dequant_gemm
+
+            return dequant_gemm(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, "gptq",
+                                self.zero_offset, bias)
+        return gptq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, bias, self.zero_offset)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.desc_act:  # groups in input order: recompute for this rank's inputs
+            layer.g_idx.data = local_g_idx(layer.g_idx.shape[0], layer.quant_group_size, layer.g_idx.device)
