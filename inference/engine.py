@@ -59,7 +59,8 @@ class LLMEngine:
     # ---- start-up -------------------------------------------------------------------------
 
     def _load_model(self, progress: bool):
-        return load_model(self.args, self.model_config, self.ops, self.dtype, self.device, self.max_model_len, progress)
+        return load_model(self.args, self.model_config, self.ops, self.dtype, self.device, self.max_model_len,
+                          progress)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op with one); also runs at interpreter exit."""

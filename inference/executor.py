@@ -17,7 +17,7 @@ other ranks exit when their connection to rank 0 breaks or their parent process 
 
 On one machine the engine spawns the ranks itself (torch.multiprocessing, "spawn"). Across
 machines every rank is started by torchrun (see docs/parallelism_and_quantization.md): rank 0 is
-the engine (`python manage.py engine`), the others run `python -m inference.executor`; rank 0
+the engine (`python manage.py engine`), the others run `python -m inference.tp_rank`; rank 0
 sends them its engine arguments, so they need no flags of their own.
 """
 from __future__ import annotations
@@ -46,6 +46,8 @@ CONTROL_TIMEOUT = timedelta(days=365)  # idle ranks wait for the next step witho
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or failed; the engine cannot continue."""
+
+    fatal = True  # the engine worker stops (and its supervisor restarts it) instead of carrying on
 
 
 def step_timeout() -> timedelta:
@@ -114,7 +116,7 @@ class MultiprocExecutor:
                 raise TensorParallelError(
                     f"under torchrun the engine must be rank 0 of WORLD_SIZE={self.world_size}; got "
                     f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} (other ranks run "
-                    "`python -m inference.executor`)")
+                    "`python -m inference.tp_rank`)")
             init_method = "env://"
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -222,9 +224,9 @@ class MultiprocExecutor:
                 stop[0] = CMD_STOP
                 dist.broadcast(stop, src=0, group=_groups["control"])
             except Exception:  # a broken group: the processes are stopped below anyway
-                pass
+                self._serving = False
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=10 if self._serving else 0)
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
@@ -405,7 +407,7 @@ def watch_parent() -> None:
 
 
 def main() -> None:
-    """`torchrun ... -m inference.executor`: a rank other than 0 of a multi-machine group."""
+    """A rank other than 0 of a multi-machine group, started by torchrun (inference/tp_rank.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
@@ -421,7 +423,3 @@ def main() -> None:
         serve(rank)
     finally:
         destroy_groups()
-
-
-if __name__ == "__main__":
-    main()

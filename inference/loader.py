@@ -65,7 +65,8 @@ def load_weights(model: LlamaForCausalLM, folder: str, progress: bool = True) ->
                 loader = getattr(param, "weight_loader", default_weight_loader)
                 loader(param, checkpoint_tensor(f, hf_name, param), shard_id)
                 loaded.add(name)
-    missing = [n for n, p in params.items() if n not in loaded and not not_in_checkpoint(model, n, p)]
+    missing = [name for name, param in params.items()
+               if name not in loaded and not not_in_checkpoint(model, name, param)]
     if missing:
         raise ValueError(f"checkpoint in {folder} lacks weights for: {', '.join(sorted(missing)[:8])}")
     process_weights_after_loading(model)
@@ -116,10 +117,11 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
-        elif not param.is_floating_point():  # quantized: random codes (g_idx stays 0, a valid group)
-            if not name.endswith("g_idx"):
-                info = torch.iinfo(param.dtype)
-                param.data.copy_(torch.randint(info.min, info.max, param.shape, generator=gen, dtype=param.dtype))
+        elif name.endswith("g_idx"):
+            param.data.zero_()  # every input in group 0: always a valid group
+        elif not param.is_floating_point():  # quantized: random codes
+            info = torch.iinfo(param.dtype)
+            param.data.copy_(torch.randint(info.min, info.max, param.shape, generator=gen, dtype=param.dtype))
         else:
             values = torch.randn(param.shape, generator=gen) * 0.02
             param.data.copy_(values.to(param.dtype))

@@ -188,6 +188,7 @@ class EngineWorker:
             log.warning("clean-up on shutdown failed: %s", exc)
         if self._pubsub is not None:
             self._pubsub.close()
+        getattr(self.engine, "shutdown", lambda: None)()  # stops tensor-parallel ranks, if any
         log.info("engine worker %s stopped", self.worker_id)
 
     # ------------------------------------------------------------ one iteration
@@ -303,6 +304,8 @@ class EngineWorker:
         except Exception as exc:  # one broken batch must not kill the worker and strand every client
             log.exception("engine step failed")
             self.fail_all("engine_error", f"engine step failed: {exc}")
+            if getattr(exc, "fatal", False):  # e.g. a dead tensor-parallel rank: the engine cannot go on
+                raise
             return
         self.counters["steps_total"] += 1
         pipe = self.r.pipeline(transaction=False)

@@ -15,8 +15,29 @@ Shared layouts:
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
+
+_scratch = threading.local()
+
+
+def workspace(name: str, shape, dtype, device) -> torch.Tensor:
+    """A reusable per-thread scratch tensor for the K/V gathers.
+
+    A fresh allocation of this size is mmapped and page-faults on first touch; on CPU that cost
+    more than the copy itself (measured: a 98 MB gather took 82 ms fresh, 21 ms into a buffer).
+    """
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    numel = 1
+    for n in shape:
+        numel *= n
+    key = (name, dtype, str(device))
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
 
 
 def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -56,8 +77,12 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     valid = positions[None, :] < seq_lens.to(block_tables.device)[:, None]  # [B, L]
     block_index = torch.where(valid, positions // block_size, 0)
     slots = block_tables.long().gather(1, block_index) * block_size + torch.where(valid, positions % block_size, 0)
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(1, 2)
+    shape = (batch, max_len, num_kv_heads, head_dim)
+    k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, slots.flatten(),
+                           out=workspace("k", shape, k_cache.dtype, k_cache.device).view(-1, num_kv_heads, head_dim))
+    v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, slots.flatten(),
+                           out=workspace("v", shape, v_cache.dtype, v_cache.device).view(-1, num_kv_heads, head_dim))
+    k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # [B, Hkv, L, D]
     mask = torch.zeros(batch, 1, 1, max_len, dtype=q.dtype, device=q.device)
     mask.masked_fill_(~valid[:, None, None, :].to(q.device), float("-inf"))
     qg = q.view(batch, num_kv_heads, group, head_dim)
@@ -71,26 +96,21 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     The new tokens' K/V must already be in the cache (store_kv_cache first). Each sequence's
     queries attend causally to its cached prefix and to themselves.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
-    for i, total in enumerate(lengths):
+    for i, total in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
-        q_len = end - start
-        if q_len == 0:
+        if end == start:
             continue
         k, v = gather_kv(k_cache, v_cache, block_tables[i], total)
-        qi = q[start:end].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qi = qi.reshape(num_kv_heads, group * q_len, head_dim)
-        ki, vi = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-        mask = causal_mask(q_len, total, q.dtype, q.device).repeat(group, 1)  # [G*q_len, L]
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
-        out[start:end] = oi.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
-            q_len, num_heads, head_dim
-        )
+        qi = q[start:end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        ki, vi = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
+        fresh = end - start == total  # no cached prefix: plain causal attention
+        mask = None if fresh else causal_mask(end - start, total, q.dtype, q.device)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=fresh, scale=scale,
+                                            enable_gqa=num_heads != num_kv_heads)
+        out[start:end] = oi[0].transpose(0, 1)
     return out
 
 

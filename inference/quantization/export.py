@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -28,18 +29,26 @@ def is_quantized_linear(name: str) -> bool:
 
 def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: str, group_size: int, desc_act: bool) -> dict:
     out = {}
-    for index, (name, tensor) in enumerate(sorted(tensors.items())):
+    for name, tensor in sorted(tensors.items()):
         if not is_quantized_linear(name):
             out[name] = tensor.to(torch.float16) if tensor.is_floating_point() else tensor
             continue
         prefix = name.removesuffix(".weight")
         if fmt == "gptq":
-            g_idx = act_order_g_idx(tensor.shape[1], group_size, seed=index) if desc_act else None
+            g_idx = act_order_g_idx(tensor.shape[1], group_size, seed=input_site(prefix)) if desc_act else None
             packed = gptq_pack(tensor, group_size, g_idx)
         else:
             packed = awq_pack(tensor, group_size)
         out.update({f"{prefix}.{key}": value.contiguous() for key, value in packed.items()})
     return out
+
+
+def input_site(prefix: str) -> int:
+    """Projections reading the same input share one act-order permutation (GPTQ orders inputs by the
+    Hessian of that input), which is what lets q/k/v and gate/up be merged: one seed per input."""
+    for part, shared in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("up_proj", "gate_proj")):
+        prefix = prefix.replace(part, shared)
+    return zlib.crc32(prefix.encode())
 
 
 def quantization_config(fmt: str, group_size: int, desc_act: bool) -> dict:

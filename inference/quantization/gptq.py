@@ -7,6 +7,8 @@ any group); otherwise scales and zeros are split with the inputs.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -40,7 +42,18 @@ class GPTQLinearMethod:
         layer.scales = packed_param((groups, out_features), dtype, 1, group_dim)
         layer.g_idx = packed_param((in_features,), torch.int32, None, 0)
         layer.g_idx.optional = True  # desc_act=False checkpoints may leave it out
-        bind_loaders(layer, ("qweight", "qzeros", "scales", "g_idx"))
+        bind_loaders(layer, ("qweight", "qzeros", "scales"))
+        layer.g_idx.weight_loader = functools.partial(self.load_g_idx, layer)
+
+    @staticmethod
+    def load_g_idx(layer: nn.Module, param, loaded: torch.Tensor, shard_id=None) -> None:
+        """Merged projections (q/k/v, gate/up) read one input, so their act-order g_idx must agree."""
+        before = param.data.clone() if getattr(layer, "g_idx_loaded", False) else None
+        layer.weight_loader(param, loaded, shard_id)
+        if before is not None and not torch.equal(before, param.data):
+            raise ValueError("act-order g_idx differs between projections merged into one layer "
+                             f"({type(layer).__name__}); the checkpoint cannot be merged")
+        layer.g_idx_loaded = True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if use_triton(x):

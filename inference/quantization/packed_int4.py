@@ -26,7 +26,8 @@ def bind_loaders(layer: nn.Module, names) -> None:
         getattr(layer, name).weight_loader = layer.weight_loader
 
 
-def group_layout(layer: nn.Module, in_features: int, group_size: int, replicate_groups: bool) -> tuple[int, int, bool]:
+def group_layout(layer: nn.Module, in_features: int, group_size: int,
+                 replicate_groups: bool) -> tuple[int, int, bool]:
     """(group size, number of groups held, whether groups are split with the input features).
 
     A row-parallel layer holds in_features / tp of the inputs; its groups split with them unless

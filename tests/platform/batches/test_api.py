@@ -1,22 +1,41 @@
-"""/v1/files and /v1/batches through the official `openai` client (the API contract), against a live server."""
+"""/v1/files and /v1/batches through the official `openai` client (the API contract).
+
+The client talks HTTP to the real Django application in-process (httpx's WSGI transport), so these
+run inside pytest-django's test transaction; tests/platform/batches/test_batches_live.py drives the
+same API against daphne, Celery and an engine worker.
+"""
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
+from django.core.wsgi import get_wsgi_application
 
 from batch_testing import chat_line, jsonl
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = pytest.mark.django_db
+
+BASE = "http://testserver"
 
 
 @pytest.fixture
-def client(live_server, api_key):
-    return openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=api_key, max_retries=0, timeout=30)
+def http():
+    with httpx.Client(transport=httpx.WSGITransport(app=get_wsgi_application()), base_url=BASE) as client:
+        yield client
+
+
+def openai_client(http, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key=key, max_retries=0, timeout=30, http_client=http)
 
 
 @pytest.fixture
-def other_client(live_server, other_api_key):
-    return openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=other_api_key, max_retries=0, timeout=30)
+def client(http, api_key):
+    return openai_client(http, api_key)
+
+
+@pytest.fixture
+def other_client(http, other_api_key):
+    return openai_client(http, other_api_key)
 
 
 CONTENT = jsonl([chat_line("one"), chat_line("two")])
@@ -120,8 +139,8 @@ def test_another_users_files_and_batches_are_404(client, other_client):
     assert client.files.retrieve(file.id).id == file.id  # still there for its owner
 
 
-def test_missing_or_bad_key_is_401(live_server):
-    bad = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="tsk-wrong", max_retries=0)
+def test_missing_or_bad_key_is_401(http):
+    bad = openai_client(http, "tsk-wrong")
     with pytest.raises(openai.AuthenticationError) as denied:
         bad.files.list()
     assert denied.value.body["code"] == "invalid_api_key"
@@ -129,12 +148,10 @@ def test_missing_or_bad_key_is_401(live_server):
         bad.batches.list()
 
 
-def test_openapi_schema_documents_every_files_and_batches_route(client, live_server):
-    import httpx
-
+def test_openapi_schema_documents_every_files_and_batches_route(http):
     from batches import urls
 
-    schema = httpx.get(f"{live_server.url}/v1/openapi.json", timeout=30).json()
+    schema = http.get("/v1/openapi.json").json()
     for pattern in urls.urlpatterns:
         route = str(pattern.pattern)
         if not route.startswith("v1/"):
