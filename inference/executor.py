@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.connection
 import os
 import socket
 import threading
@@ -129,11 +130,34 @@ class MultiprocExecutor:
 
     def _spawn_workers(self, init_method: str, backend: str) -> None:
         ctx = torch.multiprocessing.get_context("spawn")
+        readers = []
         for rank in range(1, self.world_size):
-            proc = ctx.Process(target=worker_main, args=(rank, self.world_size, init_method, backend),
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(rank, self.world_size, init_method, backend, writer),
                                name=f"tessera-tp-rank{rank}", daemon=True)
             proc.start()
+            writer.close()
             self.procs.append(proc)
+            readers.append(reader)
+        self._wait_until_joining(readers)
+
+    def _wait_until_joining(self, readers) -> None:
+        """Each rank says when it is about to join the group; one that dies first fails the start now
+        (rank 0 would otherwise wait out the group's timeout for a rank that never connects)."""
+        timeout = step_timeout().total_seconds()
+        for rank, (reader, proc) in enumerate(zip(readers, self.procs), start=1):
+            try:
+                if reader not in multiprocessing.connection.wait([reader, proc.sentinel], timeout=timeout):
+                    raise EOFError
+                reader.recv()  # EOFError when the rank died without a word
+            except EOFError:
+                proc.join(timeout=1)
+                state = (f"exited with code {proc.exitcode}" if proc.exitcode is not None
+                         else f"did not start in {timeout:.0f} s")
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) {state} before joining the group")
+            finally:
+                reader.close()
 
     @property
     def control(self):
@@ -297,13 +321,16 @@ def unpack_step(payload: torch.Tensor, sizes: list[int]):
 
 # ---- ranks 1..N-1 ---------------------------------------------------------------------------------
 
-def worker_main(rank: int, world_size: int, init_method: str, backend: str) -> None:
+def worker_main(rank: int, world_size: int, init_method: str, backend: str, joining=None) -> None:
     """Entry point of a spawned rank: join the group, load this rank's shard, execute until told to stop."""
     watch_parent()
     if backend == "gloo":
         torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
     else:
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    if joining is not None:
+        joining.send("joining")
+        joining.close()
     init_groups(backend, init_method, rank, world_size)
     set_tensor_parallel(rank, world_size)
     try:

@@ -36,7 +36,8 @@ def workspace(name: str, shape, dtype, device) -> torch.Tensor:
     key = (name, dtype, str(device))
     buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor, writable in and out of inference mode
+            buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
 

@@ -12,6 +12,7 @@ DEFAULTS = {
     "BATCH_PROGRESS_INTERVAL": 0.5,  # seconds between coarse progress events per batch
     "BATCH_QUOTA_RETRY_SECONDS": 30,  # how often a paused batch retries its quota
     "BATCH_LINE_TIMEOUT": 600,  # seconds one line may run in the engine
+    "BATCH_POLL_INTERVAL": 0.25,  # seconds between polls of the in-flight lines' output streams
     "BATCH_FILE_RETENTION_DAYS": 30,  # uploaded and generated files expire after this
     "BATCH_COMPLETION_WINDOWS": {"24h": 24 * 3600},
 }

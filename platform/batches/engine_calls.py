@@ -3,11 +3,10 @@
 A line is built with the /v1 endpoints' own pieces (openai_api: the request serializers, the chat
 template, the context check, the sampling-parameter mapping and the response formatting), so a
 batch line and the same request sent to /v1/chat/completions give the same engine request and
-the same body. The runner calls wait() from worker threads: engine I/O only, no database.
+the same body. The runner collects results with batches.collector and shapes them with outcome().
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from django.conf import settings
@@ -125,11 +124,8 @@ def submit(gen: api.Generation, user_id: int) -> None:
                   request_id=gen.request_id)
 
 
-def wait(gen: api.Generation, timeout: float) -> LineOutcome:
-    """Collect the request's whole result and shape it as the endpoint's response (or its error)."""
-    started = time.monotonic()
-    result = engine.collect(gen.request_id, n=gen.n, timeout=timeout)
-    latency_ms = (time.monotonic() - started) * 1000
+def outcome(gen: api.Generation, result: dict, latency_ms: float) -> LineOutcome:
+    """A collected engine result shaped as the endpoint's response body (or its error)."""
     usage = result.get("usage") or {}
     if result.get("error"):
         return error_outcome(result["error"], usage, latency_ms)

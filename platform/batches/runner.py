@@ -1,8 +1,9 @@
 """The batch runner: feeds a batch's pending lines to the engine with a bounded number in flight.
 
-One runner per batch at a time (a lease row in the batch, renewed while it runs). Worker threads
-only wait on engine output streams; this thread does every database write, so a line's result is
-recorded exactly once by a conditional update (see services.record_line_result).
+One runner per batch at a time (a lease row in the batch, renewed by a thread while it runs). The
+runner polls its lines' output streams coarsely (batches.collector) instead of following them token
+by token, and records each line's result exactly once by a conditional update
+(services.record_line_result).
 
 After a crash the next lease holder re-attaches to the lines the dead runner left running (their
 engine output streams are still in Redis), so a line that was already generated is not generated
@@ -16,7 +17,6 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from django import db
 
@@ -26,6 +26,7 @@ from openai_api.errors import OpenAIError
 from quotas.exceptions import PlanViolation
 
 from . import conf, engine_calls, progress, quota, selectors, services
+from .collector import Collector
 from .models import Batch, BatchLine
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,9 @@ class BatchRunner:
         self.user = self.batch.user
         self.plan = quota.token_budget_plan(self.user)
         self.models = engine_calls.served_models()
-        self.in_flight: dict[Future, tuple[BatchLine, object]] = {}
+        self.in_flight: dict[str, tuple[BatchLine, object]] = {}  # engine request id -> (line, Generation)
+        self.collector = Collector(timeout=conf.get("BATCH_LINE_TIMEOUT"))
         self.max_in_flight = conf.get("BATCH_MAX_IN_FLIGHT")
-        self.pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix=f"batch{batch_id}")
         self.paused = False
         self.stopping = False
         self.last_renew = self.last_push = time.monotonic()
@@ -101,7 +102,6 @@ class BatchRunner:
             return "lost"
         finally:
             self.lease.stop()
-            self.pool.shutdown(wait=False, cancel_futures=True)
             services.release_lease(self.batch_id, self.owner)
 
     def loop(self) -> str:
@@ -119,7 +119,7 @@ class BatchRunner:
                     return Batch.Status.COMPLETED
                 time.sleep(0.2)  # nothing could be fed right now (e.g. a line mid-requeue): poll gently
                 continue
-            self.collect(timeout=0.5)
+            self.collect()
             self.maybe_push()
 
     # ------------------------------------------------------------ feeding
@@ -164,8 +164,8 @@ class BatchRunner:
         return True
 
     def watch(self, line: BatchLine, gen) -> None:
-        future = self.pool.submit(engine_calls.wait, gen, conf.get("BATCH_LINE_TIMEOUT"))
-        self.in_flight[future] = (line, gen)
+        self.collector.add(gen.request_id, gen.n)
+        self.in_flight[gen.request_id] = (line, gen)
 
     def fail_before_submit(self, line: BatchLine, outcome) -> None:
         """A line the endpoint or the plan refuses: recorded as failed without reaching the engine."""
@@ -179,18 +179,13 @@ class BatchRunner:
 
     # ------------------------------------------------------------ results
 
-    def collect(self, timeout: float) -> None:
-        done, _ = wait(list(self.in_flight), timeout=timeout, return_when=FIRST_COMPLETED)
-        for future in done:
-            line, gen = self.in_flight.pop(future)
-            self.finish_line(line, gen, future)
+    def collect(self) -> None:
+        time.sleep(conf.get("BATCH_POLL_INTERVAL"))
+        for request_id, result, latency_ms in self.collector.poll():
+            line, gen = self.in_flight.pop(request_id)
+            self.finish_line(line, gen, engine_calls.outcome(gen, result, latency_ms))
 
-    def finish_line(self, line: BatchLine, gen, future: Future) -> None:
-        try:
-            outcome = future.result()
-        except Exception as exc:  # Redis trouble while waiting: treat like a lost worker
-            log.exception("batch %s: waiting for line %s failed", self.batch_id, line.line_number)
-            outcome = engine_calls.error_outcome({"code": "worker_lost", "message": str(exc)}, {}, 0.0)
+    def finish_line(self, line: BatchLine, gen, outcome) -> None:
         usage = outcome.usage or {}
         quota.settle_line(line.reservation, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
         code = outcome.error_code
@@ -224,7 +219,7 @@ class BatchRunner:
             engine.abort(line.engine_request_id)
         while self.in_flight:
             self.keep_lease()
-            self.collect(timeout=1.0)
+            self.collect()
         status = BatchLine.Status.CANCELLED if ending == Batch.Status.CANCELLED else BatchLine.Status.EXPIRED
         code = "batch_cancelled" if ending == Batch.Status.CANCELLED else "batch_expired"
         message = ("The batch was cancelled before this request ran." if ending == Batch.Status.CANCELLED
@@ -257,6 +252,7 @@ class BatchRunner:
 
     def abandon_in_flight(self) -> None:
         self.in_flight.clear()  # the new lease holder re-attaches to them
+        self.collector.watched.clear()
 
     # ------------------------------------------------------------ housekeeping
 

@@ -256,9 +256,14 @@ def test_quantized_tp2_equals_tp1(quantized_models, fmt, act_order):
 
 
 def test_int8_agrees_with_fp32_on_top1_at_95_percent_of_positions(model_factory):
-    """Teacher-forced: both models score the same token sequences; compare their argmax per position."""
-    model_dir = model_factory("llama")
-    seqs = prompts(8, seed=4, low=20, high=60)
+    """Teacher-forced: both models score the same token sequences; compare their argmax per position.
+
+    Random weights at an init scale of 0.05 (nearer trained models' scale than the 0.15 the other
+    tiny models use to make float comparisons decisive; at 0.15 activations grow so fast that a
+    0.5% weight error flips ~4% of argmaxes, at 0.05 ~2%, and measured agreement is ~97.7% here).
+    """
+    model_dir = model_factory("llama", initializer_range=0.05)
+    seqs = prompts(16, seed=4, low=20, high=60)
     top1 = {}
     memory = {}
     for quant in (None, "int8"):
@@ -268,7 +273,8 @@ def test_int8_agrees_with_fp32_on_top1_at_95_percent_of_positions(model_factory)
         top1[quant] = [best_token(entry) for o in outs for entry in o.prompt_logprobs[1:]]
         memory[quant] = llm.llm_engine.memory
     agree = sum(a == b for a, b in zip(top1[None], top1["int8"])) / len(top1[None])
-    assert len(top1[None]) > 200 and agree >= 0.95, agree
+    assert len(top1[None]) > 500 and agree >= 0.95, agree
+    print(f"int8 top-1 agreement {agree:.3f} over {len(top1[None])} positions")
     assert memory["int8"]["weights_dtype"] == "int8" and memory["int8"]["quantization"] == "int8"
     assert memory["int8"]["weights_bytes"] < memory[None]["weights_bytes"]
 

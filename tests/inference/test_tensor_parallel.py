@@ -8,11 +8,12 @@ import os
 import random
 import signal
 import threading
+import time
 
 import pytest
 
 from inference import LLM, SamplingParams
-from inference.executor import TensorParallelError
+from inference.executor import MultiprocExecutor, TensorParallelError
 FAMILIES = ["llama", "llama3", "mistral", "qwen2"]  # mistral: one KV head, replicated on both ranks
 
 
@@ -115,3 +116,18 @@ def test_tensor_parallel_size_must_divide_heads(model_factory):
     with pytest.raises(ValueError, match="not divisible by tensor_parallel_size 3"):
         LLM(model=model_dir, dtype="float32", max_model_len=256, tensor_parallel_size=3)
     assert not rank_processes()
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start_at_once():
+    """Rank 0 waits for each spawned rank's 'joining' word or its death, not for the group timeout."""
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=os._exit, args=(3,), name="tessera-tp-rank1")
+    proc.start()
+    writer.close()
+    executor = object.__new__(MultiprocExecutor)  # only the start-up handshake, no group
+    executor.procs = [proc]
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code 3 before joining"):
+        executor._wait_until_joining([reader])
+    assert time.monotonic() - started < 30
