@@ -29,6 +29,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended by the scheduler (never fits)
+    budget: int = 0  # tokens still free in this step while scheduling
 
     @property
     def num_tokens(self) -> int:
@@ -84,20 +85,33 @@ class Scheduler:
             heapq.heapify(self.waiting)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        for request in sorted(self.running, key=lambda r: r.sort_key):
-            if budget <= 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this step
-            num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, budget)
-            if num_new > 0 and self._allocate_running(request, num_new, out):
-                out.scheduled[request] = num_new
-                budget -= num_new
-        self._admit_waiting(out, budget)
+        """One step's batch. Running decodes go first (one token each keeps every stream moving);
+        then prefill chunks of running requests and admissions of waiting ones share what is left
+        of the budget in priority order, so an urgent arrival is never starved by the chunks of
+        a long low-priority prompt."""
+        out = SchedulerOutput(budget=self.config.max_num_batched_tokens)
+        running = sorted(self.running, key=lambda r: r.sort_key)
+        prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                self._schedule_running(request, out)
+        admitting = True
+        for request in prefilling:
+            while admitting and self.waiting and self.waiting[0][0] < request.sort_key and out.budget > 0:
+                admitting = self._admit_one(out)
+            self._schedule_running(request, out)
+        while admitting and self.waiting and out.budget > 0:
+            admitting = self._admit_one(out)
         out.block_copies = self.kv.take_copies()
         return out
+
+    def _schedule_running(self, request: Request, out: SchedulerOutput) -> None:
+        if out.budget <= 0 or request.status is not RequestStatus.RUNNING:
+            return  # out of budget, or preempted earlier in this step
+        num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, out.budget)
+        if num_new > 0 and self._allocate_running(request, num_new, out):
+            out.scheduled[request] = num_new
+            out.budget -= num_new
 
     def _chunk(self, request: Request, num_new: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold
@@ -124,8 +138,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free the blocks (cached ones stay reusable), back to waiting."""
-        budget_back = out.scheduled.pop(victim, None)
-        del budget_back  # the caller's budget only grows by re-running the loop next step
+        out.scheduled.pop(victim, None)  # if it was already scheduled, its budget is not handed back
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
@@ -135,31 +148,30 @@ class Scheduler:
         out.preempted.append(victim)
         heapq.heappush(self.waiting, (victim.sort_key, victim))
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0:
-            request = self.waiting[0][1]
-            if request in out.preempted:
-                break  # no thrashing: a request preempted in this step waits for the next
-            if len(self.running) >= self.config.max_num_seqs and not self._preempt_lower(request, out):
-                break
-            computed, num_cached = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_cached
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = self._chunk(request, num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, computed):
-                if self.kv.blocks_needed(request.num_tokens) > self.kv.pool.num_blocks:
-                    # longer than the whole pool: it can never run, and waiting would block the queue
-                    self.finish(request, RequestStatus.FINISHED_LENGTH)
-                    out.finished.append(request)
-                    continue
-                if self._preempt_lower(request, out):
-                    continue
-                break
-            heapq.heappop(self.waiting)
-            self._start(request, num_cached)
-            out.scheduled[request] = num_new
-            budget -= num_new
+    def _admit_one(self, out: SchedulerOutput) -> bool:
+        """Try to start the head of the waiting queue; False means stop admitting this step."""
+        request = self.waiting[0][1]
+        if request in out.preempted:
+            return False  # no thrashing: a request preempted in this step waits for the next
+        if len(self.running) >= self.config.max_num_seqs and not self._preempt_lower(request, out):
+            return False
+        computed, num_cached = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_cached
+        if not self.config.enable_chunked_prefill and num_new > out.budget:
+            return False
+        num_new = self._chunk(request, num_new, out.budget)
+        if not self.kv.allocate_slots(request, num_new, computed):
+            if self.kv.blocks_needed(request.num_tokens) > self.kv.pool.num_blocks:
+                # longer than the whole pool: it can never run, and waiting would block the queue
+                self.finish(request, RequestStatus.FINISHED_LENGTH)
+                out.finished.append(request)
+                return True
+            return self._preempt_lower(request, out)  # True: retry with the freed blocks
+        heapq.heappop(self.waiting)
+        self._start(request, num_cached)
+        out.scheduled[request] = num_new
+        out.budget -= num_new
+        return True
 
     def _start(self, request: Request, num_cached: int) -> None:
         if request.metrics.first_scheduled_time is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from engine_client import client as engine
-from openai_api import formatting, tokenization
+from openai_api import formatting
 from openai_api import services as api
 from openai_api.errors import OpenAIError
 from openai_api.serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
@@ -93,19 +93,7 @@ def build_call(url: str, body: dict, models: dict | None = None) -> api.Generati
     gen.request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + engine.new_request_id()
     info = (models or served_models()).get(gen.model) or {}
     path = info.get("model_path") or settings.MODEL
-    if kind == "chat":
-        messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
-        gen.prompt_token_ids = tokenization.chat_prompt_ids(path, messages)
-        requested, prompt_param = data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
-        if data.get("top_logprobs") is not None and not data.get("logprobs"):
-            raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs",
-                              code="invalid_value")
-        gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
-    else:
-        prompt = data["prompt"]
-        gen.prompt_token_ids = list(prompt) if isinstance(prompt, list) else tokenization.text_prompt_ids(path, prompt)
-        requested, prompt_param = data.get("max_tokens"), "prompt"
-        gen.logprobs = data.get("logprobs")
+    requested, prompt_param = api.apply_prompt(gen, data, path)
     gen.max_tokens = api.context_check(gen, requested, info.get("max_model_len"), prompt_param)
     gen.sampling_params = api.sampling_params(data, gen.max_tokens, gen.logprobs)
     api.check_sampling_params(gen.sampling_params)

@@ -231,8 +231,7 @@ async def prepare(request, gen: Generation) -> None:
     gen.n, gen.priority = data.get("n") or 1, data.get("priority") or 0
     info = await resolve_model(gen.model)
     path = info.get("model_path") or settings.MODEL
-    prompt_step = chat_prompt if gen.endpoint == "chat" else completion_prompt
-    requested, prompt_param = await prompt_step(gen, data, path)
+    requested, prompt_param = await sync_to_async(apply_prompt, thread_sensitive=False)(gen, data, path)
     default_cap = None if requested else await sync_to_async(default_max_tokens_cap)(gen.user, gen.n)
     gen.max_tokens = context_check(gen, requested, info.get("max_model_len"), prompt_param, default_cap)
     gen.sampling_params = sampling_params(data, gen.max_tokens, gen.logprobs)
@@ -252,24 +251,30 @@ async def resolve_model(name: str) -> dict:
     return models[name]
 
 
-async def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
-    """Render the messages; set logprobs. Returns (requested max_tokens, the prompt's param name)."""
+def apply_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
+    """Tokenize the prompt and set logprobs (shared with the batch runner, which builds the same
+    requests). Returns (requested max_tokens, the prompt's param name)."""
+    return (chat_prompt if gen.endpoint == "chat" else completion_prompt)(gen, data, path)
+
+
+def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
+    """Render the messages with the model's chat template."""
     if data.get("top_logprobs") is not None and not data.get("logprobs"):
         raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs", code="invalid_value")
     messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
-    gen.prompt_token_ids = await sync_to_async(tokenization.chat_prompt_ids, thread_sensitive=False)(path, messages)
+    gen.prompt_token_ids = tokenization.chat_prompt_ids(path, messages)
     gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
     return data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
 
 
-async def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
+def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
     if data.get("best_of") not in (None, gen.n):
         raise OpenAIError(400, "best_of must equal n (or be omitted).", param="best_of", code="invalid_value")
     prompt = data["prompt"]
     if isinstance(prompt, list):
         gen.prompt_token_ids = list(prompt)
     else:
-        gen.prompt_token_ids = await sync_to_async(tokenization.text_prompt_ids, thread_sensitive=False)(path, prompt)
+        gen.prompt_token_ids = tokenization.text_prompt_ids(path, prompt)
     gen.logprobs = data.get("logprobs")
     return data.get("max_tokens"), "prompt"
 

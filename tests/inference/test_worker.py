@@ -12,35 +12,14 @@ import inference.worker as worker_module
 from engine_client import client as engine_client
 from engine_client import protocol
 from inference import SamplingParams
-from worker_helpers import ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
+from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return tiny_llm(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
 def second_llm(tiny_model_dir):
     return tiny_llm(tiny_model_dir)
-
-
-@pytest.fixture
-def r():
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    clear_engine_keys(client)
-    yield client
-    clear_engine_keys(client)
-
-
-@pytest.fixture
-def worker(llm, r):
-    running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    wait_for(lambda: engine_client.health()["ok"])
-    yield running
-    running.stop()
 
 
 def heartbeat_stats(worker_id: str) -> dict:

@@ -4,7 +4,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import redis
+from django.conf import settings
 
 from inference import LLM
 from inference.worker import EngineWorker, WorkerConfig
@@ -71,3 +73,28 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+# Fixtures shared by the worker-protocol and engine-client tests (import them by name).
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return tiny_llm(tiny_model_dir)
+
+
+@pytest.fixture
+def r():
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    clear_engine_keys(client)
+    yield client
+    clear_engine_keys(client)
+
+
+@pytest.fixture
+def worker(llm, r):
+    from engine_client import client as engine_client
+
+    running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
+    wait_for(lambda: engine_client.health()["ok"])
+    yield running
+    running.stop()
