@@ -100,8 +100,7 @@ def decode_padded(q, k_cache, v_cache, block_tables, seq_lens, scale):
     v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, slots.flatten(),
                            out=workspace("v", shape, v_cache.dtype, v_cache.device).view(-1, num_kv_heads, head_dim))
     k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-    mask = torch.zeros(batch, 1, 1, max_len, dtype=q.dtype, device=q.device)
-    mask.masked_fill_(~valid[:, None, None, :].to(q.device), float("-inf"))
+    mask = valid[:, None, None, :].to(q.device)  # True = attend
     qg = q.view(batch, num_kv_heads, group, head_dim)
     out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
@@ -173,4 +172,4 @@ def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
 def silu_and_mul(x):
     """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one [T, I] temporary instead of two
