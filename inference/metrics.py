@@ -26,9 +26,8 @@ class Histogram:
 
 @dataclass
 class EngineMetrics:
-    """Counters and histograms updated every step; gauges are read from the scheduler on demand."""
+    """Counters and histograms updated every step; gauges (and preemptions) are read from the scheduler."""
 
-    num_preemptions_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     requests_finished_total: int = 0

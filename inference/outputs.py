@@ -1,7 +1,7 @@
 """What the engine returns: cumulative outputs per request, as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -53,4 +53,3 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
-    extra: dict = field(default_factory=dict)

@@ -78,7 +78,6 @@ class RequestState:
     submitted_at: float | None = None
     received_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
-    sent_text: list[str] = field(default_factory=list)
     sent_len: list[int] = field(default_factory=list)  # characters of text already sent per choice
     sent_ids: list[int] = field(default_factory=list)  # tokens already sent per choice
     finished: list[bool] = field(default_factory=list)

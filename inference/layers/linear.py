@@ -49,15 +49,10 @@ class LinearBase(nn.Module):
         copy_checked(param.data, loaded)
 
 
-class ReplicatedLinear(LinearBase):
-    pass
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks (dim 0 of the [out, in] weight)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None):
-        self.full_out = out_features
         super().__init__(in_features, divide(out_features, tp_size()), bias, dtype, method)
 
     def weight_loader(self, param, loaded, shard_id=None):

@@ -281,11 +281,17 @@ def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | Non
 
 # ---------------------------------------------------------------- admission, streaming, settlement
 
+def reserve_quota(gen: Generation) -> None:
+    """One plan lookup and one thread hop for both the reservation and the x-ratelimit headers."""
+    plan = quota_selectors.plan_for(gen.user)
+    gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.n, "api", plan=plan)
+    gen.headers = quotas.rate_limit_headers(gen.user, plan)
+
+
 async def admit(gen: Generation) -> None:
     """Reserve quota (the only place /v1 calls quotas.reserve), then queue the request for the engine."""
     try:
-        gen.reservation = await sync_to_async(quotas.reserve)(gen.user, gen.model, gen.prompt_tokens,
-                                                              gen.max_tokens * gen.n, "api")
+        await sync_to_async(reserve_quota)(gen)
     except quotas.QuotaExceeded as exc:
         raise OpenAIError(429, exc.message, code=exc.code, type=exc.error_type, headers=exc.headers) from None
     except quotas.PlanViolation as exc:
@@ -293,7 +299,6 @@ async def admit(gen: Generation) -> None:
         if exc.code == "max_tokens_exceeded" and gen.n > 1:
             message += f" With n={gen.n}, n x max_tokens counts against that cap."
         raise OpenAIError(exc.status_code, message, code=exc.code, param=exc.param) from None
-    gen.headers = await sync_to_async(quotas.rate_limit_headers)(gen.user)
     await engine.asubmit(prompt_token_ids=gen.prompt_token_ids, sampling_params=gen.sampling_params,
                          priority_class="api", priority=gen.priority, user=gen.user.pk, request_id=gen.request_id)
 

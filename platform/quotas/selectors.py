@@ -69,8 +69,9 @@ class QuotaStatus:
         return min(left) if left else None
 
 
-def quota_status(user) -> QuotaStatus:
-    return QuotaStatus(plan=plan_for(user), usage=get_ledger().usage(user.pk))
+def quota_status(user, plan: PlanLimits | None = None) -> QuotaStatus:
+    """The user's limits and live usage; pass `plan` when the caller already looked it up."""
+    return QuotaStatus(plan=plan or plan_for(user), usage=get_ledger().usage(user.pk))
 
 
 def format_reset(seconds: float) -> str:
@@ -99,6 +100,6 @@ def headers_for(status: QuotaStatus) -> dict[str, str]:
     return headers
 
 
-def rate_limit_headers(user) -> dict[str, str]:
+def rate_limit_headers(user, plan: PlanLimits | None = None) -> dict[str, str]:
     """x-ratelimit-* headers for every /v1 response (unlimited limits are left out)."""
-    return headers_for(quota_status(user))
+    return headers_for(quota_status(user, plan))

@@ -40,9 +40,11 @@ def check_plan(plan: PlanLimits, model: str, max_tokens: int) -> None:
                             param="max_tokens")
 
 
-def reserve(user, model: str, prompt_tokens: int, max_tokens: int, source: str) -> Reservation:
-    """Admit one request and reserve prompt_tokens + max_tokens; raises QuotaExceeded or PlanViolation."""
-    plan = plan_for(user)
+def reserve(user, model: str, prompt_tokens: int, max_tokens: int, source: str, plan=None) -> Reservation:
+    """Admit one request and reserve prompt_tokens + max_tokens; raises QuotaExceeded or PlanViolation.
+
+    `plan` saves the database lookup when the caller already has the user's PlanLimits."""
+    plan = plan or plan_for(user)
     check_plan(plan, model, max_tokens)
     tokens = int(prompt_tokens) + int(max_tokens)
     outcome = get_ledger().reserve(user.pk, plan, tokens, model=model, source=source,
@@ -52,7 +54,7 @@ def reserve(user, model: str, prompt_tokens: int, max_tokens: int, source: str) 
     limit_value = getattr(plan, outcome.limit)
     message = REFUSAL_MESSAGES[outcome.limit].format(limit=limit_value, retry=outcome.retry_after_s, tokens=tokens)
     raise QuotaExceeded(code=REFUSAL_CODES[outcome.limit], message=message, retry_after=outcome.retry_after_s,
-                        headers=headers_for(quota_status(user)), limit=outcome.limit)
+                        headers=headers_for(quota_status(user, plan)), limit=outcome.limit)
 
 
 def settle(reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> bool:
