@@ -77,6 +77,8 @@ def process_weights_after_loading(model) -> None:
         method = getattr(module, "method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
 
 
 def checkpoint_tensor(f, hf_name: str, param) -> torch.Tensor:

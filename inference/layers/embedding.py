@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from inference.layers import onednn
 from inference.layers.linear import copy_checked
 
 
@@ -33,8 +34,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = hidden @ weight.T per vocab shard, gathered across ranks."""
+    """Logits = hidden @ weight.T per vocab shard, gathered across ranks.
+
+    On CPU the logits GEMM reads a oneDNN-packed copy of the weight (layers/onednn.py); the dense
+    weight stays, because tied embeddings look tokens up in it.
+    """
+
+    packed = None
+
+    def process_weights_after_loading(self) -> None:
+        self.packed = onednn.pack(self.weight.data) if onednn.can_pack(self.weight) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = F.linear(hidden, self.weight) if self.packed is None else onednn.linear(hidden, self.packed)
         return all_gather_last_dim(local)[..., : self.vocab_size]

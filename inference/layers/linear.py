@@ -12,20 +12,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference.distributed import all_reduce, tp_rank, tp_size
+from inference.layers import onednn
 
 
 class UnquantizedLinearMethod:
-    """A plain [out, in] weight in the model's dtype."""
+    """A plain [out, in] weight in the model's dtype, packed for oneDNN on CPU after loading."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.weight.is_mkldnn:
+            return onednn.linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        pass
+        if onednn.can_pack(layer.weight):  # replaces the dense copy: no extra memory
+            layer.weight = nn.Parameter(onednn.pack(layer.weight.data), requires_grad=False)
 
 
 class LinearBase(nn.Module):

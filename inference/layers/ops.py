@@ -68,9 +68,21 @@ class Ops:
 
 
 def torch_primitives():
-    from kernels import torch_ref
+    """kernels/torch_ref.py, with the C decode attention on CPU where it builds (kernels/native_cpu.py)."""
+    from kernels import native_cpu, torch_ref
 
-    return torch_ref
+    if native_cpu.load() is None:
+        return torch_ref
+
+    def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+        impl = native_cpu if native_cpu.supports(q, k_cache) else torch_ref
+        return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+    return SimpleNamespace(
+        store_kv_cache=torch_ref.store_kv_cache, paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=torch_ref.paged_prefill_attention, fused_add_rms_norm=torch_ref.fused_add_rms_norm,
+        rotary_embedding=torch_ref.rotary_embedding, silu_and_mul=torch_ref.silu_and_mul,
+    )
 
 
 def triton_primitives():
