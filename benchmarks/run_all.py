@@ -12,12 +12,14 @@ import traceback
 
 from benchmarks.common import BENCH_DIR, machine_line
 
-SECTIONS = ["throughput", "scheduling", "serving", "quant_tp", "kernels"]
+SECTIONS = ["throughput", "gemm", "scheduling", "serving", "quant_tp", "kernels"]
 
 
 def run_section(name: str) -> str:
     module = importlib.import_module(f"benchmarks.{name}")
     result = module.main([])
+    if isinstance(result, dict):  # serving returns its whole report
+        return result.get("tables", "")
     return result if isinstance(result, str) else ""
 
 

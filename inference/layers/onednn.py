@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -31,5 +32,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
 
+def padded_rows(rows: int) -> int:
+    """The row count a GEMM runs at: exact up to 16, then rounded up to 8 steps per power of two.
+
+    oneDNN builds one primitive per input shape and keeps 1024 of them. A server sees every token
+    count from 1 to max_num_batched_tokens, for each of the model's GEMM shapes, so with exact
+    shapes the cache thrashes: the four GEMMs of the bench model over 600 row counts in random
+    order took 3.3 s a pass with exact shapes and 2.4 s rounded (benchmarks/gemm.py). Rounding
+    leaves 72 row counts up to 2048, for at most 12.5% extra rows.
+    """
+    if rows <= 16:
+        return rows
+    step = 1 << (rows - 1).bit_length() - 4  # an eighth of the power of two at or above rows
+    return -(-rows // step) * step
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """x [rows, in] @ packed.T (+ bias), computed at padded_rows(rows) rows."""
+    rows = x.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows] if padded != rows else out

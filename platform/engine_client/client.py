@@ -23,6 +23,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
@@ -163,6 +164,10 @@ class _Watch:
             return [p.heartbeat_key(self.worker_id)]
         return []
 
+    def liveness(self, live_workers: set[str]) -> tuple[bool, bool]:
+        """(the claiming worker is alive, any worker is alive) from a set of live worker ids."""
+        return self.worker_id in live_workers, bool(live_workers)
+
     def verdict(self, claimed_alive: bool, any_alive: bool) -> dict | None:
         """An error event when waiting longer is pointless, else None."""
         now = time.monotonic()
@@ -190,7 +195,7 @@ def _unpack(entries):
     last_id, events = None, []
     for _stream, items in entries or []:
         for entry_id, fields in items:
-            last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            last_id = _entry_id(entry_id)
             for event in p.decode(fields[b"events"]):
                 event["entry_id"] = last_id
                 events.append(event)
@@ -231,28 +236,141 @@ def stream(request_id: str, *, last_id: str = "0-0", timeout: float | None = Non
 
 async def astream(request_id: str, *, last_id: str = "0-0", timeout: float | None = None,
                   no_worker_grace: float = 5.0, include_control: bool = False) -> AsyncIterator[dict]:
-    """Async twin of stream() (for ASGI views and Channels consumers)."""
-    r = async_redis_client()
+    """Async twin of stream() (for ASGI views and Channels consumers).
+
+    Every astream of one event loop shares that loop's StreamHub: one XREAD per engine step for all
+    of them instead of one per stream.
+    """
     watch = _Watch(request_id, no_worker_grace, timeout)
-    key = p.output_stream(request_id)
-    while True:
-        reply = await r.xread({key: last_id}, block=POLL_MS, count=256)
-        new_last, events = _unpack(reply)
-        if new_last:
-            last_id = new_last
-        for event in events:
-            watch.see(event)
-            if event["type"] == "accepted" and not include_control:
+    hub = stream_hub()
+    inbox = await hub.follow(p.output_stream(request_id), last_id)
+    try:
+        while True:
+            batch = await inbox.get()
+            if isinstance(batch, BaseException):
+                raise batch
+            if isinstance(batch, _Tick):  # nothing for POLL_MS: is anyone still working on it?
+                error = watch.verdict(*watch.liveness(batch.live_workers))
+                if error:
+                    await aabort(request_id)
+                    yield error
+                    return
                 continue
-            yield event
-            if event["type"] in p.TERMINAL_EVENTS:
-                return
-        if not events:
-            error = watch.verdict(*(await _aliveness(r, watch)))
-            if error:
-                await aabort(request_id)
-                yield error
-                return
+            for event in batch:
+                watch.see(event)
+                if event["type"] == "accepted" and not include_control:
+                    continue
+                yield event
+                if event["type"] in p.TERMINAL_EVENTS:
+                    return
+    finally:
+        hub.unfollow(p.output_stream(request_id), inbox)
+
+
+class StreamHub:
+    """Reads the output streams of every astream on one event loop with a single blocking XREAD.
+
+    Each follower gets an asyncio queue of batches: a list of events per XREAD reply, a _Tick when
+    its stream was quiet for POLL_MS (with the live worker ids, read once for all quiet streams),
+    or the exception that stopped the reader. A follower that joins while the XREAD blocks wakes
+    it through the hub's own wake stream, so its first events are not held back until the block
+    times out. Two followers of one stream (a browser tab that reconnects) each get every entry
+    after their own last id.
+    """
+
+    def __init__(self, r: aioredis.Redis):
+        self.r = r
+        self.wake_key = f"{p.PREFIX}:hub-wake:{uuid.uuid4().hex}"
+        self.wake_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
+        self.by_key: dict[str, dict[asyncio.Queue, _Follower]] = {}
+        self.reader: asyncio.Task | None = None
+
+    async def follow(self, key: str, last_id: str) -> asyncio.Queue:
+        inbox: asyncio.Queue = asyncio.Queue()
+        self.by_key.setdefault(key, {})[inbox] = _Follower(_id_tuple(last_id), time.monotonic())
+        if self.reader is None or self.reader.done():
+            self.reader = asyncio.get_running_loop().create_task(self._read())
+        else:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1)
+            pipe.expire(self.wake_key, OUTPUT_TTL_S)
+            await pipe.execute()
+        return inbox
+
+    def unfollow(self, key: str, inbox: asyncio.Queue) -> None:
+        followers = self.by_key.get(key, {})
+        followers.pop(inbox, None)
+        if not followers:
+            self.by_key.pop(key, None)
+
+    async def _read(self) -> None:
+        try:
+            while self.by_key:
+                query = {key: "%d-%d" % min(f.last_id for f in followers.values())
+                         for key, followers in self.by_key.items()}
+                query[self.wake_key] = self.wake_id
+                self._deliver(await self.r.xread(query, block=POLL_MS, count=256))
+                await self._tick_quiet()
+        except Exception as exc:  # Redis went away: every follower hears it
+            for followers in self.by_key.values():
+                for inbox in followers:
+                    inbox.put_nowait(exc)
+            self.by_key.clear()
+
+    def _deliver(self, reply) -> None:
+        now = time.monotonic()
+        for raw_key, items in reply or []:
+            key = _entry_id(raw_key)
+            if key == self.wake_key:
+                self.wake_id = _entry_id(items[-1][0])
+                continue
+            for inbox, f in self.by_key.get(key, {}).items():
+                mine = [(entry_id, fields) for entry_id, fields in items if _id_tuple(_entry_id(entry_id)) > f.last_id]
+                if mine:
+                    inbox.put_nowait(_unpack([(raw_key, mine)])[1])
+                    f.last_id, f.seen = _id_tuple(_entry_id(mine[-1][0])), now
+
+    async def _tick_quiet(self) -> None:
+        now = time.monotonic()
+        quiet = [(inbox, f) for followers in self.by_key.values() for inbox, f in followers.items()
+                 if now - f.seen >= POLL_MS / 1000]
+        if not quiet:
+            return
+        tick = _Tick(await alive_worker_ids(self.r))
+        for inbox, f in quiet:
+            inbox.put_nowait(tick)
+            f.seen = now
+
+
+@dataclass
+class _Follower:
+    last_id: tuple[int, int]
+    seen: float  # when it last got events or a tick
+
+
+@dataclass
+class _Tick:
+    live_workers: set[str]
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+_hubs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StreamHub]" = weakref.WeakKeyDictionary()
+
+
+def stream_hub() -> StreamHub:
+    loop = asyncio.get_running_loop()
+    hub = _hubs.get(loop)
+    if hub is None:
+        hub = _hubs[loop] = StreamHub(async_redis_client())
+    return hub
+
+
+def _entry_id(raw) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
 
 
 def _liveness(r, watch: _Watch) -> tuple[bool, bool]:
@@ -262,14 +380,15 @@ def _liveness(r, watch: _Watch) -> tuple[bool, bool]:
     return False, bool(live_worker_ids(r))
 
 
-async def _aliveness(r, watch: _Watch) -> tuple[bool, bool]:
-    keys = watch.liveness_keys()
-    if keys:
-        return bool(await r.exists(*keys)), True
-    ids = [m.decode() for m in await r.smembers(p.WORKERS_SET)]
+async def alive_worker_ids(r) -> set[str]:
+    """Workers whose heartbeat key still exists (async, read-only twin of live_worker_ids)."""
+    ids = sorted(m.decode() for m in await r.smembers(p.WORKERS_SET))
     if not ids:
-        return False, False
-    return False, bool(await r.exists(*[p.heartbeat_key(i) for i in ids]))
+        return set()
+    pipe = r.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.exists(p.heartbeat_key(worker_id))
+    return {w for w, ok in zip(ids, await pipe.execute()) if ok}
 
 
 # ---------------------------------------------------------------- collecting a whole result
@@ -356,16 +475,35 @@ def _parse_heartbeat(raw: dict) -> dict:
     return info
 
 
-def workers() -> list[dict]:
+_workers_cache: tuple[float, list[dict]] = (float("-inf"), [])
+
+
+def workers(max_age: float = 0.0) -> list[dict]:
     """Live workers' heartbeats: worker_id, model, served_model_name, pid, host, started_at,
     updated_at (unix s), config (engine args, max_model_len), stats (engine.get_stats() plus
-    tokens_per_s, inflight, requests_total, aborts_total, errors_total, step_ms)."""
+    tokens_per_s, inflight, requests_total, aborts_total, errors_total, step_ms).
+
+    max_age > 0 may answer from a snapshot up to that many seconds old (per-request callers on the
+    hot path: three Redis round trips per API request otherwise).
+    """
+    global _workers_cache
+    taken, cached = _workers_cache
+    if max_age > 0 and time.monotonic() - taken < max_age:
+        return cached
     r = redis_client()
     ids = live_worker_ids(r)
     pipe = r.pipeline(transaction=False)
     for worker_id in ids:
         pipe.hgetall(p.heartbeat_key(worker_id))
-    return [_parse_heartbeat(raw) for raw in pipe.execute() if raw]
+    found = [_parse_heartbeat(raw) for raw in pipe.execute() if raw]
+    _workers_cache = (time.monotonic(), found)
+    return found
+
+
+def clear_workers_snapshot() -> None:
+    """Forget the snapshot behind workers(max_age=...) (tests that start and stop workers)."""
+    global _workers_cache
+    _workers_cache = (float("-inf"), [])
 
 
 async def aworkers() -> list[dict]:

@@ -21,12 +21,20 @@ def _route(request) -> str:
     return "/" + match.route if match is not None and match.route else "unmatched"
 
 
-def count_request(request, status: int, seconds: float) -> None:
+def _count_ops(pipe, request, status: int, seconds: float):
     route = _route(request)
-    pipe = engine.redis_client().pipeline(transaction=False)
     pipe.hincrby(HTTP_REQUESTS_KEY, f"{route}|{request.method}|{status}", 1)
     pipe.hincrbyfloat(HTTP_SECONDS_KEY, f"{route}|{request.method}", seconds)
-    pipe.execute()
+    return pipe
+
+
+def count_request(request, status: int, seconds: float) -> None:
+    _count_ops(engine.redis_client().pipeline(transaction=False), request, status, seconds).execute()
+
+
+async def acount_request(request, status: int, seconds: float) -> None:
+    """count_request on the event loop (no thread hop before a stream's first byte)."""
+    await _count_ops(engine.async_redis_client().pipeline(transaction=False), request, status, seconds).execute()
 
 
 def _label(value) -> str:

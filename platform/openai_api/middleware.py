@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.http import JsonResponse
 
 from . import metrics
@@ -45,8 +45,7 @@ class OpenAIErrorMiddleware:
         started = time.perf_counter()
         response = await self.get_response(request)
         response = self.fix(request, response)
-        await sync_to_async(metrics.count_request, thread_sensitive=False)(
-            request, response.status_code, time.perf_counter() - started)
+        await metrics.acount_request(request, response.status_code, time.perf_counter() - started)
         return response
 
     def fix(self, request, response):

@@ -64,7 +64,7 @@ class CompletionsView(AsyncAPIView):
 
 async def _authenticated(request) -> OpenAIError | None:
     try:
-        await services.authenticate(request, services.Generation(endpoint="models"))
+        await services.bookkeeping(services.authenticate)(request, services.Generation(endpoint="models"))
     except OpenAIError as error:
         return error
     return None

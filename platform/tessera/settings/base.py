@@ -45,6 +45,9 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "openai_api.middleware.OpenAIErrorMiddleware",
 ]
+# /v1/..., /health and /metrics run through this list alone (tessera/asgi.py APIHandler): async-only,
+# so an API request reaches its view without thread hops.
+API_MIDDLEWARE = ["openai_api.middleware.OpenAIErrorMiddleware"]
 
 ROOT_URLCONF = "tessera.urls"
 ASGI_APPLICATION = "tessera.asgi.application"
