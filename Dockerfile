@@ -20,6 +20,9 @@ ENV PYTHONUNBUFFERED=1 \
     TESSERA_VAR_DIR=/app/var
 WORKDIR /app
 
+# gcc: kernels/native_cpu.py compiles the CPU decode-attention kernel on first use (without a
+# compiler the engine falls back to the torch path).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # torch first, pinned, in its own layer: the largest download changes least often.
 RUN pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 COPY . .

@@ -236,3 +236,28 @@ def test_no_worker_at_all_ends_the_stream_with_no_worker(r):
     rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4})
     events = list(engine_client.stream(rid, no_worker_grace=0.5))
     assert events == [{"type": "error", "code": "no_worker", "message": "no engine worker is running"}]
+
+
+def test_output_stream_ttl_is_set_at_accept_and_refreshed_only_when_due(llm, r):
+    """Deltas skip EXPIRE while the stream's TTL is fresh (one Redis command per request per step)."""
+    running = worker_module.EngineWorker(llm.llm_engine, r, worker_module.WorkerConfig(output_ttl=40))
+    state = worker_module.RequestState("ttl-test", "0-1", n=1)
+    key = protocol.output_stream("ttl-test")
+
+    def emit(events):
+        pipe = r.pipeline(transaction=False)
+        running._emit(pipe, "ttl-test", events, state)
+        pipe.execute()
+
+    emit([{"type": "accepted"}])
+    assert 35 < r.ttl(key) <= 40
+    r.expire(key, 20)  # as if time had passed
+    emit([{"type": "delta", "index": 0, "text": "a", "token_ids": [1]}])
+    assert r.ttl(key) <= 20, "a fresh TTL is not renewed on every delta"
+    state.ttl_set_at -= 11  # more than a quarter of the TTL ago
+    emit([{"type": "delta", "index": 0, "text": "b", "token_ids": [2]}])
+    assert r.ttl(key) > 35
+    r.expire(key, 20)
+    emit([{"type": "finish"}])
+    assert r.ttl(key) > 35, "the terminal event always sets the full TTL"
+    r.delete(key)
