@@ -38,7 +38,7 @@ def padded_rows(rows: int) -> int:
     oneDNN builds one primitive per input shape and keeps 1024 of them. A server sees every token
     count from 1 to max_num_batched_tokens, for each of the model's GEMM shapes, so with exact
     shapes the cache thrashes: the four GEMMs of the bench model over 600 row counts in random
-    order took 3.3 s a pass with exact shapes and 2.4 s rounded (benchmarks/gemm.py). Rounding
+    order took 3.2 s a pass with exact shapes and 2.4 s rounded (benchmarks/gemm.py). Rounding
     leaves 72 row counts up to 2048, for at most 12.5% extra rows.
     """
     if rows <= 16:

@@ -1,0 +1,101 @@
+"""StreamHub: every astream of one event loop reads through one XREAD (engine_client.client).
+
+Output streams are written here by hand, in the worker's format, so each test controls exactly
+when which event exists.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine_client import client as engine
+from engine_client import protocol
+from tests.inference.worker_helpers import r  # noqa: F401 (fixture)
+
+DELTA = {"type": "delta", "index": 0, "text": "x", "token_ids": [1], "finish_reason": None}
+FINISH = {"type": "finish", "finish_reasons": ["length"], "usage": {}, "metrics": {}}
+
+
+def write(client, request_id: str, *events: dict) -> str:
+    """XADD one entry, as the worker does once per step; returns its entry id."""
+    entry_id = client.xadd(protocol.output_stream(request_id), {"events": protocol.encode(list(events))})
+    return entry_id.decode()
+
+
+async def collect(request_id: str, last_id: str = "0-0") -> list[dict]:
+    return [e async for e in engine.astream(request_id, last_id=last_id, timeout=30)]
+
+
+def test_concurrent_streams_share_one_reader_and_get_only_their_own_events(r):
+    async def run():
+        tasks = [asyncio.create_task(collect(f"req-{i}")) for i in range(3)]
+        await asyncio.sleep(0.1)  # all three are following now
+        hub = engine.stream_hub()
+        assert set(hub.by_key) == {protocol.output_stream(f"req-{i}") for i in range(3)}
+        reader = hub.reader
+        for i in range(3):
+            write(r, f"req-{i}", {**DELTA, "text": f"t{i}"})
+        for i in range(3):
+            write(r, f"req-{i}", FINISH)
+        results = await asyncio.gather(*tasks)
+        assert hub.reader is reader and not hub.by_key  # one reader served all; nobody is left following
+        return results
+
+    for i, events in enumerate(asyncio.run(run())):
+        assert [e["type"] for e in events] == ["delta", "finish"]
+        assert events[0]["text"] == f"t{i}"
+
+
+def test_a_stream_that_joins_while_the_reader_blocks_is_served_at_once(r):
+    async def run():
+        idle = asyncio.create_task(collect("idle"))  # keeps the reader blocked in XREAD (up to 1 s)
+        await asyncio.sleep(0.2)
+        write(r, "late", DELTA, FINISH)
+        started = time.monotonic()
+        events = await collect("late")
+        waited = time.monotonic() - started
+        write(r, "idle", FINISH)
+        await idle
+        return events, waited
+
+    events, waited = asyncio.run(run())
+    assert [e["type"] for e in events] == ["delta", "finish"]
+    assert waited < 0.5, f"the new stream waited {waited:.2f}s for the blocked XREAD to time out"
+
+
+def test_two_readers_of_one_stream_each_resume_after_their_own_entry(r):
+    first = write(r, "shared", {**DELTA, "text": "a"})
+    write(r, "shared", {**DELTA, "text": "b"})
+
+    async def run():
+        from_start = asyncio.create_task(collect("shared"))
+        resumed = asyncio.create_task(collect("shared", last_id=first))  # a reconnecting browser tab
+        await asyncio.sleep(0.1)
+        write(r, "shared", FINISH)
+        return await from_start, await resumed
+
+    from_start, resumed = asyncio.run(run())
+    assert [e.get("text") for e in from_start] == ["a", "b", None]
+    assert [e.get("text") for e in resumed] == ["b", None]
+
+
+def test_quiet_streams_share_one_liveness_read_and_a_dead_worker_ends_them(r, monkeypatch):
+    reads = []
+    real = engine.alive_worker_ids
+
+    async def counting(client):
+        reads.append(time.monotonic())
+        return await real(client)
+
+    monkeypatch.setattr(engine, "alive_worker_ids", counting)
+    for i in range(3):  # claimed by a worker that has no heartbeat (it died)
+        write(r, f"orphan-{i}", {"type": "accepted", "worker_id": "ghost", "prompt_tokens": 3})
+
+    async def run():
+        return await asyncio.gather(*(collect(f"orphan-{i}") for i in range(3)))
+
+    for events in asyncio.run(run()):
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "worker_lost"
+    assert len(reads) == 1, "one liveness read for all three quiet streams"
+    for i in range(3):  # ending with an error also aborts the request
+        assert r.exists(protocol.aborted_key(f"orphan-{i}"))
