@@ -42,6 +42,9 @@ def client(stack):
     return openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0, timeout=120)
 
 
+KILL_TOKENS = 64
+
+
 def chat_lines(stack, n: int, max_tokens: int, prefix: str = "req", ignore_eos: bool = False) -> list[dict]:
     lines = []
     for i in range(n):
@@ -115,7 +118,8 @@ def test_200_line_batch_every_line_once_and_equal_to_one_by_one_requests(client,
 
 
 def test_celery_worker_killed_mid_batch_restarts_and_every_line_runs_once(client, stack):
-    lines = chat_lines(stack, 48, max_tokens=24, prefix="kill", ignore_eos=True)
+    # Long enough that the batch is still running when the worker dies (the engine got faster).
+    lines = chat_lines(stack, 48, max_tokens=KILL_TOKENS, prefix="kill", ignore_eos=True)
     assert _engine_drains(stack)
     tokens_before = generated_tokens(stack)
     batch = start_batch(client, lines)
@@ -130,7 +134,7 @@ def test_celery_worker_killed_mid_batch_restarts_and_every_line_runs_once(client
     output, errors = read_results(client, final)
     assert errors == []
     assert_each_once(lines, output, errors)
-    assert all(row["response"]["body"]["usage"]["completion_tokens"] == 24 for row in output)
+    assert all(row["response"]["body"]["usage"]["completion_tokens"] == KILL_TOKENS for row in output)
     request_ids = [row["response"]["request_id"] for row in output]
     marks = ",".join("?" * len(request_ids))
     usage = stack.sql(f"SELECT request_id FROM usage_usagerecord WHERE request_id IN ({marks})", tuple(request_ids))
@@ -141,11 +145,13 @@ def test_celery_worker_killed_mid_batch_restarts_and_every_line_runs_once(client
     print(f"attempts per line after the kill: {dict(attempts)}", file=sys.stderr)
     time.sleep(1.5)  # one more heartbeat
     generated = generated_tokens(stack) - tokens_before
-    assert generated == 48 * 24, "lines in flight at the kill were re-attached, not generated again"
+    assert generated == 48 * KILL_TOKENS, "lines in flight at the kill were re-attached, not generated again"
 
 
 def test_cancel_mid_run_keeps_finished_lines_and_closes_the_rest(client, stack):
-    lines = chat_lines(stack, 60, max_tokens=32, prefix="cancel", ignore_eos=True)
+    # 160 tokens a line: the batch must still be running when the cancel arrives (at 32 tokens the
+    # faster engine sometimes finished all 60 lines first).
+    lines = chat_lines(stack, 60, max_tokens=160, prefix="cancel", ignore_eos=True)
     batch = start_batch(client, lines)
     wait_batch(client, batch.id, lambda b: b.request_counts.completed >= 2, timeout=300, stack=stack)
     cancelling = client.batches.cancel(batch.id)
