@@ -190,6 +190,19 @@ def _error(code: str, message: str) -> dict:
     return {"type": "error", "code": code, "message": message}
 
 
+def _pass_on(events: list[dict], watch: _Watch, include_control: bool) -> tuple[list[dict], bool]:
+    """The events a reader yields from one read (control events hidden), and whether the last ends it."""
+    shown = []
+    for event in events:
+        watch.see(event)
+        if event["type"] == "accepted" and not include_control:
+            continue
+        shown.append(event)
+        if event["type"] in p.TERMINAL_EVENTS:
+            return shown, True
+    return shown, False
+
+
 def _unpack(entries):
     """XREAD reply -> (last entry id, events)."""
     last_id, events = None, []
@@ -219,13 +232,10 @@ def stream(request_id: str, *, last_id: str = "0-0", timeout: float | None = Non
         new_last, events = _unpack(reply)
         if new_last:
             last_id = new_last
-        for event in events:
-            watch.see(event)
-            if event["type"] == "accepted" and not include_control:
-                continue
-            yield event
-            if event["type"] in p.TERMINAL_EVENTS:
-                return
+        shown, ended = _pass_on(events, watch, include_control)
+        yield from shown
+        if ended:
+            return
         if not events:
             error = watch.verdict(*_liveness(r, watch))
             if error:
@@ -256,13 +266,11 @@ async def astream(request_id: str, *, last_id: str = "0-0", timeout: float | Non
                     yield error
                     return
                 continue
-            for event in batch:
-                watch.see(event)
-                if event["type"] == "accepted" and not include_control:
-                    continue
+            shown, ended = _pass_on(batch, watch, include_control)
+            for event in shown:
                 yield event
-                if event["type"] in p.TERMINAL_EVENTS:
-                    return
+            if ended:
+                return
     finally:
         hub.unfollow(p.output_stream(request_id), inbox)
 
