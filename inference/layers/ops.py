@@ -67,6 +67,10 @@ class Ops:
         return self.p.silu_and_mul(x)
 
 
+PRIMITIVES = ("store_kv_cache", "paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm",
+              "rotary_embedding", "silu_and_mul")
+
+
 def torch_primitives():
     """kernels/torch_ref.py, with the C decode attention on CPU where it builds (kernels/native_cpu.py)."""
     from kernels import native_cpu, torch_ref
@@ -78,11 +82,9 @@ def torch_primitives():
         impl = native_cpu if native_cpu.supports(q, k_cache) else torch_ref
         return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
-    return SimpleNamespace(
-        store_kv_cache=torch_ref.store_kv_cache, paged_decode_attention=paged_decode_attention,
-        paged_prefill_attention=torch_ref.paged_prefill_attention, fused_add_rms_norm=torch_ref.fused_add_rms_norm,
-        rotary_embedding=torch_ref.rotary_embedding, silu_and_mul=torch_ref.silu_and_mul,
-    )
+    chosen = {name: getattr(torch_ref, name) for name in PRIMITIVES}
+    chosen["paged_decode_attention"] = paged_decode_attention
+    return SimpleNamespace(**chosen)
 
 
 def triton_primitives():
