@@ -261,3 +261,21 @@ def test_output_stream_ttl_is_set_at_accept_and_refreshed_only_when_due(llm, r):
     emit([{"type": "finish"}])
     assert r.ttl(key) > 35, "the terminal event always sets the full TTL"
     r.delete(key)
+
+
+def test_stream_interval_groups_tokens_but_sends_the_first_and_last_at_once(llm, r):
+    expected = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=11, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, stream_interval=4).start()
+    try:
+        rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
+            "temperature": 0.0, "max_tokens": 11, "ignore_eos": True})
+        events = list(engine_client.stream(rid, timeout=30))
+    finally:
+        running.stop()
+    deltas = [e for e in events if e["type"] == "delta"]
+    assert [len(d["token_ids"]) for d in deltas] == [1, 4, 4, 2]
+    assert [t for d in deltas for t in d["token_ids"]] == expected.token_ids
+    assert "".join(d["text"] for d in deltas) == expected.text
+    assert events[-1]["type"] == "finish" and events[-1]["usage"]["completion_tokens"] == 11
+

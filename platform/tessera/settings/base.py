@@ -73,6 +73,11 @@ DATABASES = {
         default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}", conn_max_age=600
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # WAL: readers (dashboard, history) never block the writer that records usage per request, and
+    # with WAL, synchronous=NORMAL is still crash-safe while a commit skips its fsync.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+        "init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

@@ -172,6 +172,11 @@ def traffic(server):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+    # One refused request first: the error chart has a point in the current hour whatever the
+    # synthetic data holds (on a weekend, 30 days of it can leave the last 24 hours without errors).
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=-1.0,
+                                       messages=[{"role": "user", "content": "hi"}])
     stop = threading.Event()
 
     def run():

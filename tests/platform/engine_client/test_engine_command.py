@@ -23,5 +23,6 @@ def test_unknown_or_malformed_engine_args_are_refused(env):
 
 
 def test_worker_knobs_come_from_the_environment():
-    config = worker_config_from_env({"ENGINE_HEARTBEAT_TTL": "3", "ENGINE_MAX_INFLIGHT": "10", "ENGINE_WORKER_ID": "w1"})
-    assert config == {"heartbeat_ttl": 3.0, "max_inflight": 10, "worker_id": "w1"}
+    config = worker_config_from_env({"ENGINE_HEARTBEAT_TTL": "3", "ENGINE_MAX_INFLIGHT": "10", "ENGINE_WORKER_ID": "w1",
+                                     "ENGINE_STREAM_INTERVAL": "4"})
+    assert config == {"heartbeat_ttl": 3.0, "max_inflight": 10, "worker_id": "w1", "stream_interval": 4}

@@ -15,6 +15,15 @@ def test_summary_statistics():
     assert summary["tpot_ms"]["p50"] == pytest.approx(100.0) and summary["itl_ms"]["p99"] == pytest.approx(100.0)
 
 
+def test_a_stream_with_tokens_but_no_text_counts_without_a_ttft():
+    """A random-weight model can emit only tokens that decode to nothing: the request completed."""
+    results = [serving.RequestResult(ok=True, prompt_len=4, output_tokens=5, ttft=0.2, latency=0.6),
+               serving.RequestResult(ok=True, prompt_len=4, output_tokens=3, ttft=None, latency=0.4)]
+    summary = serving.summarize(results, duration=1.0)
+    assert summary["completed"] == 2 and summary["failed"] == 0 and summary["output_tok_s"] == pytest.approx(8.0)
+    assert summary["ttft_ms"]["mean"] == pytest.approx(200.0) and summary["tpot_ms"]["mean"] == pytest.approx(100.0)
+
+
 def test_benchmark_runs_against_a_live_stack(live_stack, tiny_model_dir, tmp_path):
     report = serving.main(["--base-url", live_stack.base_url, "--api-key", live_stack.api_key,
                            "--model-name", live_stack.model_name, "--model", tiny_model_dir, "--skip-offline",

@@ -49,6 +49,7 @@ def worker_config_from_env(env=os.environ) -> dict:
             "drain_timeout": ("ENGINE_DRAIN_TIMEOUT", float),
             "max_inflight": ("ENGINE_MAX_INFLIGHT", int),
             "output_ttl": ("ENGINE_OUTPUT_TTL", int),
+            "stream_interval": ("ENGINE_STREAM_INTERVAL", int),
             "worker_id": ("ENGINE_WORKER_ID", str)}
     return {field: cast(env[var]) for field, (var, cast) in spec.items() if env.get(var)}
 
