@@ -4,7 +4,8 @@ For each request rate (requests/s; "inf" sends everything at once) the same work
 streaming /v1/completions requests with Poisson (exponential inter-arrival) timing. Reported:
 request throughput, output tokens/s, TTFT, TPOT (time per output token after the first) and ITL
 (gaps between streamed chunks), mean / p50 / p99. The bare engine runs the same workload
-offline (LLM.generate) first, so the table shows what the web tier + Redis + worker cost:
+offline (LLM.generate) in this process, alternating with the served saturated runs, so the table
+shows what the web tier + Redis + worker cost:
 served output tok/s at saturation vs the bare engine's, and the p50 TTFT the stack adds at low load,
 measured on the first PROBE_REQUESTS prompts sent one at a time to an idle engine (in-process for
 the bare engine, over HTTP for the stack). The client is aiohttp, as in vLLM's benchmark.
@@ -58,39 +59,44 @@ class RequestResult:
 
 # ---------------------------------------------------------------- the bare engine
 
-def offline_baseline(model_dir: str, work, probe_prompts) -> dict:
-    """Offline throughput on the same workload (median of SATURATED_RUNS), and idle-engine TTFT.
+class BareEngine:
+    """The same workload offline (LLM.generate) in this process: the no-stack reference.
 
-    A warm-up run comes first: the served engine has run the workload too (at the lower rates)
-    before its saturated rate, so both have built their oneDNN GEMM primitives.
+    Its saturated runs alternate with the served ones (see measure_rates), so drift in the
+    machine's speed over the benchmark hits both sides of the ratio alike. A warm-up run comes
+    first: the served engine has run the workload too (at the lower rates) before its saturated
+    rate, so both have built their oneDNN GEMM primitives.
     """
-    from inference import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, **ENGINE_ARGS)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
-    llm.generate(prompt_token_ids=[p for p, _ in work], sampling_params=params, use_tqdm=False)  # warm-up
-    runs = []
-    for _ in range(SATURATED_RUNS):
+    def __init__(self, model_dir: str, work):
+        from inference import LLM, SamplingParams
+
+        self.llm = LLM(model=model_dir, **ENGINE_ARGS)
+        self.prompts = [p for p, _ in work]
+        self.params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
+        self.llm.generate(prompt_token_ids=self.prompts, sampling_params=self.params, use_tqdm=False)
+
+    def run(self) -> float:
         started = time.perf_counter()
-        outs = llm.generate(prompt_token_ids=[p for p, _ in work], sampling_params=params)
-        runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started))
-    return {"output_tok_s": statistics.median(runs), "runs_tok_s": runs,
-            "idle_ttft_p50_ms": statistics.median(_bare_ttft(llm, p) for p in probe_prompts) * 1000}
+        outs = self.llm.generate(prompt_token_ids=self.prompts, sampling_params=self.params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
 
+    def idle_ttft_p50_ms(self, prompts) -> float:
+        return statistics.median(self._ttft(p) for p in prompts) * 1000
 
-def _bare_ttft(llm, prompt) -> float:
-    from inference import SamplingParams
+    def _ttft(self, prompt) -> float:
+        from inference import SamplingParams
 
-    engine = llm.llm_engine
-    started = time.perf_counter()
-    engine.add_request("ttft-probe", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True))
-    first = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if first is None and out.outputs and out.outputs[0].token_ids:
-                first = time.perf_counter() - started
-    return first or 0.0
+        engine = self.llm.llm_engine
+        started = time.perf_counter()
+        engine.add_request("ttft-probe", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True))
+        first = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.outputs and out.outputs[0].token_ids:
+                    first = time.perf_counter() - started
+        return first or 0.0
 
 
 # ---------------------------------------------------------------- the served stack
@@ -242,9 +248,10 @@ def main(argv=None) -> dict:
     rates = [float(r) for r in args.rates.split(",")]
     report = {"machine": machine_line(), "workload": vars(args) | {"model": model_dir}, "rates": {}}
     probe_prompts = [p for p, _ in work[:PROBE_REQUESTS]]
+    bare = None
     if not args.skip_offline:
         print("bare engine, offline, same workload ...", flush=True)
-        report["offline"] = offline_baseline(model_dir, work, probe_prompts)
+        bare = BareEngine(model_dir, work)
     stack = None
     try:
         if args.base_url:
@@ -252,7 +259,7 @@ def main(argv=None) -> dict:
         else:
             stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), args.stream_interval)
             base_url, api_key, model_name = stack.base_url, stack.api_key, stack.model_name
-        report["rates"] = measure_rates(base_url, api_key, model_name, work, rates, args.seed)
+        report["rates"] = measure_rates(base_url, api_key, model_name, work, rates, args.seed, bare)
         # After the rates, like the bare probe after its runs: both engines have seen these shapes.
         time.sleep(2.0)  # let the stack finish settling the burst's usage first
         ttfts = asyncio.run(idle_ttft(base_url, api_key, model_name, probe_prompts))
@@ -263,30 +270,39 @@ def main(argv=None) -> dict:
             stack.stop()
     if args.grouped_interval > 1 and not args.base_url:
         print(f"the highest rate again, {args.grouped_interval} tokens per streamed delta ...", flush=True)
-        report["grouped"] = grouped_saturation(model_dir, work, max(rates), args.grouped_interval, args.seed)
+        report["grouped"] = grouped_saturation(model_dir, work, max(rates), args.grouped_interval, args.seed, bare)
+    if bare is not None:
+        report["offline"] = {"idle_ttft_p50_ms": bare.idle_ttft_p50_ms(probe_prompts)}
     report["tables"] = print_report(report)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     return report
 
 
-def measure_rates(base_url: str, api_key: str, model: str, work, rates: list[float], seed: int) -> dict:
-    """Each rate once, the highest SATURATED_RUNS times (its median run is the one reported)."""
+def measure_rates(base_url: str, api_key: str, model: str, work, rates: list[float], seed: int,
+                  bare: BareEngine | None = None) -> dict:
+    """Each rate once, the highest SATURATED_RUNS times (its median run is the one reported), each
+    of those right after a bare-engine run."""
     asyncio.run(run_rate(base_url, api_key, model, work[:2], float("inf"), seed))  # warm-up
     measured = {}
     for rate in rates:
-        runs = [summarize(*asyncio.run(run_rate(base_url, api_key, model, work, rate, seed)))
-                for _ in range(SATURATED_RUNS if rate == max(rates) else 1)]
+        runs, bare_runs = [], []
+        for _ in range(SATURATED_RUNS if rate == max(rates) else 1):
+            if bare is not None and rate == max(rates):
+                bare_runs.append(bare.run())
+            runs.append(summarize(*asyncio.run(run_rate(base_url, api_key, model, work, rate, seed))))
         median_run = sorted(runs, key=lambda s: s["output_tok_s"])[len(runs) // 2]
-        measured[str(rate)] = median_run | {"runs_tok_s": [s["output_tok_s"] for s in runs]}
+        measured[str(rate)] = median_run | {"runs_tok_s": [s["output_tok_s"] for s in runs],
+                                            "bare_runs_tok_s": bare_runs}
     return measured
 
 
-def grouped_saturation(model_dir: str, work, rate: float, interval: int, seed: int) -> dict:
+def grouped_saturation(model_dir: str, work, rate: float, interval: int, seed: int,
+                       bare: BareEngine | None) -> dict:
     """The saturated rate on a fresh stack whose worker streams `interval` tokens per delta."""
     stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), interval)
     try:
-        return measure_rates(stack.base_url, stack.api_key, stack.model_name, work, [rate], seed)[str(rate)] | {
+        return measure_rates(stack.base_url, stack.api_key, stack.model_name, work, [rate], seed, bare)[str(rate)] | {
             "stream_interval": interval}
     finally:
         stack.stop()
@@ -311,26 +327,27 @@ def print_report(report: dict) -> str:
 
 
 def print_comparison(report: dict, offline: dict, interval: int) -> str:
-    """Served vs bare at the highest rate (and again with grouped deltas, when measured)."""
+    """Served vs bare at the highest rate (and again with grouped deltas, when measured); each
+    ratio is of medians over runs that alternated bare, served, bare, served..."""
     saturated = report["rates"][max(report["rates"], key=float)]
-    ratio = saturated["output_tok_s"] / offline["output_tok_s"]
     added = report["idle_ttft_ms"]["p50"] - offline["idle_ttft_p50_ms"]
-    report["comparison"] = {"served_vs_offline_tok_s": ratio, "added_p50_ttft_ms_idle": added}
     runs = lambda values: " / ".join(f"{v:,.0f}" for v in values)  # noqa: E731
     headers = ["tokens per delta", f"bare out tok/s (median of {SATURATED_RUNS})",
                "served out tok/s (highest rate, median)", "ratio", "bare runs", "served runs",
                "ITL p50 ms", "bare idle TTFT p50 ms", "served idle TTFT p50 ms", "added ms"]
-    rows = [[interval, offline["output_tok_s"], saturated["output_tok_s"], ratio, runs(offline["runs_tok_s"]),
-             runs(saturated["runs_tok_s"]), saturated["itl_ms"]["p50"], offline["idle_ttft_p50_ms"],
-             report["idle_ttft_ms"]["p50"], added]]
-    grouped = report.get("grouped")
-    if grouped:
-        grouped_ratio = grouped["output_tok_s"] / offline["output_tok_s"]
-        report["comparison"]["grouped"] = {"stream_interval": grouped["stream_interval"],
-                                           "served_vs_offline_tok_s": grouped_ratio}
-        rows.append([grouped["stream_interval"], offline["output_tok_s"], grouped["output_tok_s"], grouped_ratio,
-                     runs(offline["runs_tok_s"]), runs(grouped["runs_tok_s"]), grouped["itl_ms"]["p50"],
-                     "-", "-", "-"])
+    rows, ratios = [], {}
+    for measured, ttft_cells in ((saturated | {"stream_interval": interval},
+                                  [offline["idle_ttft_p50_ms"], report["idle_ttft_ms"]["p50"], added]),
+                                 (report.get("grouped"), ["-", "-", "-"])):
+        if not measured or not measured["bare_runs_tok_s"]:
+            continue
+        bare_tok_s = statistics.median(measured["bare_runs_tok_s"])
+        ratios[measured["stream_interval"]] = measured["output_tok_s"] / bare_tok_s
+        rows.append([measured["stream_interval"], bare_tok_s, measured["output_tok_s"],
+                     ratios[measured["stream_interval"]], runs(measured["bare_runs_tok_s"]),
+                     runs(measured["runs_tok_s"]), measured["itl_ms"]["p50"], *ttft_cells])
+    report["comparison"] = {"served_vs_offline_tok_s": ratios.get(interval), "added_p50_ttft_ms_idle": added,
+                            "by_stream_interval": ratios}
     return print_table("Served vs bare engine", headers, rows)
 
 

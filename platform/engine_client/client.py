@@ -282,7 +282,7 @@ class StreamHub:
     its stream was quiet for POLL_MS (with the live worker ids, read once for all quiet streams),
     or the exception that stopped the reader. A follower that joins while the XREAD blocks wakes
     it through the hub's own wake stream, so its first events are not held back until the block
-    times out. Two followers of one stream (a browser tab that reconnects) each get every entry
+    times out; a burst of followers sends one wake, since the next XREAD names them all. Two followers of one stream (a browser tab that reconnects) each get every entry
     after their own last id.
     """
 
@@ -292,13 +292,15 @@ class StreamHub:
         self.wake_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
         self.by_key: dict[str, dict[asyncio.Queue, _Follower]] = {}
         self.reader: asyncio.Task | None = None
+        self.wake_sent = False  # one wake per blocked XREAD: a burst of followers must not re-read n times
 
     async def follow(self, key: str, last_id: str) -> asyncio.Queue:
         inbox: asyncio.Queue = asyncio.Queue()
         self.by_key.setdefault(key, {})[inbox] = _Follower(_id_tuple(last_id), time.monotonic())
         if self.reader is None or self.reader.done():
             self.reader = asyncio.get_running_loop().create_task(self._read())
-        else:
+        elif not self.wake_sent:
+            self.wake_sent = True
             pipe = self.r.pipeline(transaction=False)
             pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1)
             pipe.expire(self.wake_key, OUTPUT_TTL_S)
@@ -314,6 +316,7 @@ class StreamHub:
     async def _read(self) -> None:
         try:
             while self.by_key:
+                self.wake_sent = False  # whoever follows after this query is built has to wake the XREAD
                 query = {key: "%d-%d" % min(f.last_id for f in followers.values())
                          for key, followers in self.by_key.items()}
                 query[self.wake_key] = self.wake_id

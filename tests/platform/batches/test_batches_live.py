@@ -170,9 +170,14 @@ def generated_tokens(stack) -> int:
 
 
 def _engine_drains(stack, timeout: float = 10.0) -> bool:
+    """Every worker idle in a heartbeat snapshot taken after this call began: an older one can show
+    an idle moment between two requests without the tokens of those that ran since."""
+    since = time.time()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if all(s.get("num_running", 0) == 0 and s.get("num_waiting", 0) == 0 for s in stack.worker_stats()):
+        stats = stack.worker_stats()
+        if stats and all(s.get("last_step_at", 0) > since and s.get("num_running", 0) == 0
+                         and s.get("num_waiting", 0) == 0 for s in stats):
             return True
         time.sleep(0.2)
     return False

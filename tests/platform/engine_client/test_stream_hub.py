@@ -99,3 +99,28 @@ def test_quiet_streams_share_one_liveness_read_and_a_dead_worker_ends_them(r, mo
     assert len(reads) == 1, "one liveness read for all three quiet streams"
     for i in range(3):  # ending with an error also aborts the request
         assert r.exists(protocol.aborted_key(f"orphan-{i}"))
+
+
+def test_a_burst_of_followers_wakes_the_blocked_reader_once_and_all_are_served(r):
+    """Each wake makes the reader XREAD every followed stream again: one per joiner would be n^2."""
+    async def run():
+        idle = asyncio.create_task(collect("burst-idle"))
+        await asyncio.sleep(0.2)  # the reader now blocks in XREAD
+        hub = engine.stream_hub()
+        wakes = []
+        real_pipeline = hub.r.pipeline
+        hub.r.pipeline = lambda *a, **k: wakes.append(1) or real_pipeline(*a, **k)
+        for i in range(20):
+            write(r, f"burst-{i}", DELTA, FINISH)
+        started = time.monotonic()
+        results = await asyncio.gather(*(collect(f"burst-{i}") for i in range(20)))
+        waited = time.monotonic() - started
+        hub.r.pipeline = real_pipeline
+        write(r, "burst-idle", FINISH)
+        await idle
+        return results, len(wakes), waited
+
+    results, wakes, waited = asyncio.run(run())
+    assert all([e["type"] for e in events] == ["delta", "finish"] for events in results)
+    assert wakes <= 2, f"{wakes} wakes for 20 followers"
+    assert waited < 0.5, f"the burst waited {waited:.2f}s"

@@ -24,6 +24,21 @@ def test_a_stream_with_tokens_but_no_text_counts_without_a_ttft():
     assert summary["ttft_ms"]["mean"] == pytest.approx(200.0) and summary["tpot_ms"]["mean"] == pytest.approx(100.0)
 
 
+def test_each_ratio_divides_by_the_bare_runs_that_alternated_with_it():
+    def measured(served, bare, interval):
+        stats = {"mean": 1.0, "p50": 1.0, "p99": 1.0}
+        return {"completed": 3, "failed": 0, "request_throughput": 1.0, "output_tok_s": served, "ttft_ms": stats,
+                "tpot_ms": stats, "itl_ms": stats, "runs_tok_s": [served] * 3, "bare_runs_tok_s": bare,
+                "stream_interval": interval}
+
+    report = {"machine": "m", "workload": {"stream_interval": 1}, "rates": {"inf": measured(80.0, [90, 100, 130], 1)},
+              "grouped": measured(90.0, [120, 100, 95], 8), "offline": {"idle_ttft_p50_ms": 10.0},
+              "idle_ttft_ms": {"p50": 22.0}}
+    serving.print_report(report)
+    assert report["comparison"]["by_stream_interval"] == {1: pytest.approx(0.8), 8: pytest.approx(0.9)}
+    assert report["comparison"]["added_p50_ttft_ms_idle"] == pytest.approx(12.0)
+
+
 def test_benchmark_runs_against_a_live_stack(live_stack, tiny_model_dir, tmp_path):
     report = serving.main(["--base-url", live_stack.base_url, "--api-key", live_stack.api_key,
                            "--model-name", live_stack.model_name, "--model", tiny_model_dir, "--skip-offline",
