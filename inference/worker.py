@@ -354,7 +354,7 @@ class EngineWorker:
         if k <= 1 or state.first_token_at is None:
             return True
         return any(c.finish_reason is not None or len(c.token_ids) - state.sent_ids[c.index] >= k
-                   for c in completions if c.index < state.n)
+                   for c in completions if c.index < state.n and not state.finished[c.index])
 
     def _delta(self, state: RequestState, completion) -> dict | None:
         i = completion.index

@@ -282,8 +282,9 @@ class StreamHub:
     its stream was quiet for POLL_MS (with the live worker ids, read once for all quiet streams),
     or the exception that stopped the reader. A follower that joins while the XREAD blocks wakes
     it through the hub's own wake stream, so its first events are not held back until the block
-    times out; a burst of followers sends one wake, since the next XREAD names them all. Two followers of one stream (a browser tab that reconnects) each get every entry
-    after their own last id.
+    times out; a burst of followers sends one wake, since the next XREAD names them all. Two
+    followers of one stream (a browser tab that reconnects) each get every entry after their own
+    last id.
     """
 
     def __init__(self, r: aioredis.Redis):

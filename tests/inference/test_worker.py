@@ -34,16 +34,24 @@ def test_worker_and_client_agree_on_every_key_name():
         assert getattr(worker_module, fn)("x1") == getattr(protocol, fn)("x1")
 
 
-def test_submit_streams_deltas_then_finish_equal_to_offline_greedy(llm, r):
-    expected = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
+def offline_greedy(llm, max_tokens: int):
+    return llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+
+
+def served_events(llm, sampling_params: dict, **worker_config) -> tuple[str, list[dict]]:
+    """PROMPT through a worker of its own: the request id and its events up to the terminal one."""
+    running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, **worker_config).start()
     try:
-        rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
-            "temperature": 0.0, "max_tokens": 12, "ignore_eos": True})
-        events = list(engine_client.stream(rid, timeout=30))
+        rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params=sampling_params)
+        return rid, list(engine_client.stream(rid, timeout=30))
     finally:
         running.stop()
+
+
+def test_submit_streams_deltas_then_finish_equal_to_offline_greedy(llm, r):
+    expected = offline_greedy(llm, 12)
+    rid, events = served_events(llm, {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True})
     deltas = [e for e in events if e["type"] == "delta"]
     assert len(deltas) >= 2, "tokens arrive step by step, not all at once"
     assert [t for d in deltas for t in d["token_ids"]] == expected.token_ids
@@ -264,18 +272,19 @@ def test_output_stream_ttl_is_set_at_accept_and_refreshed_only_when_due(llm, r):
 
 
 def test_stream_interval_groups_tokens_but_sends_the_first_and_last_at_once(llm, r):
-    expected = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=11, ignore_eos=True), use_tqdm=False)[0].outputs[0]
-    running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, stream_interval=4).start()
-    try:
-        rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
-            "temperature": 0.0, "max_tokens": 11, "ignore_eos": True})
-        events = list(engine_client.stream(rid, timeout=30))
-    finally:
-        running.stop()
+    expected = offline_greedy(llm, 11)
+    _, events = served_events(llm, {"temperature": 0.0, "max_tokens": 11, "ignore_eos": True}, stream_interval=4)
     deltas = [e for e in events if e["type"] == "delta"]
     assert [len(d["token_ids"]) for d in deltas] == [1, 4, 4, 2]
     assert [t for d in deltas for t in d["token_ids"]] == expected.token_ids
     assert "".join(d["text"] for d in deltas) == expected.text
     assert events[-1]["type"] == "finish" and events[-1]["usage"]["completion_tokens"] == 11
 
+
+def test_stream_interval_groups_each_choice_of_n2(llm, r):
+    _, events = served_events(llm, {"n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 11, "ignore_eos": True},
+                              stream_interval=4)
+    for index in (0, 1):
+        sizes = [len(e["token_ids"]) for e in events if e["type"] == "delta" and e["index"] == index]
+        assert sizes == [1, 4, 4, 2], (index, sizes)
+    assert events[-1]["usage"]["completion_tokens"] == 22
