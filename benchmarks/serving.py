@@ -260,7 +260,7 @@ def main(argv=None) -> dict:
             stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), args.stream_interval)
             base_url, api_key, model_name = stack.base_url, stack.api_key, stack.model_name
         report["rates"] = measure_rates(base_url, api_key, model_name, work, rates, args.seed, bare)
-        # After the rates, like the bare probe after its runs: both engines have seen these shapes.
+        # After the rates (the bare probe, too, runs after its saturated runs): both engines know these shapes.
         time.sleep(2.0)  # let the stack finish settling the burst's usage first
         ttfts = asyncio.run(idle_ttft(base_url, api_key, model_name, probe_prompts))
         report["idle_ttft_ms"] = {"p50": statistics.median(ttfts) * 1000 if ttfts else float("nan"),
