@@ -19,7 +19,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -77,9 +79,13 @@ class BareEngine:
         self.llm.generate(prompt_token_ids=self.prompts, sampling_params=self.params, use_tqdm=False)
 
     def run(self) -> float:
-        started = time.perf_counter()
+        """Output tokens/s of one run; its CPU time per output token goes to self.cpu_us_per_token."""
+        cpu_before, started = own_cpu_s(), time.perf_counter()
         outs = self.llm.generate(prompt_token_ids=self.prompts, sampling_params=self.params, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        self.cpu_us_per_token = (own_cpu_s() - cpu_before) / tokens * 1e6
+        return tokens / elapsed
 
     def idle_ttft_p50_ms(self, prompts) -> float:
         return statistics.median(self._ttft(p) for p in prompts) * 1000
@@ -97,6 +103,30 @@ class BareEngine:
                 if first is None and out.outputs and out.outputs[0].token_ids:
                     first = time.perf_counter() - started
         return first or 0.0
+
+
+# ---------------------------------------------------------------- CPU time per process
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc; None elsewhere or once it is gone)."""
+    if pid == os.getpid():
+        return own_cpu_s()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_us_per_token(before: dict, after: dict, tokens: int) -> dict:
+    """CPU microseconds each process spent per output token between two process_cpu_s snapshots."""
+    return {name: (after[name] - before[name]) / tokens * 1e6 for name in before
+            if before[name] is not None and after.get(name) is not None and tokens}
 
 
 # ---------------------------------------------------------------- the served stack
@@ -259,7 +289,7 @@ def main(argv=None) -> dict:
         else:
             stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), args.stream_interval)
             base_url, api_key, model_name = stack.base_url, stack.api_key, stack.model_name
-        report["rates"] = measure_rates(base_url, api_key, model_name, work, rates, args.seed, bare)
+        report["rates"] = measure_rates(base_url, api_key, model_name, work, rates, args.seed, bare, stack_pids(stack))
         # After the rates (the bare probe, too, runs after its saturated runs): both engines know these shapes.
         time.sleep(2.0)  # let the stack finish settling the burst's usage first
         ttfts = asyncio.run(idle_ttft(base_url, api_key, model_name, probe_prompts))
@@ -279,18 +309,32 @@ def main(argv=None) -> dict:
     return report
 
 
+def stack_pids(stack) -> dict[str, int]:
+    """The processes whose CPU the saturated runs account for: the launched stack's and this client's."""
+    if stack is None:
+        return {}
+    return {**{name: proc.pid for name, proc in stack.processes.items()}, "benchmark client": os.getpid()}
+
+
 def measure_rates(base_url: str, api_key: str, model: str, work, rates: list[float], seed: int,
-                  bare: BareEngine | None = None) -> dict:
+                  bare: BareEngine | None = None, pids: dict[str, int] | None = None) -> dict:
     """Each rate once, the highest SATURATED_RUNS times (its median run is the one reported), each
-    of those right after a bare-engine run."""
+    of those right after a bare-engine run. With pids, the median saturated run also reports each
+    process's CPU time per output token ("cpu_us_per_token"; the bare engine's from the run before it)."""
     asyncio.run(run_rate(base_url, api_key, model, work[:2], float("inf"), seed))  # warm-up
     measured = {}
     for rate in rates:
         runs, bare_runs = [], []
         for _ in range(SATURATED_RUNS if rate == max(rates) else 1):
+            bare_cpu = {}
             if bare is not None and rate == max(rates):
                 bare_runs.append(bare.run())
-            runs.append(summarize(*asyncio.run(run_rate(base_url, api_key, model, work, rate, seed))))
+                bare_cpu = {"bare engine": bare.cpu_us_per_token}
+            before = {name: process_cpu_s(pid) for name, pid in (pids or {}).items()}
+            summary = summarize(*asyncio.run(run_rate(base_url, api_key, model, work, rate, seed)))
+            after = {name: process_cpu_s(pid) for name, pid in (pids or {}).items()}
+            tokens = round(summary["output_tok_s"] * summary["duration_s"])
+            runs.append(summary | {"cpu_us_per_token": bare_cpu | cpu_us_per_token(before, after, tokens)})
         median_run = sorted(runs, key=lambda s: s["output_tok_s"])[len(runs) // 2]
         measured[str(rate)] = median_run | {"runs_tok_s": [s["output_tok_s"] for s in runs],
                                             "bare_runs_tok_s": bare_runs}
@@ -302,8 +346,8 @@ def grouped_saturation(model_dir: str, work, rate: float, interval: int, seed: i
     """The saturated rate on a fresh stack whose worker streams `interval` tokens per delta."""
     stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), interval)
     try:
-        return measure_rates(stack.base_url, stack.api_key, stack.model_name, work, [rate], seed, bare)[str(rate)] | {
-            "stream_interval": interval}
+        return measure_rates(stack.base_url, stack.api_key, stack.model_name, work, [rate], seed, bare,
+                             stack_pids(stack))[str(rate)] | {"stream_interval": interval}
     finally:
         stack.stop()
 
@@ -323,7 +367,29 @@ def print_report(report: dict) -> str:
     offline = report.get("offline")
     if offline and report["rates"]:
         tables.append(print_comparison(report, offline, interval))
+    if report["rates"]:
+        tables.append(print_cpu(report, interval))
     return "\n".join(tables)
+
+
+CPU_COLUMNS = ["bare engine", "engine0", "daphne", "redis", "benchmark client"]
+
+
+def print_cpu(report: dict, interval: int) -> str:
+    """CPU time per output token of each process in the median saturated run. Where the engine's
+    threads fill every core, another process's CPU time delays the engine's steps about 1:1."""
+    saturated = report["rates"][max(report["rates"], key=float)] | {"stream_interval": interval}
+    rows = []
+    for measured in (saturated, report.get("grouped")):
+        cpu = (measured or {}).get("cpu_us_per_token") or {}
+        served = [cpu[name] for name in CPU_COLUMNS[1:] if name in cpu]
+        if not served:
+            continue
+        total = sum(served)
+        extra = total - cpu["bare engine"] if "bare engine" in cpu else "-"
+        rows.append([measured["stream_interval"], *[cpu.get(name, "-") for name in CPU_COLUMNS], total, extra])
+    headers = ["tokens per delta", *[f"{name} us" for name in CPU_COLUMNS], "served total us", "served - bare us"]
+    return print_table("CPU time per output token, highest rate (median run)", headers, rows) if rows else ""
 
 
 def print_comparison(report: dict, offline: dict, interval: int) -> str:

@@ -1,4 +1,8 @@
 """The serving benchmark's measuring code works (a 4-request smoke run; the real runs are `make bench`)."""
+import subprocess
+import sys
+import time
+
 import pytest
 
 from benchmarks import serving
@@ -37,6 +41,33 @@ def test_each_ratio_divides_by_the_bare_runs_that_alternated_with_it():
     serving.print_report(report)
     assert report["comparison"]["by_stream_interval"] == {1: pytest.approx(0.8), 8: pytest.approx(0.9)}
     assert report["comparison"]["added_p50_ttft_ms_idle"] == pytest.approx(12.0)
+
+
+def test_process_cpu_time_is_read_for_another_process_and_this_one():
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.4: pass\ntime.sleep(30)"])
+    try:
+        before = {"busy": serving.process_cpu_s(busy.pid), "client": serving.process_cpu_s(serving.os.getpid())}
+        time.sleep(1.0)
+        sum(i * i for i in range(2_000_000))  # some CPU time of our own
+        after = {"busy": serving.process_cpu_s(busy.pid), "client": serving.process_cpu_s(serving.os.getpid())}
+    finally:
+        busy.kill()
+        busy.wait()
+    per_token = serving.cpu_us_per_token(before, after, tokens=1000)
+    assert 0.2e3 < per_token["busy"] < 1.5e3, per_token  # about 0.4 s over 1000 tokens, in us per token
+    assert per_token["client"] > 0
+    assert serving.process_cpu_s(busy.pid) is None, "a reaped process has no CPU time to read"
+
+
+def test_cpu_table_sums_the_served_processes_and_subtracts_the_bare_engine():
+    stats = {"mean": 1.0, "p50": 1.0, "p99": 1.0}
+    cpu = {"bare engine": 1000.0, "engine0": 1100.0, "daphne": 120.0, "redis": 20.0, "benchmark client": 40.0}
+    report = {"machine": "m", "workload": {"stream_interval": 1}, "rates": {"inf": {
+        "completed": 3, "failed": 0, "request_throughput": 1.0, "output_tok_s": 80.0, "ttft_ms": stats,
+        "tpot_ms": stats, "itl_ms": stats, "cpu_us_per_token": cpu}}}
+    table = serving.print_report(report)
+    assert "| 1 | 1,000 | 1,100 | 120 | 20.00 | 40.00 | 1,280 | 280 |" in table
 
 
 def test_benchmark_runs_against_a_live_stack(live_stack, tiny_model_dir, tmp_path):
