@@ -37,7 +37,8 @@ from benchmarks.common import BENCH_DIR, bench_model_dir, machine_line, print_ta
 # Complete on purpose: the live stack's own test defaults (a 128-block pool) must not leak in, or
 # the served engine would queue and preempt where the bare one does not. Prefix caching is off:
 # every rate replays the same prompts, and cache hits from the previous rate would flatter the next.
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64,
+# The device is the engine's default (CUDA when there is one), for the bare and the served engine alike.
+ENGINE_ARGS = {"dtype": "float32", "device": "auto", "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64,
                "max_num_batched_tokens": 2048, "num_kv_blocks": None, "enable_prefix_caching": False, "seed": 0}
 
 
