@@ -231,7 +231,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         return {"mean": statistics.fmean(values) * scale, "p50": pick(0.5), "p99": pick(0.99)}
 
     return {"completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
-            "request_throughput": len(done) / duration, "output_tok_s": tokens / duration,
+            "request_throughput": len(done) / duration, "output_tokens": tokens, "output_tok_s": tokens / duration,
             "ttft_ms": stats([r.ttft for r in timed]), "tpot_ms": stats(tpot), "itl_ms": stats(itl),
             "errors": sorted({r.error for r in results if r.error})[:5]}
 
@@ -334,8 +334,8 @@ def measure_rates(base_url: str, api_key: str, model: str, work, rates: list[flo
             before = {name: process_cpu_s(pid) for name, pid in (pids or {}).items()}
             summary = summarize(*asyncio.run(run_rate(base_url, api_key, model, work, rate, seed)))
             after = {name: process_cpu_s(pid) for name, pid in (pids or {}).items()}
-            tokens = round(summary["output_tok_s"] * summary["duration_s"])
-            runs.append(summary | {"cpu_us_per_token": bare_cpu | cpu_us_per_token(before, after, tokens)})
+            cpu = bare_cpu | cpu_us_per_token(before, after, summary["output_tokens"])
+            runs.append(summary | {"cpu_us_per_token": cpu})
         median_run = sorted(runs, key=lambda s: s["output_tok_s"])[len(runs) // 2]
         measured[str(rate)] = median_run | {"runs_tok_s": [s["output_tok_s"] for s in runs],
                                             "bare_runs_tok_s": bare_runs}
@@ -379,10 +379,9 @@ CPU_COLUMNS = ["bare engine", "engine0", "daphne", "redis", "benchmark client"]
 def print_cpu(report: dict, interval: int) -> str:
     """CPU time per output token of each process in the median saturated run. Where the engine's
     threads fill every core, another process's CPU time delays the engine's steps about 1:1."""
-    saturated = report["rates"][max(report["rates"], key=float)] | {"stream_interval": interval}
     rows = []
-    for measured in (saturated, report.get("grouped")):
-        cpu = (measured or {}).get("cpu_us_per_token") or {}
+    for measured in highest_rate_runs(report, interval):
+        cpu = measured.get("cpu_us_per_token") or {}
         served = [cpu[name] for name in CPU_COLUMNS[1:] if name in cpu]
         if not served:
             continue
@@ -393,20 +392,24 @@ def print_cpu(report: dict, interval: int) -> str:
     return print_table("CPU time per output token, highest rate (median run)", headers, rows) if rows else ""
 
 
+def highest_rate_runs(report: dict, interval: int) -> list[dict]:
+    """The highest rate's median run at the benchmark's stream interval, then the grouped one if measured."""
+    saturated = report["rates"][max(report["rates"], key=float)] | {"stream_interval": interval}
+    return [saturated] + ([report["grouped"]] if report.get("grouped") else [])
+
+
 def print_comparison(report: dict, offline: dict, interval: int) -> str:
     """Served vs bare at the highest rate (and again with grouped deltas, when measured); each
     ratio is of medians over runs that alternated bare, served, bare, served..."""
-    saturated = report["rates"][max(report["rates"], key=float)]
     added = report["idle_ttft_ms"]["p50"] - offline["idle_ttft_p50_ms"]
     runs = lambda values: " / ".join(f"{v:,.0f}" for v in values)  # noqa: E731
     headers = ["tokens per delta", f"bare out tok/s (median of {SATURATED_RUNS})",
                "served out tok/s (highest rate, median)", "ratio", "bare runs", "served runs",
                "ITL p50 ms", "bare idle TTFT p50 ms", "served idle TTFT p50 ms", "added ms"]
     rows, ratios = [], {}
-    for measured, ttft_cells in ((saturated | {"stream_interval": interval},
-                                  [offline["idle_ttft_p50_ms"], report["idle_ttft_ms"]["p50"], added]),
-                                 (report.get("grouped"), ["-", "-", "-"])):
-        if not measured or not measured["bare_runs_tok_s"]:
+    idle_ttft_cells = [offline["idle_ttft_p50_ms"], report["idle_ttft_ms"]["p50"], added]
+    for measured, ttft_cells in zip(highest_rate_runs(report, interval), [idle_ttft_cells, ["-", "-", "-"]]):
+        if not measured["bare_runs_tok_s"]:
             continue
         bare_tok_s = statistics.median(measured["bare_runs_tok_s"])
         ratios[measured["stream_interval"]] = measured["output_tok_s"] / bare_tok_s
