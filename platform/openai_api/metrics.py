@@ -5,36 +5,67 @@ Other apps add lines by appending a callable to EXTRA_COLLECTORS (each returns a
 """
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Callable
 
+from django.urls import Resolver404, resolve
+
 from engine_client import client as engine
+from tessera import http_guards
+
+log = logging.getLogger("tessera.api")
 
 HTTP_REQUESTS_KEY = "tessera:http:requests"
 HTTP_SECONDS_KEY = "tessera:http:seconds"
 EXTRA_COLLECTORS: list[Callable[[], list[str]]] = []
 GAUGES_NAMED_TOTAL = {"tessera_engine_blocks_total"}  # a size, not a running count
+COUNT_FAILURE_LOG_INTERVAL_S = 60.0
 
 
 def _route(request) -> str:
+    """The route template (never the raw path, so paths cannot add series); "unmatched" for none."""
     match = getattr(request, "resolver_match", None)
-    return "/" + match.route if match is not None and match.route else "unmatched"
+    if match is None:  # answered before URL resolution (OPTIONS, a refused body)
+        try:
+            match = resolve(request.path_info)
+        except Resolver404:
+            return "unmatched"
+    return "/" + match.route if match.route else "unmatched"
 
 
 def _count_ops(pipe, request, status: int, seconds: float):
-    route = _route(request)
-    pipe.hincrby(HTTP_REQUESTS_KEY, f"{route}|{request.method}|{status}", 1)
-    pipe.hincrbyfloat(HTTP_SECONDS_KEY, f"{route}|{request.method}", seconds)
+    route, method = _route(request), http_guards.metric_method(request.method)
+    pipe.hincrby(HTTP_REQUESTS_KEY, f"{route}|{method}|{status}", 1)
+    pipe.hincrbyfloat(HTTP_SECONDS_KEY, f"{route}|{method}", seconds)
     return pipe
 
 
 def count_request(request, status: int, seconds: float) -> None:
-    _count_ops(engine.redis_client().pipeline(transaction=False), request, status, seconds).execute()
+    try:
+        _count_ops(engine.redis_client().pipeline(transaction=False), request, status, seconds).execute()
+    except Exception as exc:  # counting must never replace the answer it counts
+        _log_count_failure(exc)
 
 
 async def acount_request(request, status: int, seconds: float) -> None:
     """count_request on the event loop (no thread hop before a stream's first byte)."""
-    await _count_ops(engine.async_redis_client().pipeline(transaction=False), request, status, seconds).execute()
+    try:
+        await _count_ops(engine.async_redis_client().pipeline(transaction=False), request, status, seconds).execute()
+    except Exception as exc:
+        _log_count_failure(exc)
+
+
+_last_failure_log = [float("-inf")]
+
+
+def _log_count_failure(exc: Exception) -> None:
+    """One warning a minute per process: during an outage every request fails to count."""
+    now = time.monotonic()
+    if now - _last_failure_log[0] >= COUNT_FAILURE_LOG_INTERVAL_S:
+        _last_failure_log[0] = now
+        log.warning("could not count a /v1 request for /metrics: %r", exc)
 
 
 def _label(value) -> str:

@@ -12,6 +12,9 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
+from openai_api.middleware import status_envelope  # noqa: E402  (needs the apps loaded)
+from tessera.http_guards import is_machine_path  # noqa: E402
+
 
 class APIHandler(ASGIHandler):
     """Django for the machine-facing paths (/v1/..., /health, /metrics) with settings.API_MIDDLEWARE.
@@ -31,14 +34,19 @@ class APIHandler(ASGIHandler):
         finally:
             settings.MIDDLEWARE = browser_middleware
 
+    def create_request(self, scope, body_file):
+        """Django's bare 400/413 for a request it cannot even build (bytes that are not UTF-8) as the envelope."""
+        request, refused = super().create_request(scope, body_file)
+        if refused is not None:
+            refused = status_envelope(refused.status_code, scope["method"], scope["path"])
+        return request, refused
+
 
 api_asgi_app = APIHandler()
 
 
 async def http_app(scope, receive, send):
-    path = scope["path"]
-    is_api = path.startswith("/v1/") or path in ("/health", "/metrics")
-    await (api_asgi_app if is_api else django_asgi_app)(scope, receive, send)
+    await (api_asgi_app if is_machine_path(scope["path"]) else django_asgi_app)(scope, receive, send)
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402

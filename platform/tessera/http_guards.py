@@ -1,0 +1,95 @@
+"""Hostile-input rules for the machine-facing paths (/v1/..., /health, /metrics), before any view runs.
+
+Every /v1 endpoint parses its body its own way (the lean generation views with json.loads, the
+files and batches views with DRF's parsers); the byte-level rules they all need live here once:
+a size limit (413), valid Unicode (no lone UTF-16 surrogates, which json.loads accepts and every
+encoder later refuses) and a nesting limit (json.loads raises RecursionError past ~1,000 levels,
+and validators recurse too). Malformed JSON is left to the views, which say where it broke.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from django.conf import settings
+
+MACHINE_PATHS = ("/health", "/metrics")
+API_PREFIX = "/v1/"
+MAX_JSON_DEPTH = 64  # tool schemas and content parts nest a handful of levels; 64 is ample
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class BadInput(Exception):
+    """A request refused before its view: answered with this status in the OpenAI envelope."""
+
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def is_machine_path(path: str) -> bool:
+    """The paths served by the API handler and answered in the envelope, never with an HTML page."""
+    return path.startswith(API_PREFIX) or path in MACHINE_PATHS
+
+
+def check_body(request) -> None:
+    """Raise BadInput when the body is too large or is JSON that no view could use safely."""
+    if _content_type(request) == "multipart/form-data":
+        return  # uploads stream to files; their size limit is the batch file limit, not this one
+    body = read_body(request)
+    if body and _content_type(request) != "application/x-www-form-urlencoded":
+        check_json(body)
+
+
+def read_body(request) -> bytes:
+    """request.body, or 413 when it is over DATA_UPLOAD_MAX_MEMORY_SIZE (also for chunked bodies)."""
+    from django.core.exceptions import RequestDataTooBig
+
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    try:
+        body = request.body
+    except RequestDataTooBig:
+        body = None
+    if body is None or (limit is not None and len(body) > limit):
+        raise BadInput(413, f"The request body is larger than the limit of {limit} bytes.", "request_too_large")
+    return body
+
+
+def check_json(body: bytes) -> None:
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError:
+        return  # malformed JSON: the view answers with its own 400, naming the position
+    _check_tree(value)
+
+
+def _check_tree(value) -> None:
+    """Depth and lone surrogates (in keys and values), without recursion."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise BadInput(400, "The request body contains a lone UTF-16 surrogate (such as \\ud800), "
+                                    "which is not valid Unicode.", "invalid_unicode")
+        elif isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise _too_deep()
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            pending.extend((child, depth + 1) for child in children)
+
+
+def _too_deep() -> BadInput:
+    return BadInput(400, f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.", "json_too_deep")
+
+
+def _content_type(request) -> str:
+    return (request.META.get("CONTENT_TYPE") or "").split(";")[0].strip().lower()
+
+
+def metric_method(method: str) -> str:
+    """A bounded label for /metrics: the standard methods as they are, anything else "other"."""
+    return method if method in KNOWN_METHODS else "other"
