@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
 
-.PHONY: install browser assets test bench run clean
+.PHONY: install browser assets test screenshots bench run clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -35,6 +35,13 @@ $(ASSETS): package.json package-lock.json
 
 test: install browser assets
 	$(BIN)/python -m pytest
+
+# The README's screenshots (docs/screenshots/) are refreshed only here; a plain test run writes them
+# to var/test-screenshots/ (tests/platform/browser_output.py), so tests never touch tracked files.
+BROWSER_TESTS := tests/platform/chat/test_chat_browser.py tests/platform/dashboard/test_dashboard_browser.py \
+	tests/platform/batches/test_batches_browser.py
+screenshots: install browser assets
+	TESSERA_SCREENSHOTS=$(CURDIR)/docs/screenshots $(BIN)/python -m pytest -q $(BROWSER_TESTS)
 
 bench: install
 	$(BIN)/python -m benchmarks.run_all $(ARGS)

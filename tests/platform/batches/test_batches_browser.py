@@ -1,6 +1,6 @@
 """The Batches page in headless Debian Chromium (Playwright) against the live stack with a real Celery
 worker: upload a JSONL file, watch the progress bar fill over the websocket, download the output.
-Dev settings, so static files are served. Saves docs/screenshots/batches*.png.
+Dev settings, so static files are served. Saves batches*.png (tests/platform/browser_output.py).
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.platform.browser_output import save_screenshot
 from tests.platform.live_stack import LiveStack
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-SCREENSHOTS = Path(__file__).resolve().parents[3] / "docs" / "screenshots"
 
 pytestmark = [
     pytest.mark.slow,
@@ -72,12 +72,11 @@ def test_upload_watch_progress_and_download_in_a_real_browser(page, stack, tmp_p
     assert page.text_content("#batch-done") == "24" and page.text_content("#batch-total") == "24"
     assert page.eval_on_selector("#batch-bar", "el => el.style.width") == "100%"
     assert page.is_hidden("#cancel-form")
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / "batches-detail.png"))
+    save_screenshot(page, "batches-detail")
     with page.expect_download() as download_info:
         page.click("#download-output")
     rows = [json.loads(line) for line in Path(download_info.value.path()).read_text().splitlines()]
     assert sorted(row["custom_id"] for row in rows) == sorted(f"web-{i}" for i in range(24))
     page.goto("/batches/")
     assert "browser test" in page.text_content("#batch-table")
-    page.screenshot(path=str(SCREENSHOTS / "batches.png"))
+    save_screenshot(page, "batches")

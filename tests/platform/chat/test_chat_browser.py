@@ -3,20 +3,25 @@ daphne, a `manage.py engine` worker on the tiny model, a private redis-server an
 (tests/platform/live_stack.py), started with the dev settings so that static files are served.
 
 Walks what a person does: sign up, chat and watch tokens arrive, stop, regenerate, find the
-conversation in history, create an API key, log out and in. Saves screenshots to docs/screenshots/.
+conversation in history, create an API key, log out and in. Screenshots go to var/test-screenshots/
+(docs/screenshots/ under `make screenshots`, tests/platform/browser_output.py).
 """
+import os
 import shutil
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from tests.platform import redis_keys as protocol
 from tests.inference.worker_helpers import wait_for
+from tests.platform.browser_output import save_screenshot as shot
 from tests.platform.live_stack import LiveStack
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-SCREENSHOTS = Path(__file__).resolve().parents[3] / "docs" / "screenshots"
 PASSWORD = "a-Long-pass-123"
 
 pytestmark = [
@@ -28,7 +33,9 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     """Dev settings (DEBUG=1: WhiteNoise serves platform/static without collectstatic), a roomier engine."""
-    env = {"DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1", "QUOTA_MAX_TOKENS_PER_REQUEST": "600"}
+    # A long heartbeat TTL: the stop test freezes the engine for as long as the click takes.
+    env = {"DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1", "QUOTA_MAX_TOKENS_PER_REQUEST": "600",
+           "ENGINE_HEARTBEAT_TTL": "120"}
     engine_args = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "num_kv_blocks": 256}
     with LiveStack.start(tiny_model_dir, tmp_path_factory.mktemp("chat-browser"), env=env,
                          engine_args=engine_args) as running:
@@ -54,11 +61,6 @@ def page(browser, stack):
     context.close()
 
 
-def shot(page, name: str) -> None:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=False)
-
-
 def sign_up(page, username: str, screenshot: bool = False) -> None:
     page.goto("/accounts/signup/")
     page.fill("#id_username", username)
@@ -68,6 +70,41 @@ def sign_up(page, username: str, screenshot: bool = False) -> None:
         shot(page, "signup")
     page.click("button[type=submit]")
     page.wait_for_url("**/chat/")
+
+
+@contextmanager
+def frozen_mid_answer(stack, send):
+    """send(), then freeze the engine worker once the request's first text delta is in Redis; yields
+    the request id, and lets the engine go on when the block ends (the abort is then applied)."""
+    r = stack.redis()
+    before = set(r.scan_iter(match=protocol.output_stream("*")))
+    send()
+    [key] = wait_for(lambda: set(r.scan_iter(match=protocol.output_stream("*"))) - before, timeout=20)
+    request_id = key.decode().removeprefix(protocol.output_stream(""))
+    wait_for_text_delta(r, request_id)
+    engine = stack.processes["engine0"]
+    os.killpg(engine.pid, signal.SIGSTOP)
+    try:
+        assert not [e for e in output_events(r, request_id) if e["type"] in protocol.TERMINAL_EVENTS]
+        yield request_id
+    finally:
+        os.killpg(engine.pid, signal.SIGCONT)
+
+
+def wait_for_text_delta(r, request_id: str, timeout_ms: int = 20_000) -> None:
+    """Block on the output stream (no polling gap) until a delta with text is in it."""
+    last = "0-0"
+    while True:
+        entries = r.xread({protocol.output_stream(request_id): last}, block=timeout_ms)
+        assert entries, f"no output for {request_id} within {timeout_ms} ms"
+        for last, fields in entries[0][1]:
+            if any(e["type"] == "delta" and e["text"] for e in protocol.decode(fields[b"events"])):
+                return
+
+
+def output_events(r, request_id: str) -> list[dict]:
+    return [event for _, fields in r.xrange(protocol.output_stream(request_id))
+            for event in protocol.decode(fields[b"events"])]
 
 
 def wait_idle(page) -> None:
@@ -94,13 +131,16 @@ def test_chat_stop_regenerate_history_and_keys_in_a_real_browser(page, stack):
     assert "/chat/c/" in page.url
     shot(page, "playground")
 
-    # A long answer, stopped mid-way with the stop button.
+    # A long answer, stopped mid-way with the stop button. The engine is frozen (SIGSTOP) as soon
+    # as the answer's first delta is in Redis, so the click lands while it streams whatever the load.
     page.fill("#p-max_tokens", "500")
     page.fill("#prompt", "Now a very long story please")
-    page.click("#send")
-    page.wait_for_selector("#stop", state="visible")
-    wait_for(lambda: len(page.locator(".msg.assistant .body").last.inner_text()) > 0, timeout=20)
-    page.click("#stop")
+    with frozen_mid_answer(stack, lambda: page.click("#send")) as request_id:
+        page.wait_for_selector("#stop", state="visible")
+        wait_for(lambda: len(page.locator(".msg.assistant .body").last.inner_text()) > 0, timeout=20)
+        assert page.locator(".msg.assistant.streaming").count() == 1
+        page.click("#stop")
+        wait_for(lambda: stack.redis().exists(protocol.aborted_key(request_id)), timeout=20)
     wait_idle(page)
     assert "stopped" in page.locator(".msg.assistant .stats").last.inner_text()
     wait_for(lambda: all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stack.worker_stats()), timeout=5)

@@ -22,14 +22,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from engine_client import protocol
 from tessera import embedded_redis
 from tessera.embedded_redis import free_port
+from tests.platform import redis_keys
+from tests.platform.browser_output import save_screenshot
 
 from dashboard_testing import clear_heartbeat, fake_heartbeat
 
 REPO = Path(__file__).resolve().parents[3]
-SCREENSHOT = REPO / "docs" / "screenshots" / "dashboard.png"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -129,7 +129,7 @@ def server(tmp_path_factory, tiny_model_dir):
         url = f"http://127.0.0.1:{port}"
         _wait(lambda: _answers(url + "/dashboard/"), "daphne", procs)
         r = redis.Redis.from_url(redis_url)
-        _wait(lambda: r.smembers(protocol.WORKERS_SET), "the engine worker", procs)
+        _wait(lambda: r.smembers(redis_keys.WORKERS_SET), "the engine worker", procs)
         yield Server(url=url, redis_url=redis_url, env=env, api_key=api_key)
     finally:
         for proc, _ in procs.values():
@@ -257,8 +257,7 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
                                    "(w) => !w.worker_id.startsWith('fake-worker-') && w.tokens_per_s > 0)",
                                    timeout=60000)
 
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
+            save_screenshot(page, "dashboard", full_page=True)
 
             # Drill-down: a top user's own page, charts drawn from that user's usage only.
             page.click("#top-users tbody a >> nth=0")
