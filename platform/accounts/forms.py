@@ -1,4 +1,6 @@
 from django import forms
+from django.conf import settings
+from django.contrib.admin.forms import AdminAuthenticationForm
 from django.contrib.auth import get_user_model
 from django.contrib.auth.forms import AuthenticationForm, UserCreationForm
 
@@ -12,13 +14,20 @@ class SignupForm(UserCreationForm):
         model = get_user_model()
         fields = ("username", "email")
 
+    def save(self, commit=True):
+        user = super().save(commit=False)
+        user.is_active = not settings.SIGNUP_REQUIRES_APPROVAL  # an admin activates it in /admin/
+        if commit:
+            user.save()
+        return user
 
-class ThrottledLoginForm(AuthenticationForm):
-    """AuthenticationForm that refuses to check passwords after too many recent failures."""
 
-    error_messages = {
-        **AuthenticationForm.error_messages,
+class ThrottledLogin:
+    """Refuses to check passwords after too many recent failures (accounts/throttle.py says whose)."""
+
+    throttle_messages = {
         "throttled": "Too many failed log-in attempts. Try again in %(minutes)s minute(s).",
+        "pending": "Your account is waiting for an administrator's approval.",
     }
 
     def clean(self):
@@ -26,15 +35,30 @@ class ThrottledLoginForm(AuthenticationForm):
         address = throttle.client_address(self.request)
         wait = throttle.is_locked(username, address)
         if wait:
-            raise forms.ValidationError(self.error_messages["throttled"], code="throttled",
+            raise forms.ValidationError(self.throttle_messages["throttled"], code="throttled",
                                         params={"minutes": -(-wait // 60)})
         try:
             cleaned = super().clean()
         except forms.ValidationError:
             throttle.record_failure(username, address)
+            self._explain_pending(username)
             raise
         throttle.record_success(username, address)
         return cleaned
+
+    def _explain_pending(self, username: str) -> None:
+        """The right password for an account not yet approved: say so (only its owner can see this)."""
+        user = get_user_model().objects.filter(username=username).first()
+        if user is not None and not user.is_active and user.check_password(self.data.get("password", "")):
+            raise forms.ValidationError(self.throttle_messages["pending"], code="pending")
+
+
+class ThrottledLoginForm(ThrottledLogin, AuthenticationForm):
+    pass
+
+
+class ThrottledAdminLoginForm(ThrottledLogin, AdminAuthenticationForm):
+    pass
 
 
 class ApiKeyForm(forms.Form):

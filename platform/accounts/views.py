@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import login
 from django.contrib.auth import views as auth_views
@@ -15,15 +16,29 @@ from django.views.decorators.http import require_POST
 
 from . import selectors as key_selectors
 from . import services as key_services
+from . import throttle
 from .forms import ApiKeyForm, SignupForm, ThrottledLoginForm
 
 
 def signup(request):
+    """Open while ALLOW_SIGNUP; SIGNUPS_PER_HOUR_PER_ADDRESS accounts an hour from one address; new
+    accounts wait for an admin when SIGNUP_REQUIRES_APPROVAL (inactive: no log-in, no working key)."""
+    if not settings.ALLOW_SIGNUP:
+        return render(request, "accounts/signup_closed.html", status=403)
     if request.user.is_authenticated:
         return redirect("/")
     form = SignupForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
+        address = throttle.client_address(request)
+        wait = throttle.signup_wait(address)
+        if wait:
+            form.add_error(None, f"Too many new accounts from your address. Try again in {-(-wait // 60)} minute(s).")
+            return render(request, "accounts/signup.html", {"form": form}, status=429)
         user = form.save()
+        throttle.record_signup(address)
+        if not user.is_active:
+            messages.info(request, "Your account was created and is waiting for an administrator's approval.")
+            return redirect("accounts:login")
         login(request, user, backend="django.contrib.auth.backends.ModelBackend")
         messages.success(request, f"Welcome, {user.get_username()}!")
         return redirect("chat:playground")

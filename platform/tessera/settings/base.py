@@ -4,11 +4,13 @@ from pathlib import Path
 
 import dj_database_url
 
+from tessera.exposure import DEV_SECRET_KEY
+
 REPO_DIR = Path(__file__).resolve().parents[3]
 PLATFORM_DIR = REPO_DIR / "platform"
 VAR_DIR = Path(os.environ.get("TESSERA_VAR_DIR", REPO_DIR / "var"))
 
-SECRET_KEY = os.environ.get("SECRET_KEY", "dev-insecure-change-me")
+SECRET_KEY = os.environ.get("SECRET_KEY", DEV_SECRET_KEY)
 DEBUG = os.environ.get("DEBUG", "0") == "1"
 ALLOWED_HOSTS = [h for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h]
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
@@ -63,6 +65,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "accounts.context_processors.signup",
             ]
         },
     }
@@ -153,7 +156,15 @@ QUOTA_DEFAULT_PLAN = {
     "allowed_models": [],
 }
 QUOTA_LEASE_SECONDS = 120  # a vanished client's concurrency slot frees itself after this
-LOGIN_ATTEMPTS_PER_15_MIN = 10  # per username and per client IP
+# Log-in limits (accounts/throttle.py): a hard lock per (username, address); past the wider two,
+# only addresses that never logged in to that account are refused, so nobody can lock out others.
+LOGIN_ATTEMPTS_PER_15_MIN = 10  # failures per (username, client address)
+LOGIN_FAILURES_PER_USERNAME = 50  # failures per username from any address
+LOGIN_FAILURES_PER_ADDRESS = 100  # failures per client address over any usernames
+# Sign-up: open (ALLOW_SIGNUP), throttled per address, and optionally held for an admin's approval.
+ALLOW_SIGNUP = os.environ.get("ALLOW_SIGNUP", "1") == "1"
+SIGNUP_REQUIRES_APPROVAL = os.environ.get("SIGNUP_REQUIRES_APPROVAL", "0") == "1"
+SIGNUPS_PER_HOUR_PER_ADDRESS = int(os.environ.get("SIGNUPS_PER_HOUR_PER_ADDRESS", 5))
 CHAT_RECONNECT_GRACE_S = 20  # a playground answer nobody watches for this long is aborted in the engine
 
 LOGGING = {
