@@ -1,0 +1,37 @@
+"""The peer benchmark's own parts: one engine run in its own process, missing peers, the summary row."""
+import json
+
+from benchmarks import peers
+
+
+def test_an_engine_run_reports_every_requested_token_and_batch_one_figures(tiny_model_dir, tmp_path):
+    work = {"requests": [[[5, 6, 7, 8, 9], 6], [[10, 11, 12], 3], [[13] * 40, 9]],
+            "single_prompt": list(range(20, 60))}
+    workload = tmp_path / "work.json"
+    workload.write_text(json.dumps(work))
+    result = peers.run_offline("tessera", str(tiny_model_dir), "float32", str(workload))
+    assert result["tokens"] == 6 + 3 + 9  # ignore_eos: every request runs to its own length
+    assert result["tok_s"] > 0 and result["ttft_ms"] > 0 and result["tpot_ms"] > 0
+    assert 0 < result["kv_fill_at_peak"] <= 1 and 0 < result["kv_blocks_used_at_peak"] <= 1
+
+
+def test_a_missing_peer_is_skipped_with_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.delenv("VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("LLAMA_SERVER", "/nonexistent/llama-server")
+    assert peers.available_engines(["tessera", "vllm", "llama.cpp"]) == ["tessera"]
+    out = capsys.readouterr().out
+    assert "vllm-cpu.sh" in out and "llama-cpp.sh" in out
+
+
+def test_the_summary_row_pairs_runs_of_one_repeat():
+    runs = {"tessera": [{"tok_s": 120.0, "ttft_ms": 10.0, "tpot_ms": 5.0, "kv_fill_at_peak": 0.98,
+                         "kv_blocks_used_at_peak": 0.5},
+                        {"tok_s": 150.0, "ttft_ms": 12.0, "tpot_ms": 4.0, "kv_fill_at_peak": 0.99,
+                         "kv_blocks_used_at_peak": 0.5}],
+            "vllm": [{"tok_s": 100.0, "ttft_ms": 20.0, "tpot_ms": 9.0, "vllm_kv_blocks_used_at_peak": 0.4},
+                     {"tok_s": 100.0, "ttft_ms": 20.0, "tpot_ms": 9.0, "vllm_kv_blocks_used_at_peak": 0.4}]}
+    row = peers.summary_row("m", "float32", runs)
+    assert row[2] == 135.0 and row[3] == 100.0  # medians
+    assert row[5] == 1.35 and row[6] == "1.20-1.50"  # ratio per repeat, then median and spread
+    assert row[11] == 9.0 / 4.5  # batch-1: vLLM's TPOT over ours
+    assert row[-3:] == ["98.5%", "50.0%", "40.0%"]
