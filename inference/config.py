@@ -1,11 +1,14 @@
-"""Engine arguments (vLLM's names) and the model facts read from config.json."""
+"""Engine arguments (vLLM's names) and the model facts read from config.json or a GGUF file."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+
+from inference.gguf_files import is_gguf
+from inference.sampling_params import MODEL_DEFAULTS
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -28,7 +31,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     device: str = "auto"
     seed: int = 0
-    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+    load_format: str = "auto"  # "auto" (safetensors or a .gguf file) or "dummy" (random weights)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None  # cap on one prefill's share of a step
@@ -48,7 +51,7 @@ class EngineArgs:
 
 @dataclass
 class ModelConfig:
-    """The architecture facts the model code needs, from an HF config.json."""
+    """The architecture facts the model code needs, from an HF config.json or GGUF metadata."""
 
     path: str
     architecture: str
@@ -71,16 +74,36 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int]
     raw: dict
+    # The model's own sampling defaults (generation_config.json / GGUF general.sampling.*).
+    generation_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
+        if is_gguf(path):
+            from inference import gguf_loader
+
+            cfg = cls.from_dict(path, gguf_loader.config_dict(path))
+            cfg.generation_defaults = gguf_loader.generation_defaults(path)
+            return cfg
         folder = Path(path)
         config_file = folder / "config.json"
         if not folder.is_dir():
             raise FileNotFoundError(f"model folder {folder} does not exist")
         if not config_file.exists():
             raise FileNotFoundError(f"model folder {folder} has no config.json")
-        return cls.from_dict(str(folder), json.loads(config_file.read_text()))
+        cfg = cls.from_dict(str(folder), json.loads(config_file.read_text()))
+        cfg.apply_generation_config(folder / "generation_config.json")
+        return cfg
+
+    def apply_generation_config(self, file: Path) -> None:
+        """generation_config.json: sampling defaults (as vLLM reads them) and more end-of-turn ids."""
+        if not file.exists():
+            return
+        generation = json.loads(file.read_text())
+        self.generation_defaults = {k: generation[k] for k in MODEL_DEFAULTS if generation.get(k) is not None}
+        eos = generation.get("eos_token_id")
+        extra = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_token_ids = sorted(set(self.eos_token_ids) | set(extra))
 
     @classmethod
     def from_dict(cls, path: str, raw: dict) -> "ModelConfig":
@@ -88,7 +111,7 @@ class ModelConfig:
         supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not supported:
             raise ValueError(
-                f"unsupported architecture {archs or raw.get('model_type')!r} in {path}/config.json; "
+                f"unsupported architecture {archs or raw.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         arch = supported[0]

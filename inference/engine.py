@@ -11,7 +11,8 @@ from inference.detokenizer import IncrementalDetokenizer
 from inference.kv_cache_manager import KVCacheManager
 from inference.layers.ops import get_ops
 from inference.executor import create_executor
-from inference.loader import check_model_folder, load_model, load_tokenizer
+from inference.gguf_files import served_model_name
+from inference.loader import check_model_path, end_of_turn_token_ids, load_model, load_tokenizer
 from inference.metrics import EngineMetrics
 from inference.model_runner import ModelRunner
 from inference.outputs import CompletionOutput, RequestOutput
@@ -29,13 +30,13 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         torch.manual_seed(args.seed)
-        check_model_folder(args.model, args.load_format)
+        check_model_path(args.model, args.load_format)
         self.model_config = cfg = ModelConfig.from_path(args.model)
         self.dtype = cfg.resolve_dtype(args.dtype)
         self.max_model_len = resolve_max_model_len(cfg, args.max_model_len)
         self.tokenizer = load_tokenizer(args.model)
-        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | ({self.tokenizer.eos_token_id} - {None}))
-        self.served_model_name = args.served_model_name or args.model.rstrip("/").split("/")[-1]
+        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | end_of_turn_token_ids(self.tokenizer))
+        self.served_model_name = args.served_model_name or served_model_name(args.model)
         self.ops = get_ops(args.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
         # The executor first: it sets this process's tensor-parallel rank, which the layers read.
         self.executor = create_executor(args, self.device)
@@ -116,7 +117,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text too)."""
-        params = sampling_params or SamplingParams()
+        params = (sampling_params or SamplingParams()).with_model_defaults(self.model_config.generation_defaults)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)

@@ -1,4 +1,4 @@
-"""Load a model from a local Hugging Face folder (config.json, *.safetensors, tokenizer files)."""
+"""Load a model from a local Hugging Face folder (config.json, *.safetensors, tokenizer files) or a GGUF file."""
 from __future__ import annotations
 
 import json
@@ -8,16 +8,26 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from inference import gguf_loader
 from inference.config import ModelConfig
+from inference.gguf_files import is_gguf
 from inference.layers.linear import copy_checked
 from inference.models.llama import LlamaForCausalLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+# Chat models end a turn with these; each one in the vocabulary is a stop token (as vLLM's
+# generation_config eos lists make them), whatever the config's single eos_token_id says.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
-def check_model_folder(path: str, load_format: str) -> None:
-    """Fail early with a message that names what is missing."""
+def check_model_path(path: str, load_format: str) -> None:
+    """Fail early with a message that names what is missing or unsupported."""
+    if is_gguf(path):
+        gguf_loader.architecture(path)  # also checks the file exists
+        if load_format != "dummy":
+            gguf_loader.check_tensor_types(path)
+        return
     folder = Path(path)
     missing = []
     if not (folder / "config.json").exists():
@@ -46,30 +56,45 @@ def build_model(cfg: ModelConfig, ops, dtype, device, max_position: int, linear_
         return LlamaForCausalLM(cfg, ops, dtype, max(max_position, cfg.max_position_embeddings), linear_method)
 
 
-def load_weights(model: LlamaForCausalLM, folder: str, progress: bool = True) -> None:
+def load_weights(model: LlamaForCausalLM, path: str, progress: bool = True) -> None:
     """Stream every checkpoint tensor through its parameter's weight_loader."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    files = weight_files(Path(folder))
-    for file in tqdm(files, desc="Loading safetensors shards", disable=not progress or len(files) < 2):
-        with safe_open(str(file), framework="pt") as f:
-            for hf_name in f.keys():
-                if hf_name.endswith(IGNORED_WEIGHTS):
-                    continue
-                name, shard_id = model.checkpoint_name(hf_name)
-                if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
-                    continue
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, checkpoint_tensor(f, hf_name, param), shard_id)
-                loaded.add(name)
+    for hf_name, tensor in checkpoint_tensors(model, path, progress):
+        if hf_name.endswith(IGNORED_WEIGHTS):
+            continue
+        name, shard_id = model.checkpoint_name(hf_name)
+        if name == "lm_head.weight" and model.cfg.tie_word_embeddings:
+            continue
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, as_param_dtype(tensor(), param), shard_id)
+        loaded.add(name)
     missing = [name for name, param in params.items()
                if name not in loaded and not not_in_checkpoint(model, name, param)]
     if missing:
-        raise ValueError(f"checkpoint in {folder} lacks weights for: {', '.join(sorted(missing)[:8])}")
+        raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(sorted(missing)[:8])}")
     process_weights_after_loading(model)
+
+
+def checkpoint_tensors(model, path: str, progress: bool):
+    """(HF name, a function giving the tensor) from the safetensors shards or a GGUF file.
+
+    Ignored tensors are never read: the function is only called for tensors the model takes.
+    """
+    if is_gguf(path):
+        total = len(gguf_loader.open_gguf(path).tensors)
+        tensors = gguf_loader.iter_weights(path, model.cfg)
+        for hf_name, tensor in tqdm(tensors, total=total, desc="Dequantizing GGUF tensors", disable=not progress):
+            yield hf_name, lambda t=tensor: t
+        return
+    files = weight_files(Path(path))
+    for file in tqdm(files, desc="Loading safetensors shards", disable=not progress or len(files) < 2):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                yield hf_name, lambda f=f, name=hf_name: f.get_tensor(name)
 
 
 def process_weights_after_loading(model) -> None:
@@ -81,9 +106,8 @@ def process_weights_after_loading(model) -> None:
             module.process_weights_after_loading()
 
 
-def checkpoint_tensor(f, hf_name: str, param) -> torch.Tensor:
+def as_param_dtype(tensor: torch.Tensor, param) -> torch.Tensor:
     """Floats arrive in the parameter's dtype; packed integers and floats bound for int8 as they are."""
-    tensor = f.get_tensor(hf_name)
     if tensor.is_floating_point() and param.is_floating_point():
         tensor = tensor.to(param.dtype)
     return tensor
@@ -130,6 +154,16 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
 
 
 def load_tokenizer(path: str):
+    """The one way every process (engine, web tier, Celery) gets the model's tokenizer."""
+    if is_gguf(path):
+        return gguf_loader.load_tokenizer(path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def end_of_turn_token_ids(tokenizer) -> set[int]:
+    """The tokenizer's EOS and every END_OF_TURN_TOKENS entry its vocabulary holds."""
+    vocab = tokenizer.get_vocab()
+    found = {vocab[token] for token in END_OF_TURN_TOKENS if token in vocab}
+    return found | ({tokenizer.eos_token_id} - {None})

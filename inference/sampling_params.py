@@ -1,7 +1,12 @@
 """Sampling parameters, named and validated as in vLLM and the OpenAI API."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+
+# Fields a request may leave to the model: its generation_config.json (or GGUF metadata) decides,
+# and these fallbacks (vLLM's) apply when the model says nothing.
+MODEL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 @dataclass
@@ -10,13 +15,17 @@ class SamplingParams:
 
     n > 1 forks one prompt into n sequences after prefill; sequence i samples with seed + i
     (when a seed is given), so it reproduces an n=1 request with that seed.
+
+    temperature, top_p, top_k, min_p and repetition_penalty left out (or None) mean "the model's
+    default": they hold vLLM's fallbacks until the engine applies the model's own defaults
+    (with_model_defaults, at add_request); `model_default_fields` names them.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -25,14 +34,18 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_strings: list[str] = field(init=False, repr=False)
+    model_default_fields: frozenset[str] = field(init=False, repr=False)
 
     def __post_init__(self):
+        self.model_default_fields = frozenset(name for name in MODEL_DEFAULTS if getattr(self, name) is None)
+        for name in self.model_default_fields:
+            setattr(self, name, MODEL_DEFAULTS[name])
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else _as_list(self.stop, "stop")
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         if self.top_k == 0:
@@ -73,6 +86,19 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    def with_model_defaults(self, defaults: dict) -> "SamplingParams":
+        """A copy whose unset fields take the model's defaults (a bad model value names its field)."""
+        chosen = {name: defaults[name] for name in self.model_default_fields if defaults.get(name) is not None}
+        if not chosen:
+            return self
+        resolved = copy.copy(self)
+        for name, value in chosen.items():
+            setattr(resolved, name, value)
+        if resolved.top_k == 0:
+            resolved.top_k = -1
+        resolved._validate()
+        return resolved
 
     def for_child(self, index: int) -> "SamplingParams":
         """Parameters of the index-th of n forked sequences: n=1 and seed + index."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from inference.demo.tokenizer import build_tokenizer, english_corpus
+from tiny_tokenizer import build_tokenizer, english_corpus
 
 VOCAB = 512
 

@@ -1,13 +1,12 @@
-"""The demo model's tokenizer and corpus: byte-level BPE trained on English that ships with Python.
+"""The tiny test models' tokenizer: a byte-level BPE trained on English that ships with Python.
 
 Nothing can be downloaded, so the text comes from the standard library itself: the language
-reference topics in `pydoc_data` (what `help("assert")` prints), about 460 KB of English prose.
+reference topics in `pydoc_data` (what `help("assert")` prints). It has its own chat template,
+so the tests exercise templates other than the real model's ChatML.
 """
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
@@ -52,18 +51,8 @@ def _unwrap(text: str) -> str:
 _UNDERLINE = re.compile(r"^[*=~^-]{3,}$")  # reStructuredText heading underlines
 
 
-def title_of(doc: str) -> str:
-    """A topic's heading, e.g. 'The "assert" statement'."""
-    return doc.split("\n\n", 1)[0].strip()
-
-
-def paragraphs_of(doc: str, min_chars: int = 80) -> list[str]:
-    """The prose paragraphs of a topic (no heading, code, tables or lists): answers for chat turns."""
-    return [p for p in doc.split("\n\n")[1:] if "\n" not in p and len(p) >= min_chars]
-
-
-def build_tokenizer(texts: list[str], vocab_size: int, save_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on texts; save as ordinary HF tokenizer files when save_dir is given."""
+def build_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on texts."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=_train_bpe(texts, vocab_size),
         bos_token=BOS,
@@ -74,8 +63,6 @@ def build_tokenizer(texts: list[str], vocab_size: int, save_dir: str | Path | No
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
-    if save_dir is not None:
-        save_tokenizer(tokenizer, save_dir)
     return tokenizer
 
 
@@ -97,21 +84,3 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
         processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]),
     ])
     return tok
-
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, save_dir: str | Path) -> None:
-    """save_pretrained, plus the chat template and special-token map in the classic JSON files.
-
-    Newer transformers write the template to chat_template.jinja only; older readers (and other
-    tools) look for it in tokenizer_config.json, so both places carry it.
-    """
-    save_dir = Path(save_dir)
-    tokenizer.save_pretrained(save_dir)
-    config_path = save_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # the class every transformers version knows
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    special_map = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
-                   "additional_special_tokens": list(ROLE_TOKENS.values())}
-    (save_dir / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")

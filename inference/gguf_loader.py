@@ -1,0 +1,203 @@
+"""GGUF files (llama.cpp's format) as a model source: config, weights, tokenizer, sampling defaults.
+
+Read with the `gguf` package. Weights are dequantized at load into the engine's dtype and renamed
+to the Hugging Face Llama layout, so the rest of the loader treats them like safetensors tensors.
+llama.cpp's converter permutes the Q and K rows of Llama-architecture models (its rotary
+embedding pairs adjacent dimensions, HF's pairs the two halves); that is undone here.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# GGUF general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# GGUF general.sampling.* -> SamplingParams field (the file's own generation defaults).
+SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+BLOCK_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+                 "ffn_norm": "post_attention_layernorm"}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: str):
+    """The parsed header (memory-mapped tensors); parsing a 49k-token vocabulary takes a second or two."""
+    from gguf import GGUFReader
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist")
+    return GGUFReader(path)
+
+
+def metadata(path: str, key: str, default=None):
+    field = open_gguf(path).fields.get(key)
+    return default if field is None else field.contents()
+
+
+def architecture(path: str) -> str:
+    """The HF architecture name; anything else fails here, at start-up, naming what the file holds."""
+    arch = metadata(path, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)} "
+                         "(Mistral files use 'llama')")
+    if arch == "llama" and "mistral" in str(metadata(path, "general.name", "")).lower():
+        return "MistralForCausalLM"  # the same rule transformers applies to GGUF files
+    return ARCHITECTURES[arch]
+
+
+def config_dict(path: str) -> dict:
+    """The file's metadata as the keys of an HF config.json (what ModelConfig.from_dict reads)."""
+    arch = metadata(path, "general.architecture")
+    hf_arch = architecture(path)
+
+    def get(key, default=None):
+        return metadata(path, f"{arch}.{key}", default)
+
+    names = {t.name for t in open_gguf(path).tensors}
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    eos = end_of_turn_token_ids(path)
+    return {
+        "architectures": [hf_arch],
+        "vocab_size": get("vocab_size") or len(metadata(path, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv") or heads,
+        "head_dim": get("attention.key_length") or hidden // heads,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(get),
+        "max_position_embeddings": get("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "sliding_window": get("attention.sliding_window"),
+        "use_sliding_window": get("attention.sliding_window") is not None,
+        "bos_token_id": metadata(path, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+    }
+
+
+def _rope_scaling(get) -> dict | None:
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling = {"rope_type": kind, "factor": get("rope.scaling.factor", 1.0)}
+    if get("rope.scaling.original_context_length"):
+        scaling["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+    return scaling
+
+
+def end_of_turn_token_ids(path: str) -> list[int]:
+    """EOS plus llama.cpp's end-of-turn / end-of-message ids (Llama 3's <|eot_id|>, <|eom_id|>)."""
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return sorted({int(v) for v in (metadata(path, k) for k in keys) if v is not None})
+
+
+def generation_defaults(path: str) -> dict:
+    """general.sampling.* (written by recent llama.cpp converters from generation_config.json)."""
+    found = {field: metadata(path, f"general.sampling.{key}") for key, field in SAMPLING_KEYS.items()}
+    return {field: value for field, value in found.items() if value is not None}
+
+
+def check_tensor_types(path: str) -> None:
+    """Every tensor must be of a type we dequantize; the error lists each other type and a tensor of it."""
+    unsupported = {}
+    for tensor in open_gguf(path).tensors:
+        if tensor.tensor_type.name not in SUPPORTED_TYPES:
+            unsupported.setdefault(tensor.tensor_type.name, tensor.name)
+    if unsupported:
+        found = ", ".join(f"{kind} (e.g. {name})" for kind, name in unsupported.items())
+        raise ValueError(f"unsupported GGUF tensor types in {path}: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK_NAME.match(gguf_name)
+    if match is None or match.group(2) not in BLOCK_TENSORS:
+        raise ValueError(f"unsupported GGUF tensor {gguf_name!r} (not part of the Llama layout)")
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{BLOCK_TENSORS[part]}.{kind}"
+
+
+def iter_weights(path: str, cfg) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+    from gguf.quants import dequantize
+
+    permuted = metadata(path, "general.architecture") == "llama"
+    for tensor in open_gguf(path).tensors:
+        name = hf_tensor_name(tensor.name)
+        values = dequantize(tensor.data, tensor.tensor_type)
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            values = unpermute_rows(values, heads)
+        yield name, torch.from_numpy(np.array(values, dtype=np.float32))
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's permute(): per head, its interleaved rotary row pairs back to two halves."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+# ---- tokenizer ---------------------------------------------------------------------------------
+
+def load_tokenizer(path: str):
+    """The HF tokenizer transformers builds from the GGUF metadata (vocabulary, merges, chat template).
+
+    Building it takes seconds (a 49k-token vocabulary), and the engine, the web tier and Celery
+    each need it at start-up, so the result is saved once per file under the cache directory,
+    keyed by a hash of the file's header (where every tokenizer field lives).
+    """
+    from transformers import AutoTokenizer
+
+    cached = tokenizer_cache_dir(path)
+    if (cached / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(str(cached))
+    file = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    _save_atomically(tokenizer, cached)
+    return tokenizer
+
+
+def tokenizer_cache_dir(path: str) -> Path:
+    header = open_gguf(path).data_offset
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read(header)).hexdigest()[:20]
+    return cache_root() / "gguf-tokenizers" / f"{Path(path).stem}-{digest}"
+
+
+def cache_root() -> Path:
+    """TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera (~/.cache/tessera); never the checkout."""
+    if os.environ.get("TESSERA_CACHE_DIR"):
+        return Path(os.environ["TESSERA_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tessera"
+
+
+def _save_atomically(tokenizer, target: Path) -> None:
+    """Processes that start together may all build it; the first rename wins, the rest are dropped."""
+    import shutil
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    tokenizer.save_pretrained(str(staging))
+    try:
+        staging.rename(target)
+    except OSError:  # another process got there first
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,251 @@
+"""GGUF loading: tiny random HF models written as llama.cpp's converter writes them, in several
+tensor types; our engine's greedy output must equal HF transformers loading the same file."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from inference import LLM, SamplingParams
+from inference.gguf_files import served_model_name
+from inference.gguf_loader import GLOBAL_TENSORS, BLOCK_TENSORS, tokenizer_cache_dir
+from inference.loader import load_tokenizer
+from tiny_models import make_tiny_model
+
+PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 9, 120, 33, 61, 2 + 40, 77]]
+MAX_TOKENS = [12, 9, 10]
+# A mixed file, as real ones are: each matrix takes the next type in turn; norms stay F32.
+MIXED = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16", "F32")
+TO_GGUF = {hf: gguf for gguf, hf in GLOBAL_TENSORS.items()}
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+# ---- writing GGUF files the way llama.cpp's convert_hf_to_gguf.py lays them out -----------------
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in TO_GGUF:
+        return TO_GGUF[hf_name]
+    _, _, layer, *rest = hf_name.split(".")  # model.layers.N.self_attn.q_proj.weight
+    module, kind = ".".join(rest[:-1]), rest[-1]
+    part = next(g for g, h in BLOCK_TENSORS.items() if h == module)
+    return f"blk.{layer}.{part}.{kind}"
+
+
+def permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's permute() for Llama-architecture Q/K rows."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def add_tokenizer(writer, hf_dir: Path) -> None:
+    from gguf import TokenType
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    special = set(tok.all_special_tokens)
+    merges = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(tok.bos_token_id)
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(tok.chat_template)
+
+
+def write_gguf(hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, name: str | None = None,
+               sampling: dict | None = None) -> Path:
+    """hf_dir's model as a GGUF file; matrices cycle through `types`."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    family = config["model_type"]
+    arch = arch or ("qwen2" if family == "qwen2" else "llama")  # llama.cpp writes Mistral as llama
+    writer = GGUFWriter(str(out), arch)
+    writer.add_name(name or f"tiny-{family}")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
+    add_tokenizer(writer, hf_dir)
+    state = load_file(hf_dir / "model.safetensors")
+    matrices = 0
+    for hf_name, tensor in state.items():
+        if config.get("tie_word_embeddings") and hf_name == "lm_head.weight":
+            continue
+        data = tensor.float().numpy()
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = permute(data, heads if "q_proj" in hf_name else kv_heads)
+        kind = "F32" if data.ndim == 1 else types[matrices % len(types)]
+        matrices += data.ndim == 2
+        if kind == "F32":
+            writer.add_tensor(gguf_name(hf_name), data)
+        elif kind == "F16":
+            writer.add_tensor(gguf_name(hf_name), data.astype(np.float16))
+        else:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name(hf_name), quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def hf_greedy_gguf(file: Path, prompts, max_tokens) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
+    outputs = []
+    for ids, n in zip(prompts, max_tokens):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def engine_greedy(file: Path, prompts, max_tokens, **engine) -> list[list[int]]:
+    llm = LLM(model=str(file), **{**ENGINE, **engine})
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+
+
+# ---- greedy parity with HF transformers ----------------------------------------------------------
+
+@pytest.mark.parametrize("family, types", [
+    ("llama", MIXED),             # untied head, permuted Q/K, every non-K type in one file
+    ("llama", ("F32",)),          # lossless: parity with the unquantized HF folder as well
+    ("mistral", ("Q8_0", "F16")),  # written as "llama", told apart by general.name
+    ("qwen2", ("Q4_1", "BF16")),   # Q/K/V biases, tied embeddings, no permutation
+])
+def test_greedy_output_equals_hf_transformers_on_the_same_gguf(tmp_path, family, types):
+    hf_dir = make_tiny_model(tmp_path / "hf", family)
+    file = write_gguf(hf_dir, tmp_path / f"tiny-{family}.gguf", types)
+    ours = engine_greedy(file, PROMPTS, MAX_TOKENS)
+    assert ours == hf_greedy_gguf(file, PROMPTS, MAX_TOKENS)
+    assert all(len(o) == n for o, n in zip(ours, MAX_TOKENS))
+    if types == ("F32",):
+        from tiny_models import hf_greedy
+
+        assert ours == hf_greedy(hf_dir, PROMPTS, MAX_TOKENS)
+
+
+def test_config_and_names_come_from_the_metadata(tmp_path):
+    hf_dir = make_tiny_model(tmp_path / "hf", "qwen2")
+    file = write_gguf(hf_dir, tmp_path / "Tiny-Qwen2-Chat.Q4_1.gguf", ("Q4_1",))
+    engine = LLM(model=str(file), **ENGINE).llm_engine
+    cfg, hf = engine.model_config, json.loads((hf_dir / "config.json").read_text())
+    assert (cfg.architecture, cfg.family, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (
+        "Qwen2ForCausalLM", "qwen2", hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"])
+    assert cfg.tie_word_embeddings and cfg.attention_bias and cfg.rope_theta == hf["rope_parameters"]["rope_theta"]
+    assert engine.served_model_name == "Tiny-Qwen2-Chat"
+    assert hf["eos_token_id"] in engine.eos_token_ids
+
+
+def test_served_names_drop_the_extension_and_the_quantization_tag():
+    assert served_model_name("/x/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct"
+    assert served_model_name("/x/qwen2.5-0.5b-instruct-q4_k_m.gguf") == "qwen2.5-0.5b-instruct"
+    assert served_model_name("/x/Mistral-7B-v0.3.F16.gguf") == "Mistral-7B-v0.3"
+    assert served_model_name("/models/my-llama/") == "my-llama"
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+
+def test_tokenizer_and_chat_template_from_metadata_are_cached_per_file(tmp_path):
+    from transformers import AutoTokenizer
+
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama")
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",))
+    reference = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    assert not tokenizer_cache_dir(str(file)).exists()
+    built = load_tokenizer(str(file))
+    assert (tokenizer_cache_dir(str(file)) / "tokenizer_config.json").exists()
+    cached = load_tokenizer(str(file))
+    text = "The assert statement, café and 你好 🎉"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
+    for tok in (built, cached):
+        assert tok.encode(text) == reference.encode(text)
+        assert (tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        assert tok.eos_token_id == reference.eos_token_id
+
+
+# ---- generation defaults --------------------------------------------------------------------------
+
+def resolved(engine, params: SamplingParams) -> SamplingParams:
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
+    resolved = engine.requests["r"].params
+    engine.abort_request("r")
+    return resolved
+
+
+def test_gguf_sampling_metadata_gives_the_defaults_a_request_leaves_unset(tmp_path):
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama")
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",),
+                      sampling={"temp": 0.3, "top_k": 20, "top_p": 0.8, "min_p": 0.05, "penalty_repeat": 1.15})
+    engine = LLM(model=str(file), **ENGINE).llm_engine
+    unset = resolved(engine, SamplingParams())
+    assert (unset.temperature, unset.top_k, unset.min_p) == (pytest.approx(0.3), 20, pytest.approx(0.05))
+    assert (unset.top_p, unset.repetition_penalty) == (pytest.approx(0.8), pytest.approx(1.15))
+    explicit = resolved(engine, SamplingParams(temperature=0.9, top_k=0))
+    assert (explicit.temperature, explicit.top_k, explicit.top_p) == (0.9, -1, pytest.approx(0.8))
+
+
+def test_generation_config_json_gives_the_defaults_and_more_stop_tokens(tmp_path):
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama")
+    (hf_dir / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": [2, 7], "do_sample": True}))
+    engine = LLM(model=str(hf_dir), **ENGINE).llm_engine
+    unset = resolved(engine, SamplingParams())
+    assert (unset.temperature, unset.top_p, unset.repetition_penalty, unset.top_k) == (0.0, 0.9, 1.05, -1)
+    assert {2, 7} <= set(engine.eos_token_ids)
+    # greedy by the model's default: the same tokens as an explicit temperature=0 request
+    llm = LLM(model=str(hf_dir), **ENGINE)
+    by_default = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert by_default == engine_greedy(hf_dir, PROMPTS[:1], [8])[0]
+
+
+# ---- what is refused, at start-up, by name ----------------------------------------------------------
+
+def test_an_unsupported_tensor_type_fails_at_start_naming_it(tmp_path):
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama")
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16", "Q5_1"))
+    with pytest.raises(ValueError, match=r"unsupported GGUF tensor types .*Q5_1 \(e\.g\. [\w.]+\)"):
+        LLM(model=str(file), **ENGINE)
+
+
+def test_an_unsupported_architecture_fails_at_start_naming_it(tmp_path):
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama")
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",), arch="phi3")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'"):
+        LLM(model=str(file), **ENGINE)
+
+
+def test_a_missing_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.gguf"):
+        LLM(model=str(tmp_path / "missing.gguf"), **ENGINE)
