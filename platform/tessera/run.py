@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tessera import embedded_redis
+from tessera import embedded_redis, exposure
 from tessera.supervisor import Exited, Supervisor
 
 from inference.gguf_files import is_gguf, resolve_model, served_model_name  # torch-free
@@ -93,6 +93,7 @@ def main() -> int:
 
 def run(cfg: RunConfig, supervisor: Supervisor) -> int:
     cfg.var_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.update(exposure.network_safe_env(cfg.host, os.environ, cfg.var_dir))  # no DEBUG on a network bind
     model = prepare_model(cfg)
     redis_url = cfg.redis_url or start_redis(supervisor, cfg.var_dir)
     env = child_env(cfg, model, redis_url)
