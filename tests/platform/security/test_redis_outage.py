@@ -3,75 +3,12 @@ answer 503 in the envelope, never a 500 or a DEBUG page, and recover once Redis 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import httpx
 import pytest
 
-from tessera import embedded_redis
+from tests.platform.security.live_daphne import Server
 
 pytestmark = pytest.mark.slow
-REPO_DIR = Path(__file__).resolve().parents[3]
-
-
-class Server:
-    """daphne on the real ASGI app with its own SQLite file and a redis-server this test stops and starts."""
-
-    def __init__(self, work_dir: Path):
-        self.work_dir = work_dir
-        self.redis_url, self.redis = embedded_redis.start(data_dir=str(work_dir))
-        self.redis_port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
-        self.port = embedded_redis.free_port()
-        self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1",
-                    "REDIS_URL": self.redis_url, "DATABASE_URL": f"sqlite:///{work_dir / 'db.sqlite3'}",
-                    "TESSERA_VAR_DIR": str(work_dir), "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}"}
-        self.log_path = work_dir / "daphne.log"
-        self.daphne = None
-
-    def manage(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO_DIR, env=self.env, capture_output=True,
-                              text=True, timeout=300, check=True)
-        return done.stdout
-
-    def start(self) -> str:
-        self.manage("migrate", "--noinput")
-        self.manage("shell", "-c", "from django.contrib.auth.models import User; "
-                                   "User.objects.create_user('outage', password='pw-long-enough-1')")
-        api_key = self.manage("create_api_key", "outage").strip().splitlines()[-1]
-        with open(self.log_path, "wb") as log:
-            self.daphne = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                                            "tessera.asgi:application"], cwd=REPO_DIR, env=self.env, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.daphne.poll() is None, self.log_path.read_text()
-            try:
-                httpx.get(self.url("/health"), timeout=2)
-                return api_key
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise AssertionError("daphne did not answer within 120 s:\n" + self.log_path.read_text())
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def stop_redis(self) -> None:
-        self.redis.terminate()
-        self.redis.wait(10)
-
-    def restart_redis(self) -> None:
-        _url, self.redis = embedded_redis.start(port=self.redis_port, data_dir=str(self.work_dir))
-
-    def stop(self) -> None:
-        if self.daphne is not None and self.daphne.poll() is None:
-            self.daphne.terminate()
-            self.daphne.wait(10)
-        if self.redis.poll() is None:
-            self.stop_redis()
 
 
 @pytest.fixture
