@@ -20,7 +20,7 @@ from inference.quantization import describe_weights
 from inference.request import Request, RequestStatus
 from inference.sampler import Sampler, top_logprobs
 from inference.sampling_params import SamplingParams
-from inference.scheduler import Scheduler, SchedulerConfig
+from inference.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("inference")
 
@@ -45,14 +45,14 @@ class LLMEngine:
             self.memory = self._plan_memory()
             num_blocks = self.memory["num_kv_blocks"]
             self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-            self.runner = ModelRunner(self.model, self.kv, num_blocks, self.dtype, self.device)
+            self.runner = ModelRunner(self.model, args.block_size, num_blocks, self.dtype, self.device)
             self.executor.bind(self.runner)
         except BaseException:
             self.executor.shutdown()  # no rank left behind by a failed start
             raise
-        self.scheduler = Scheduler(self._scheduler_config(), self.kv)
-        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids)
         self.metrics = EngineMetrics()
+        self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.metrics)
+        self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._idle_since_arrival: float | None = None
         logger.info("engine ready: %s", self.memory)
@@ -110,7 +110,8 @@ class LLMEngine:
                 f">= max_model_len ({self.max_model_len})"
             )
         return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
-                               args.enable_chunked_prefill, args.long_prefill_token_threshold)
+                               args.enable_chunked_prefill, args.long_prefill_token_threshold,
+                               tuple(self.eos_token_ids))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -172,20 +173,22 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
+    @torch.inference_mode()  # the whole step: logits made in inference mode are updated in place by the sampler
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; outputs of the requests that progressed.
+        """Schedule, run one forward, sample, detokenize; outputs of the requests that progressed.
 
         final_only=True (the offline API) returns only finished requests, which skips building
-        cumulative outputs (and decoding text) for every running request every step.
+        cumulative outputs (and decoding text) for every running request every step. A request
+        that fails in this step comes back finished with `error` set; the others go on.
         """
         if self._should_wait_for_more_arrivals():
             return []
         plan = self.scheduler.schedule()
-        touched: dict[str, Request] = {r.request_id: r for r in plan.finished}
-        if not plan.is_empty:
-            self._run(plan, touched)
+        updated = self._run(plan) if not plan.is_empty else []
+        touched = {r.request_id: r for r in plan.finished}
+        touched.update((seq.request_id, seq.group[0]) for seq in updated)
         self._observe_kv_fill()
-        roots = [r.group[0] for r in touched.values()]
+        roots = list(touched.values())
         return [self._output(root) for root in roots if not final_only or self._group_finished(root)]
 
     def _should_wait_for_more_arrivals(self) -> bool:
@@ -197,23 +200,23 @@ class LLMEngine:
         self._idle_since_arrival = None
         return False
 
-    def _run(self, plan, touched: dict[str, Request]) -> None:
-        self.executor.copy_blocks(plan.block_copies)
-        inputs = self.runner.prepare(plan.scheduled)
-        hidden, logits = self.executor.execute(inputs)
-        for request, num_new in plan.scheduled.items():
-            self._advance(request, num_new)
-        self._record_prompt_logprobs(inputs, hidden)
-        if logits is not None:
-            self._sample(inputs.sampling_requests, logits, touched)
+    def _run(self, plan: SchedulerOutput) -> list[Request]:
+        try:
+            self.executor.copy_blocks(plan.block_copies)
+            inputs = self.runner.prepare(plan)
+            hidden, logits = self.executor.execute(inputs)
+        except Exception as exc:
+            if getattr(exc, "fatal", False):  # e.g. a dead tensor-parallel rank: nothing can run any more
+                raise
+            for request in plan.scheduled:  # the batch's requests fail; the next step runs as usual
+                self.scheduler.fail(request, "the forward pass", exc, plan)
+            return []
+        self._record_prompt_logprobs(inputs, hidden, plan)
+        sampled = self._sample(inputs.sampling_requests, logits, plan) if logits is not None else []
+        self._detokenize(sampled, plan)
+        return self.scheduler.update_from_output(plan, sampled)
 
-    def _advance(self, request: Request, num_new: int) -> None:
-        prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
-        self.metrics.prompt_tokens_total += min(num_new, prompt_left)
-        request.num_computed_tokens += num_new
-        self.kv.cache_full_blocks(request)
-
-    def _sample(self, requests: list[Request], logits: torch.Tensor, touched: dict[str, Request]) -> None:
+    def _sample(self, requests: list[Request], logits: torch.Tensor, plan: SchedulerOutput) -> list[SampledToken]:
         seqs, rows = [], []
         for row, request in enumerate(requests):
             group = self._fork(request) if request.needs_fork else [request]
@@ -221,83 +224,74 @@ class LLMEngine:
             rows.extend([row] * len(group))
         if len(rows) != len(requests):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logprobs = self.sampler(logits, seqs)
-        now = time.time()
-        for seq, token, entry in zip(seqs, tokens, logprobs):
-            self._append(seq, token, entry, now)
-            touched[seq.request_id] = self.requests.get(seq.request_id, seq)
+        tokens, logprobs = self._sample_isolated(logits, seqs, plan)
+        return [SampledToken(seq, token, entry) for seq, token, entry in zip(seqs, tokens, logprobs)
+                if token is not None]
 
     def _fork(self, parent: Request) -> list[Request]:
-        """n > 1: after prefill, n sequences share the prompt's blocks (copy on write later)."""
-        root_params = parent.params
-        parent.params = root_params.for_child(0)
-        for index in range(1, root_params.n):
-            child = Request(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                            root_params.for_child(index), parent.priority,
-                            parent.metrics.arrival_time, index=index)
-            child.arrival_order = parent.arrival_order
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-            child.prompt_logprobs = parent.prompt_logprobs
+        group = parent.fork()
+        for child in group[1:]:
             child.detok = self._detokenizer(child)
-            child.group = parent.group
-            parent.group.append(child)
-            self.kv.fork(parent, child)
-            self.scheduler.add_running(child)
-        return parent.group
+        return group
 
-    def _append(self, seq: Request, token: int, logprob_entry, now: float) -> None:
-        seq.append_token(token)
-        self.metrics.generation_tokens_total += 1
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-            if seq.index == 0:
-                self.metrics.time_to_first_token_seconds.observe(now - seq.metrics.arrival_time)
-                if seq.metrics.queue_time is not None:
-                    self.metrics.request_queue_time_seconds.observe(seq.metrics.queue_time)
-        if logprob_entry is not None:
-            self._decode_logprobs(logprob_entry)
-            seq.logprobs.append(logprob_entry)
-            seq.cumulative_logprob += logprob_entry[token].logprob
-        stop_string = seq.detok.add_token(token, check_stop=seq.num_output_tokens >= seq.params.min_tokens)
-        status = self._stop_status(seq, token, stop_string)
-        if status is not None:
-            self.scheduler.finish(seq, status)
-            self.metrics.observe_finished(seq.metrics, seq.num_output_tokens)
+    def _sample_isolated(self, logits: torch.Tensor, seqs: list[Request], plan: SchedulerOutput):
+        """The batched sampler; if it raises, each row alone, so only the failing requests fail.
 
-    def _stop_status(self, seq: Request, token: int, stop_string: str | None) -> RequestStatus | None:
-        params = seq.params
-        may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and token in params.stop_token_ids:
-            seq.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if may_stop and stop_string is not None:
-            seq.stop_reason = stop_string
-            return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        A row sampled alone draws the same noise from its own generator as in the batch (the
+        generators are rewound first), so seeded and greedy requests keep their tokens.
+        """
+        saved = [(s.generator, s.generator.get_state()) for s in seqs if s.generator is not None]
+        try:
+            return self.sampler(logits, seqs)
+        except Exception:
+            logger.exception("batched sampling failed; sampling row by row")
+        for generator, state in saved:
+            generator.set_state(state)
+        tokens, entries = [], []
+        for row, seq in enumerate(seqs):
+            token, entry = None, None
+            if not seq.is_finished:
+                try:
+                    (token,), (entry,) = self.sampler(logits[row:row + 1], [seq])
+                except Exception as exc:
+                    self.scheduler.fail(seq, "sampling", exc, plan)
+            tokens.append(token)
+            entries.append(entry)
+        return tokens, entries
+
+    def _detokenize(self, sampled: list[SampledToken], plan: SchedulerOutput) -> None:
+        for item in sampled:
+            seq = item.seq
+            if seq.is_finished:
+                continue
+            try:
+                if item.logprobs is not None:
+                    self._decode_logprobs(item.logprobs)
+                may_stop = seq.num_output_tokens + 1 >= seq.params.min_tokens  # counting this token
+                item.stop_string = seq.detok.add_token(item.token, check_stop=may_stop)
+            except Exception as exc:
+                self.scheduler.fail(seq, "detokenization", exc, plan)
 
     def _decode_logprobs(self, entry) -> None:
         for token_id, lp in entry.items():
             lp.decoded_token = self.tokenizer.decode([token_id])
 
-    def _record_prompt_logprobs(self, inputs, hidden) -> None:
+    def _record_prompt_logprobs(self, inputs, hidden, plan: SchedulerOutput) -> None:
         for request, (first_row, count, first_pos) in inputs.prompt_rows.items():
-            logprobs = torch.log_softmax(self.executor.logits_of(hidden[first_row:first_row + count]).float(), dim=-1)
-            k = request.params.prompt_logprobs
-            for i in range(count):
-                target = first_pos + i + 1  # the row at position p predicts the token at p + 1
-                if target < request.num_prompt_tokens:
-                    entry = top_logprobs(logprobs[i], request.prompt_token_ids[target], k)
-                    self._decode_logprobs(entry)
-                    request.prompt_logprobs.append(entry)
+            try:
+                self._prompt_logprobs_of(request, hidden[first_row:first_row + count], first_pos)
+            except Exception as exc:
+                self.scheduler.fail(request, "prompt logprobs", exc, plan)
+
+    def _prompt_logprobs_of(self, request: Request, hidden_rows: torch.Tensor, first_pos: int) -> None:
+        logprobs = torch.log_softmax(self.executor.logits_of(hidden_rows).float(), dim=-1)
+        k = request.params.prompt_logprobs
+        for i in range(hidden_rows.shape[0]):
+            target = first_pos + i + 1  # the row at position p predicts the token at p + 1
+            if target < request.num_prompt_tokens:
+                entry = top_logprobs(logprobs[i], request.prompt_token_ids[target], k)
+                self._decode_logprobs(entry)
+                request.prompt_logprobs.append(entry)
 
     def _observe_kv_fill(self) -> None:
         used = self.kv.pool.num_blocks - self.kv.pool.num_free
@@ -309,9 +303,9 @@ class LLMEngine:
 
     @staticmethod
     def _group_finished(root: Request) -> bool:
-        """All n sequences are done (or the prompt ended before it could fork)."""
+        """All n sequences are done (or the prompt ended, failed or was aborted before it could fork)."""
         return all(s.is_finished for s in root.group) and (
-            len(root.group) == root.n or root.status is RequestStatus.FINISHED_ABORTED
+            len(root.group) == root.n or root.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
             or root.num_output_tokens == 0
         )
 
@@ -323,7 +317,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=root.request_id, prompt=root.prompt, prompt_token_ids=root.prompt_token_ids,
             outputs=outputs, finished=finished, num_cached_tokens=root.num_cached_tokens,
-            prompt_logprobs=root.prompt_logprobs, metrics=root.metrics,
+            prompt_logprobs=root.prompt_logprobs, metrics=root.metrics, error=root.error,
         )
 
     @staticmethod

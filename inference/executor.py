@@ -380,13 +380,9 @@ class WorkerRunner:
                                 progress=False)
 
     def allocate(self, num_blocks: int) -> None:
-        from types import SimpleNamespace
-
         from inference.model_runner import ModelRunner
 
-        # The runner only needs the block size from the KV manager: block ids come from rank 0.
-        self.runner = ModelRunner(self.model, SimpleNamespace(block_size=self.args.block_size), num_blocks,
-                                  self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.args.block_size, num_blocks, self.dtype, self.device)
 
     def loop(self) -> None:
         header = torch.zeros(HEADER, dtype=torch.int64)

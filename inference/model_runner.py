@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.kv_cache_manager import KVCacheManager
 from inference.layers.ops import AttentionMetadata
 from inference.request import Request
+from inference.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -21,9 +21,8 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KVCacheManager, num_blocks: int, dtype, device):
-        self.model, self.kv, self.device = model, kv, torch.device(device)
-        self.block_size = kv.block_size
+    def __init__(self, model, block_size: int, num_blocks: int, dtype, device):
+        self.model, self.block_size, self.device = model, block_size, torch.device(device)
         attn_layers = [layer.self_attn.attn for layer in model.layers]
         first = attn_layers[0]
         shape = (num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
@@ -36,7 +35,7 @@ class ModelRunner:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
-    def prepare(self, scheduled: dict[Request, int]) -> StepInputs:
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -44,11 +43,11 @@ class ModelRunner:
         sample_rows, sampling_requests, prompt_rows = [], [], {}
         bs = self.block_size
         # Decodes first: attention runs them as one batch and only the rest as ragged prefill.
-        order = sorted(scheduled.items(), key=lambda item: item[1] != 1)
+        order = sorted(plan.scheduled.items(), key=lambda item: item[1] != 1)
         num_decodes = sum(1 for _, n in order if n == 1)
         for request, num_new in order:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-            table = self.kv.block_ids(request)
+            table = plan.block_tables[request]
             input_ids.extend(request.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))

@@ -33,7 +33,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # None while running, then "stop", "length" or "abort"
+    finish_reason: str | None = None  # None while running, then "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -52,4 +52,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None
-    error: str | None = None
+    error: str | None = None  # the request failed in the engine (finish_reason "error"); other requests went on

@@ -20,10 +20,11 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed in the engine (Request.error says why)
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED)
 
 
 class Request:
@@ -49,6 +50,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # set on the group's first sequence when the request failed
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.generator = self._make_generator(params.seed)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
@@ -95,6 +97,26 @@ class Request:
     @property
     def needs_fork(self) -> bool:
         return self.n > 1 and len(self.group) == 1
+
+    def fork(self) -> list["Request"]:
+        """n > 1 after prefill: spawn the other n - 1 sequences of this prompt; returns the group.
+
+        The children copy this sequence's state; the scheduler gives them its blocks when it
+        applies the step's samples (Scheduler.update_from_output).
+        """
+        root_params = self.params
+        self.params = root_params.for_child(0)
+        for index in range(1, root_params.n):
+            child = Request(self.request_id, self.prompt, self.prompt_token_ids, root_params.for_child(index),
+                            self.priority, self.metrics.arrival_time, index=index)
+            child.arrival_order = self.arrival_order
+            child.token_ids = list(self.token_ids)
+            child.num_cached_tokens = self.num_cached_tokens
+            child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+            child.prompt_logprobs = self.prompt_logprobs
+            child.group = self.group
+            self.group.append(child)
+        return self.group
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

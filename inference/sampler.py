@@ -18,8 +18,10 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        logits = logits.float()
+        # A private float32 copy: masking and penalties write into it, never into the caller's logits.
+        logits = logits.to(torch.float32, copy=True)
         raw_logprobs = self._raw_logprobs(logits, seqs)
         self._mask_min_tokens(logits, seqs)
         self._apply_penalties(logits, seqs)

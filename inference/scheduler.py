@@ -3,15 +3,24 @@
 There are no prefill and decode phases: every running request has num_computed_tokens and
 catches up to num_tokens under the step's token budget (vLLM v1). A long prompt is therefore
 prefilled in chunks across steps while decodes keep producing a token every step.
+
+After the forward, `update_from_output` applies the step's results (vLLM's name): it advances
+num_computed_tokens, caches newly full blocks, registers n > 1 forks, appends the sampled tokens
+and finishes stopped sequences. One request's failure (`fail`) ends that request alone.
 """
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from dataclasses import dataclass, field
 
 from inference.kv_cache_manager import KVCacheManager
+from inference.metrics import EngineMetrics
+from inference.outputs import Logprob
 from inference.request import Request, RequestStatus
+
+logger = logging.getLogger("inference")
 
 
 @dataclass
@@ -21,14 +30,16 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: dict[Request, int] = field(default_factory=dict)  # request -> new tokens, batch order
+    block_tables: dict[Request, list[int]] = field(default_factory=dict)  # block ids of each scheduled request
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # ended by the scheduler (never fits)
+    finished: list[Request] = field(default_factory=list)  # ended by the scheduler (never fits, or failed)
     budget: int = 0  # tokens still free in this step while scheduling
 
     @property
@@ -40,10 +51,21 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class SampledToken:
+    """One sequence's token of this step, with what the engine made of it before the stop checks."""
+
+    seq: Request
+    token: int
+    logprobs: dict[int, Logprob] | None = None
+    stop_string: str | None = None  # a stop string the detokenizer found in the new text
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, metrics: EngineMetrics | None = None):
         self.config = config
         self.kv = kv
+        self.metrics = metrics or EngineMetrics()
         self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -103,6 +125,7 @@ class Scheduler:
         while admitting and self.waiting and out.budget > 0:
             admitting = self._admit_one(out)
         out.block_copies = self.kv.take_copies()
+        out.block_tables = {request: self.kv.block_ids(request) for request in out.scheduled}
         return out
 
     def _schedule_running(self, request: Request, out: SchedulerOutput) -> None:
@@ -189,3 +212,94 @@ class Scheduler:
             return False
         self._preempt(max(candidates, key=lambda r: r.sort_key), out)
         return True
+
+    # ---- after the forward ---------------------------------------------------------------------
+
+    def update_from_output(self, out: SchedulerOutput, sampled: list[SampledToken]) -> list[Request]:
+        """Apply one step's results; returns the sequences that got a token.
+
+        Every scheduled request advances by its new tokens (and caches its full blocks); forks
+        spawned for this step's samples join their parent's blocks before any token is appended
+        (a parent that stops now must not free blocks its children still need); then each
+        sequence gets its token and the stop checks. An exception there fails that request alone.
+        """
+        for request, num_new in out.scheduled.items():
+            if not request.is_finished:
+                self._advance(request, num_new)
+        for item in sampled:
+            if item.seq.status is RequestStatus.WAITING:  # spawned by Request.fork for this sample
+                self._join_parent(item.seq)
+        now = time.time()
+        updated = []
+        for item in sampled:
+            if item.seq.is_finished:  # its request failed earlier in this step
+                continue
+            try:
+                self._append(item, now)
+            except Exception as exc:
+                self.fail(item.seq, "stop checks", exc, out)
+            updated.append(item.seq)
+        return updated
+
+    def fail(self, request: Request, stage: str, exc: BaseException, out: SchedulerOutput) -> None:
+        """End every sequence of request's group with an error naming stage and cause; free its blocks."""
+        root = request.group[0]
+        if root.error is not None:
+            return
+        logger.error("request %s failed in %s", request.request_id, stage, exc_info=exc)
+        root.error = f"{stage} failed: {type(exc).__name__}: {exc}"
+        for seq in root.group:
+            if not seq.is_finished:
+                self.finish(seq, RequestStatus.FINISHED_ERROR)
+        out.finished.append(root)
+
+    def _advance(self, request: Request, num_new: int) -> None:
+        prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
+        self.metrics.prompt_tokens_total += min(num_new, prompt_left)
+        request.num_computed_tokens += num_new
+        self.kv.cache_full_blocks(request)
+
+    def _join_parent(self, child: Request) -> None:
+        """An n > 1 fork: the child shares every block of its parent (copy on write later)."""
+        parent = child.group[0]
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.kv.fork(parent, child)
+        self.add_running(child)
+
+    def _append(self, item: SampledToken, now: float) -> None:
+        seq, token = item.seq, item.token
+        seq.append_token(token)
+        self.metrics.generation_tokens_total += 1
+        if seq.metrics.first_token_time is None:
+            self._observe_first_token(seq, now)
+        if item.logprobs is not None:
+            seq.logprobs.append(item.logprobs)
+            seq.cumulative_logprob += item.logprobs[token].logprob
+        status = self._stop_status(seq, token, item.stop_string)
+        if status is not None:
+            self.finish(seq, status)
+            self.metrics.observe_finished(seq.metrics, seq.num_output_tokens)
+
+    def _observe_first_token(self, seq: Request, now: float) -> None:
+        seq.metrics.first_token_time = now
+        if seq.index == 0:
+            self.metrics.time_to_first_token_seconds.observe(now - seq.metrics.arrival_time)
+            if seq.metrics.queue_time is not None:
+                self.metrics.request_queue_time_seconds.observe(seq.metrics.queue_time)
+
+    def _stop_status(self, seq: Request, token: int, stop_string: str | None) -> RequestStatus | None:
+        params = seq.params
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in params.stop_token_ids:
+            seq.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if may_stop and not params.ignore_eos and token in self.config.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if may_stop and stop_string is not None:
+            seq.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

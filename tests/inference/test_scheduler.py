@@ -1,9 +1,8 @@
 """The scheduler with fake requests and no model (like vLLM's tests/v1/core).
 
-`Sim.step` plays the engine's part after a forward (LLMEngine._advance / _append / _fork):
-every scheduled request advances num_computed_tokens, a request that caught up gets one sampled
-token, and it finishes at max_tokens. Token values come from a counter so prefixes never repeat
-by accident.
+`Sim.step` plays the model and the sampler only: each request that caught up samples the next
+value of a counter (so prefixes never repeat by accident), and the scheduler's own
+`update_from_output` advances, forks and finishes it.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from inference.kv_cache_manager import KVCacheManager
 from inference.request import Request, RequestStatus
 from inference.sampling_params import SamplingParams
-from inference.scheduler import Scheduler, SchedulerConfig
+from inference.scheduler import SampledToken, Scheduler, SchedulerConfig
 
 BS = 4
 
@@ -38,40 +37,19 @@ class Sim:
         return request
 
     def step(self):
+        """One step with a fake model: every request that caught up samples the next counter value."""
         out = self.sched.schedule()
-        self.finished.extend(out.finished)
         for request, num_new in out.scheduled.items():
             assert request.num_computed_tokens + num_new <= request.num_tokens
-            request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
-        for request in list(out.scheduled):
-            if request.num_computed_tokens == request.num_tokens and not request.is_finished:
-                group = self._fork(request) if request.needs_fork else [request]
-                for seq in group:
-                    self._append(seq)
+        sampled = []
+        for request, num_new in out.scheduled.items():
+            if request.num_computed_tokens + num_new == request.num_tokens:
+                group = request.fork() if request.needs_fork else [request]
+                sampled.extend(SampledToken(seq, next(self.tokens)) for seq in group)
+        self.sched.update_from_output(out, sampled)
+        self.finished.extend(out.finished)
+        self.finished.extend(item.seq for item in sampled if item.seq.is_finished)
         return out
-
-    def _fork(self, parent: Request) -> list[Request]:
-        """n > 1 after prefill, as LLMEngine._fork does: children share the parent's blocks."""
-        root = parent.params
-        parent.params = root.for_child(0)
-        for index in range(1, root.n):
-            child = Request(parent.request_id, None, parent.prompt_token_ids, root.for_child(index),
-                            parent.priority, index=index)
-            child.arrival_order = parent.arrival_order
-            child.token_ids = list(parent.token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.group = parent.group
-            parent.group.append(child)
-            self.kv.fork(parent, child)
-            self.sched.add_running(child)
-        return parent.group
-
-    def _append(self, seq: Request) -> None:
-        seq.append_token(next(self.tokens))
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            self.sched.finish(seq, RequestStatus.FINISHED_LENGTH)
-            self.finished.append(seq)
 
     def run(self, max_steps=1000):
         outs = []
