@@ -1,8 +1,10 @@
 """The persistent engine worker: reads requests from Redis, steps the engine, streams deltas back.
 
-Protocol (docs/protocol.md): requests arrive on one stream read through a consumer group (several
-workers share it); each engine step appends one entry per progressing request to that request's
-own output stream (bounded, expiring); aborts arrive on a pub/sub channel (plus a key for requests
+Protocol (docs/protocol.md, key names and messages in inference/protocol.py): requests arrive on
+one stream per served model name, read through a consumer group (several workers serving the
+same model share it; a worker reads only the streams of the names it serves); each engine step
+appends one entry per progressing request to that request's own output stream (bounded,
+expiring); aborts arrive on a pub/sub channel (plus a key for requests
 not yet read); a heartbeat hash with engine stats is refreshed every second with a TTL. A worker
 reaps the pending requests of consumers whose heartbeat is gone, failing them with an error event.
 
@@ -10,7 +12,6 @@ No Django here: the web tier and this loop share nothing but Redis.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -21,42 +22,16 @@ from dataclasses import dataclass, field
 
 import redis
 
+from inference import protocol as p
 from inference.sampling_params import SamplingParams
 
 log = logging.getLogger("tessera.worker")
 
-# Key names: the same as platform/engine_client/protocol.py (a test keeps them equal).
-PREFIX = "tessera:engine"
-REQUEST_STREAM = f"{PREFIX}:requests"
-CONSUMER_GROUP = "engines"
-ABORT_CHANNEL = f"{PREFIX}:abort"
-WORKERS_SET = f"{PREFIX}:workers"
-
-
-def output_stream(request_id: str) -> str:
-    return f"{PREFIX}:out:{request_id}"
-
-
-def aborted_key(request_id: str) -> str:
-    return f"{PREFIX}:aborted:{request_id}"
-
-
-def heartbeat_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}"
-
-
-def block_map_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}:blocks"
-
-
-def _encode(obj) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
 @dataclass
 class WorkerConfig:
     worker_id: str = ""
-    model_name: str = ""
+    model_name: str = ""  # the primary served name
+    aliases: tuple[str, ...] = ()  # more names the same model answers to (vLLM's several served names)
     heartbeat_interval: float = 1.0
     heartbeat_ttl: float = 5.0
     idle_block_ms: int = 50  # XREADGROUP wait when the engine has nothing to do
@@ -68,12 +43,17 @@ class WorkerConfig:
     drain_timeout: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     extra_info: dict = field(default_factory=dict)  # published in the heartbeat's config field
 
+    @property
+    def served_model_names(self) -> list[str]:
+        return list(dict.fromkeys([self.model_name, *self.aliases]))
+
 
 @dataclass
 class RequestState:
     request_id: str
     entry_id: str
     n: int
+    stream: str = ""  # the request stream it came from (where it is XACKed)
     prompt_tokens: int = 0
     want_logprobs: int | None = None
     submitted_at: float | None = None
@@ -141,19 +121,25 @@ class EngineWorker:
                 return value
         return 128
 
+    @property
+    def request_streams(self) -> list[str]:
+        """The request streams of every name this worker serves: it never reads another model's."""
+        return [p.request_stream(name) for name in self.config.served_model_names]
+
     def setup(self) -> None:
-        try:
-            self.r.xgroup_create(REQUEST_STREAM, CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in self.request_streams:
+            try:
+                self.r.xgroup_create(stream, p.CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
         self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.subscribe(ABORT_CHANNEL)
+        self._pubsub.subscribe(p.ABORT_CHANNEL)
         self._take_snapshot(force=True)
         self.publish_heartbeat()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._heartbeat_thread.start()
-        log.info("engine worker %s serving %s", self.worker_id, self.config.model_name)
+        log.info("engine worker %s serving %s", self.worker_id, ", ".join(self.config.served_model_names))
 
     def stop(self, drain: bool = True) -> None:
         """Stop reading new requests; in-flight ones finish (drain) or fail at once."""
@@ -180,9 +166,10 @@ class EngineWorker:
         if self._heartbeat_thread:
             self._heartbeat_thread.join(timeout=2)
         pipe = self.r.pipeline(transaction=False)
-        pipe.delete(heartbeat_key(self.worker_id), block_map_key(self.worker_id))
-        pipe.srem(WORKERS_SET, self.worker_id)
-        pipe.xgroup_delconsumer(REQUEST_STREAM, CONSUMER_GROUP, self.worker_id)
+        pipe.delete(p.heartbeat_key(self.worker_id), p.block_map_key(self.worker_id))
+        pipe.srem(p.WORKERS_SET, self.worker_id)
+        for stream in self.request_streams:
+            pipe.xgroup_delconsumer(stream, p.CONSUMER_GROUP, self.worker_id)
         try:
             pipe.execute()
         except redis.RedisError as exc:
@@ -213,64 +200,71 @@ class EngineWorker:
             if block_ms:
                 time.sleep(block_ms / 1000)
             return
-        reply = self.r.xreadgroup(CONSUMER_GROUP, self.worker_id, {REQUEST_STREAM: ">"},
+        reply = self.r.xreadgroup(p.CONSUMER_GROUP, self.worker_id, {s: ">" for s in self.request_streams},
                                   count=room, block=block_ms)
-        entries = [(eid.decode(), json.loads(fields[b"data"])) for _s, items in reply or [] for eid, fields in items]
+        entries = [(_text(stream), _text(eid), fields) for stream, items in reply or [] for eid, fields in items]
         if not entries:
             return
         pipe = self.r.pipeline(transaction=False)
-        for _eid, message in entries:
-            pipe.exists(aborted_key(message.get("request_id", "")))
+        for _stream, entry_id, fields in entries:
+            pipe.exists(p.aborted_key(_request_id(fields, entry_id)))
         aborted = pipe.execute()
         out = self.r.pipeline(transaction=False)
-        for (entry_id, message), was_aborted in zip(entries, aborted):
-            self.accept(entry_id, message, bool(was_aborted), out)
+        for (stream, entry_id, fields), was_aborted in zip(entries, aborted):
+            self.accept(stream, entry_id, fields, bool(was_aborted), out)
         out.execute()
 
-    def accept(self, entry_id: str, message: dict, was_aborted: bool, pipe) -> None:
+    def accept(self, stream: str, entry_id: str, fields: dict, was_aborted: bool, pipe) -> None:
         """Hand one request to the engine, or answer it at once (aborted, expired, invalid)."""
-        request_id = message.get("request_id") or entry_id
         self.counters["requests_total"] += 1
-        deadline = message.get("deadline")
-        if was_aborted:
-            return self._finish_early(pipe, entry_id, request_id, "abort")
-        if deadline and time.time() > deadline:
-            return self._fail_early(pipe, entry_id, request_id, "expired", "the request waited in the queue past its deadline")
         try:
-            params = SamplingParams(**message.get("sampling_params", {}))
-            prompt = ({"prompt_token_ids": message["prompt_token_ids"]}
-                      if message.get("prompt_token_ids") is not None else message["prompt"])
-            self.engine.add_request(request_id, prompt, params, priority=int(message.get("priority", 0)))
+            request = p.EngineRequest.from_fields(fields)
         except (ValueError, TypeError, KeyError) as exc:
-            return self._fail_early(pipe, entry_id, request_id, "invalid_request", str(exc))
-        state = RequestState(request_id, entry_id, n=params.n, want_logprobs=params.logprobs,
-                             submitted_at=message.get("submitted_at"))
-        state.prompt_tokens = self._prompt_len(message)
-        self.states[request_id] = state
-        self._emit(pipe, request_id, [{"type": "accepted", "worker_id": self.worker_id,
-                                       "prompt_tokens": state.prompt_tokens}], state)
+            error = p.error_event("invalid_request", f"bad message: {exc}")
+            return self._end_early(pipe, stream, entry_id, _request_id(fields, entry_id), error)
+        if was_aborted:
+            self.counters["aborts_total"] += 1
+            return self._end_early(pipe, stream, entry_id, request.request_id,
+                                   p.finish_event(["abort"], p.empty_usage(), {}))
+        if request.deadline and time.time() > request.deadline:
+            return self._end_early(pipe, stream, entry_id, request.request_id, p.error_event(
+                "expired", "the request waited in the queue past its deadline"))
+        try:
+            params = SamplingParams(**request.sampling_params)
+            prompt = ({"prompt_token_ids": request.prompt_token_ids}
+                      if request.prompt_token_ids is not None else request.prompt)
+            self.engine.add_request(request.request_id, prompt, params, priority=int(request.priority))
+        except (ValueError, TypeError, KeyError) as exc:
+            error = p.error_event("invalid_request", str(exc))
+            return self._end_early(pipe, stream, entry_id, request.request_id, error)
+        state = RequestState(request.request_id, entry_id, n=params.n, stream=stream, want_logprobs=params.logprobs,
+                             submitted_at=request.submitted_at or None)
+        state.prompt_tokens = self._prompt_len(request)
+        self.states[request.request_id] = state
+        self._emit(pipe, request.request_id, [p.accepted_event(self.worker_id, state.prompt_tokens)], state)
 
-    def _prompt_len(self, message: dict) -> int:
-        if message.get("prompt_token_ids") is not None:
-            return len(message["prompt_token_ids"])
-        return len(self.engine.tokenizer.encode(message["prompt"]))
+    def _prompt_len(self, request: p.EngineRequest) -> int:
+        if request.prompt_token_ids is not None:
+            return len(request.prompt_token_ids)
+        return len(self.engine.tokenizer.encode(request.prompt))
 
-    def _finish_early(self, pipe, entry_id, request_id, reason) -> None:
-        self.counters["aborts_total"] += 1
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        self._emit(pipe, request_id, [{"type": "finish", "finish_reasons": [reason], "usage": usage, "metrics": {}}])
-        pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, entry_id)
+    def _end_early(self, pipe, stream: str, entry_id: str, request_id: str, event: dict) -> None:
+        """Answer a request the engine never saw with its one terminal event."""
+        if event["type"] == "error":
+            self.counters["errors_total"] += 1
+        self._emit(pipe, request_id, [event])
+        pipe.xack(stream, p.CONSUMER_GROUP, entry_id)
 
-    def _fail_early(self, pipe, entry_id, request_id, code, message) -> None:
-        self.counters["errors_total"] += 1
-        self._emit(pipe, request_id, [{"type": "error", "code": code, "message": message}])
-        pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, entry_id)
+    def _end(self, pipe, state: RequestState, event: dict) -> None:
+        """The terminal event of a request the engine held, and its XACK."""
+        self._emit(pipe, state.request_id, [event])
+        pipe.xack(state.stream, p.CONSUMER_GROUP, state.entry_id)
 
     def _emit(self, pipe, request_id: str, events: list[dict], state: RequestState | None = None) -> None:
         """XADD the events; EXPIRE too, except on a running request's deltas while its TTL is fresh
         (one command instead of two per request per step)."""
-        key = output_stream(request_id)
-        pipe.xadd(key, {"events": _encode(events)}, maxlen=self.config.output_maxlen, approximate=True)
+        key = p.output_stream(request_id)
+        pipe.xadd(key, p.output_fields(events), maxlen=self.config.output_maxlen, approximate=True)
         now = time.monotonic()
         if state is None or now - state.ttl_set_at > self.config.output_ttl / 4 or events[-1]["type"] != "delta":
             pipe.expire(key, self.config.output_ttl)
@@ -286,7 +280,7 @@ class EngineWorker:
                 return
             if message.get("type") != "message":
                 continue
-            request_id = message["data"].decode() if isinstance(message["data"], bytes) else message["data"]
+            request_id = _text(message["data"])
             if request_id in self.states:
                 self.abort(request_id)
 
@@ -297,9 +291,7 @@ class EngineWorker:
         self.counters["aborts_total"] += 1
         reasons = [r or "abort" for r in state.finish_reasons]
         pipe = self.r.pipeline(transaction=False)
-        self._emit(pipe, request_id, [{"type": "finish", "finish_reasons": reasons, "usage": state.usage(),
-                                       "metrics": state.metrics()}])
-        pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+        self._end(pipe, state, p.finish_event(reasons, state.usage(), state.metrics()))
         pipe.execute()
 
     # ------------------------------------------------------------ stepping
@@ -329,8 +321,7 @@ class EngineWorker:
         if getattr(output, "error", None):
             self.states.pop(state.request_id, None)
             self.counters["errors_total"] += 1
-            self._emit(pipe, state.request_id, [{"type": "error", "code": "engine_error", "message": output.error}])
-            pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+            self._end(pipe, state, p.error_event("engine_error", output.error))
             return
         state.cached_tokens = output.num_cached_tokens or 0
         state.prompt_tokens = len(output.prompt_token_ids) or state.prompt_tokens
@@ -341,9 +332,8 @@ class EngineWorker:
         events = [e for c in output.outputs if (e := self._delta(state, c)) is not None]
         if output.finished:
             self.states.pop(state.request_id, None)
-            events.append({"type": "finish", "finish_reasons": state.finish_reasons,
-                           "usage": state.usage(), "metrics": state.metrics()})
-            pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+            events.append(p.finish_event(state.finish_reasons, state.usage(), state.metrics()))
+            pipe.xack(state.stream, p.CONSUMER_GROUP, state.entry_id)
         if events:
             self._emit(pipe, state.request_id, events, state)
 
@@ -365,8 +355,7 @@ class EngineWorker:
         finished = completion.finish_reason is not None
         if not new_ids and not new_text and not finished:
             return None
-        event = {"type": "delta", "index": i, "text": new_text, "token_ids": list(new_ids),
-                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        event = p.delta_event(i, new_text, list(new_ids), completion.finish_reason, completion.stop_reason)
         if state.want_logprobs is not None and completion.logprobs is not None:
             event["logprobs"] = self._logprobs(completion, state.sent_ids[i], len(completion.token_ids), state.want_logprobs)
         if new_ids and state.first_token_at is None:
@@ -408,8 +397,7 @@ class EngineWorker:
                 self.engine.abort_request(request_id)
             except Exception:  # the engine may already be broken; the client must still be told
                 log.exception("abort of %s failed", request_id)
-            self._emit(pipe, request_id, [{"type": "error", "code": code, "message": message}])
-            pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, state.entry_id)
+            self._end(pipe, state, p.error_event(code, message))
             self.counters["errors_total"] += 1
         self.states.clear()
         try:
@@ -421,39 +409,39 @@ class EngineWorker:
 
     def reap_dead_workers(self) -> int:
         """Fail the pending requests of consumers without a heartbeat (a worker that died mid-request)."""
-        try:
-            consumers = self.r.xinfo_consumers(REQUEST_STREAM, CONSUMER_GROUP)
-        except redis.ResponseError:
-            return 0
         reaped = 0
-        for consumer in consumers:
-            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
-            if name == self.worker_id or self.r.exists(heartbeat_key(name)):
+        for stream in self.request_streams:
+            try:
+                consumers = self.r.xinfo_consumers(stream, p.CONSUMER_GROUP)
+            except redis.ResponseError:
                 continue
-            reaped += self._reap_consumer(name, int(consumer.get("pending", 0)))
+            for consumer in consumers:
+                name = _text(consumer["name"])
+                if name == self.worker_id or self.r.exists(p.heartbeat_key(name)):
+                    continue
+                reaped += self._reap_consumer(stream, name, int(consumer.get("pending", 0)))
         return reaped
 
-    def _reap_consumer(self, name: str, pending: int) -> int:
+    def _reap_consumer(self, stream: str, name: str, pending: int) -> int:
         reaped = 0
         if pending:
-            rows = self.r.xpending_range(REQUEST_STREAM, CONSUMER_GROUP, min="-", max="+", count=pending, consumername=name)
+            rows = self.r.xpending_range(stream, p.CONSUMER_GROUP, min="-", max="+", count=pending, consumername=name)
             ids = [row["message_id"] for row in rows]
             # XCLAIM with a min idle time: of two surviving workers only one wins each entry.
-            claimed = self.r.xclaim(REQUEST_STREAM, CONSUMER_GROUP, self.worker_id, min_idle_time=500, message_ids=ids) if ids else []
+            claimed = self.r.xclaim(stream, p.CONSUMER_GROUP, self.worker_id, min_idle_time=500,
+                                    message_ids=ids) if ids else []
             pipe = self.r.pipeline(transaction=False)
             for entry_id, fields in claimed:
                 if not fields:
                     continue
-                request_id = json.loads(fields[b"data"]).get("request_id")
-                self._emit(pipe, request_id, [{"type": "error", "code": "worker_lost",
-                                               "message": f"engine worker {name} died while running this request"}])
-                pipe.xack(REQUEST_STREAM, CONSUMER_GROUP, entry_id)
+                event = p.error_event("worker_lost", f"engine worker {name} died while running this request")
+                self._end_early(pipe, stream, _text(entry_id), _request_id(fields, _text(entry_id)), event)
                 reaped += 1
             pipe.execute()
-        still = self.r.xpending_range(REQUEST_STREAM, CONSUMER_GROUP, min="-", max="+", count=1, consumername=name)
+        still = self.r.xpending_range(stream, p.CONSUMER_GROUP, min="-", max="+", count=1, consumername=name)
         if not still:
-            self.r.xgroup_delconsumer(REQUEST_STREAM, CONSUMER_GROUP, name)
-            self.r.srem(WORKERS_SET, name)
+            self.r.xgroup_delconsumer(stream, p.CONSUMER_GROUP, name)
+            self.r.srem(p.WORKERS_SET, name)
         if reaped:
             log.warning("failed %d requests of dead worker %s", reaped, name)
         return reaped
@@ -487,18 +475,17 @@ class EngineWorker:
         stats["tokens_per_s"] = self._tokens_per_s(stats)
         now = time.time()
         ttl_ms = int(self.config.heartbeat_ttl * 1000)
-        key = heartbeat_key(self.worker_id)
+        key = p.heartbeat_key(self.worker_id)
+        heartbeat = p.Heartbeat(worker_id=self.worker_id, model=self.config.model_name,
+                                served_model_names=self.config.served_model_names, pid=os.getpid(),
+                                host=socket.gethostname(), started_at=self.started_at, updated_at=now,
+                                config=self.config.extra_info, stats=stats)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(key, mapping={
-            "worker_id": self.worker_id, "model": self.config.model_name,
-            "served_model_name": self.config.model_name, "pid": os.getpid(), "host": socket.gethostname(),
-            "started_at": self.started_at, "updated_at": now,
-            "stats": _encode(stats), "config": _encode(self.config.extra_info),
-        })
+        pipe.hset(key, mapping=heartbeat.fields())
         pipe.pexpire(key, ttl_ms)
-        pipe.sadd(WORKERS_SET, self.worker_id)
+        pipe.sadd(p.WORKERS_SET, self.worker_id)
         if self._block_map is not None:
-            pipe.set(block_map_key(self.worker_id), _encode(self._block_map), px=ttl_ms)
+            pipe.set(p.block_map_key(self.worker_id), p.encode(self._block_map), px=ttl_ms)
         pipe.execute()
 
     _last_tokens: tuple[float, int] | None = None
@@ -510,3 +497,15 @@ class EngineWorker:
         if previous is None or now <= previous[0]:
             return 0.0
         return round((total - previous[1]) / (now - previous[0]), 2)
+
+
+def _text(raw) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _request_id(fields: dict, entry_id: str) -> str:
+    """The request id of a stream entry, even a malformed one (its errors must reach someone)."""
+    try:
+        return p.EngineRequest.from_fields(fields).request_id or entry_id
+    except (ValueError, TypeError, KeyError):
+        return entry_id

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from engine_client import client as engine
+from inference import protocol
 from openai_api import formatting
 from openai_api import services as api
 from openai_api.errors import OpenAIError
@@ -42,7 +43,7 @@ class LineOutcome:
 def served_models() -> dict[str, dict]:
     """served name -> {"model_path", "max_model_len"} from live workers, plus the configured model."""
     try:
-        models = api.models_from_workers(engine.workers())
+        models = api.models_from_workers(engine.client().workers())
     except Exception:  # Redis unreachable: the configured model still applies
         models = {}
     models.setdefault(api.configured_model_name(), {"max_model_len": None, "model_path": settings.MODEL})
@@ -90,7 +91,7 @@ def build_call(url: str, body: dict, models: dict | None = None) -> api.Generati
     kind, serializer = ENDPOINTS[url]
     data = api.validate(serializer, body)
     gen = api.Generation(endpoint=kind, model=data["model"], n=data.get("n") or 1, priority=data.get("priority") or 0)
-    gen.request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + engine.new_request_id()
+    gen.request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + protocol.new_request_id()
     info = (models or served_models()).get(gen.model) or {}
     path = info.get("model_path") or settings.MODEL
     requested, prompt_param = api.apply_prompt(gen, data, path)
@@ -107,9 +108,9 @@ def reserved_completion_tokens(gen: api.Generation) -> int:
 # ---------------------------------------------------------------- running one line
 
 def submit(gen: api.Generation, user_id: int) -> None:
-    engine.submit(prompt_token_ids=gen.prompt_token_ids, sampling_params=gen.sampling_params,
-                  priority_class=BATCH_PRIORITY_CLASS, priority=gen.priority, user=user_id,
-                  request_id=gen.request_id)
+    engine.client().submit(model=gen.model, prompt_token_ids=gen.prompt_token_ids,
+                           sampling_params=gen.sampling_params, priority_class=BATCH_PRIORITY_CLASS,
+                           priority=gen.priority, user=user_id, request_id=gen.request_id)
 
 
 def outcome(gen: api.Generation, result: dict, latency_ms: float) -> LineOutcome:

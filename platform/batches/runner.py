@@ -21,7 +21,6 @@ import uuid
 from django import db
 
 from engine_client import client as engine
-from engine_client import protocol
 from openai_api.errors import OpenAIError
 from quotas.exceptions import PlanViolation
 
@@ -164,7 +163,7 @@ class BatchRunner:
         return True
 
     def watch(self, line: BatchLine, gen) -> None:
-        self.collector.add(gen.request_id, gen.n)
+        self.collector.add(gen.request_id, gen.n, gen.model)
         self.in_flight[gen.request_id] = (line, gen)
 
     def fail_before_submit(self, line: BatchLine, outcome) -> None:
@@ -200,7 +199,7 @@ class BatchRunner:
             return  # aborted by our cancel/expiry: closed with the other unfinished lines
         if services.record_line_result(line, outcome, self.usage_row(line, gen, outcome)):
             self.dirty = True
-        engine.delete_output(line.engine_request_id)
+        engine.client().delete_output(line.engine_request_id)
 
     def usage_row(self, line: BatchLine, gen, outcome) -> dict:
         usage, metrics = outcome.usage or {}, outcome.metrics or {}
@@ -216,7 +215,7 @@ class BatchRunner:
         """Cancel or expiry: abort what runs, keep what already finished, close the rest."""
         self.stopping = True
         for line, _gen in self.in_flight.values():
-            engine.abort(line.engine_request_id)
+            engine.client().abort(line.engine_request_id)
         while self.in_flight:
             self.keep_lease()
             self.collect()
@@ -239,14 +238,13 @@ class BatchRunner:
 
     def reattach_orphans(self) -> None:
         """Lines a dead runner left running: follow their engine output if it exists, else requeue."""
-        redis = engine.redis_client()
         for line in services.orphaned_lines(self.batch_id):
-            if redis.exists(protocol.output_stream(line.engine_request_id)):
+            if engine.client().has_output(line.engine_request_id):
                 gen = engine_calls.build_call(line.url, line.body, self.models)
                 gen.request_id = line.engine_request_id
                 self.watch(line, gen)
             else:
-                engine.abort(line.engine_request_id)  # a copy still queued must never run
+                engine.client().abort(line.engine_request_id)  # a copy still queued must never run
                 quota.settle_line(line.reservation, 0, 0)
                 services.requeue_line(line)
 

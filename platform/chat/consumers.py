@@ -126,11 +126,12 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             return
         await self.send_json(await database_sync_to_async(selectors.reply_started_payload)(reply))
         submitted_at = time.time()
-        follower = streaming.Follower(reply.message_id, reply.request_id, self.send_json, owner=True,
+        follower = streaming.Follower(reply.message_id, reply.request_id, reply.model, self.send_json, owner=True,
                                       submitted_at=submitted_at)
         try:
-            await engine.asubmit(prompt_token_ids=reply.prompt_token_ids, sampling_params=reply.sampling_params,
-                                 priority_class="interactive", user=self.user.pk, request_id=reply.request_id)
+            await engine.aclient().submit(model=reply.model, prompt_token_ids=reply.prompt_token_ids,
+                                          sampling_params=reply.sampling_params, priority_class="interactive",
+                                          user=self.user.pk, request_id=reply.request_id)
         except Exception as exc:  # Redis unreachable: nothing was queued
             follower.outcome.error, follower.outcome.error_code = f"Could not queue the request: {exc}", "submit_failed"
             await follower.finish()
@@ -158,7 +159,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         if message is None or message.status != Message.Status.STREAMING:
             await self.send_error("not_streaming", "Nothing is being generated.")
             return
-        await engine.aabort(message.request_id)  # the stream then ends with finish_reason "abort"
+        await engine.aclient().abort(message.request_id)  # the stream then ends with finish_reason "abort"
 
     async def on_resume(self, frame):
         """After a reload or dropped socket: replay the reply from the start of its output stream."""
@@ -174,7 +175,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await self.send_error("busy", "Already following an answer.")
             return
         await self.send_json({"type": "resumed", "message_id": message.pk})
-        self._follow(streaming.Follower(message.pk, message.request_id, self.send_json, owner=False))
+        self._follow(streaming.Follower(message.pk, message.request_id, message.model, self.send_json, owner=False))
 
     async def on_select_branch(self, frame):
         def select():

@@ -21,7 +21,7 @@ def available_models() -> list[str]:
     from engine_client import client as engine
 
     try:
-        names = {w.get("served_model_name") or w.get("model") or "" for w in engine.workers()}
+        names = {name for w in engine.workers() for name in w["served_model_names"]}
     except Exception:  # Redis down: the page still renders; submitting will report the error
         names = set()
     names.discard("")

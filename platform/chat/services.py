@@ -14,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from engine_client import client as engine
+from inference import protocol
 from quotas import services as quotas
 from quotas.ledger import Reservation
 from usage import services as usage
@@ -42,6 +43,7 @@ class Reply:
     user_message_id: int
     message_id: int
     request_id: str
+    model: str
     prompt_token_ids: list[int]
     sampling_params: dict
 
@@ -108,7 +110,7 @@ def _begin_reply(user, conversation: Conversation, user_message: Message, params
     try:  # if saving fails, the reservation must not leak: settle it with nothing used
         assistant = Message.objects.create(
             conversation=conversation, parent=user_message, role=Message.Role.ASSISTANT,
-            status=Message.Status.STREAMING, request_id=engine.new_request_id(), model=conversation.model,
+            status=Message.Status.STREAMING, request_id=protocol.new_request_id(), model=conversation.model,
             params=params, reservation=reservation.as_dict(), prompt_tokens=len(ids))
         conversation.current_leaf = assistant
         conversation.save(update_fields=["current_leaf", "updated_at"])
@@ -116,7 +118,7 @@ def _begin_reply(user, conversation: Conversation, user_message: Message, params
         quotas.settle(reservation, 0, 0)
         raise
     return Reply(conversation_id=str(conversation.pk), user_message_id=user_message.pk, message_id=assistant.pk,
-                 request_id=assistant.request_id, prompt_token_ids=ids,
+                 request_id=assistant.request_id, model=conversation.model, prompt_token_ids=ids,
                  sampling_params=chat_params.sampling_params(params))
 
 
@@ -251,7 +253,7 @@ def finish_stale_replies(older_than_s: float = STALE_AFTER_S, collect_timeout_s:
     cutoff = timezone.now() - timedelta(seconds=older_than_s)
     finished = 0
     for message in Message.objects.filter(status=Message.Status.STREAMING, updated_at__lt=cutoff):
-        result = engine.collect(message.request_id, timeout=collect_timeout_s)
+        result = engine.client().collect(message.request_id, model=message.model, timeout=collect_timeout_s)
         if finish_reply(message.pk, outcome_from_result(result, message.content)) is not None:
             finished += 1
     return finished

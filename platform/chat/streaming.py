@@ -36,20 +36,21 @@ def reconnect_grace_s() -> int:
 
 async def mark_watched(message_id: int) -> None:
     """A socket is showing this reply (refreshed by the consumer while it follows one)."""
-    await engine.async_redis_client().set(watch_key(message_id), "1", ex=reconnect_grace_s())
+    await engine.aclient().r.set(watch_key(message_id), "1", ex=reconnect_grace_s())
 
 
 async def is_watched(message_id: int) -> bool:
-    return bool(await engine.async_redis_client().exists(watch_key(message_id)))
+    return bool(await engine.aclient().r.exists(watch_key(message_id)))
 
 
 class Follower:
     """Reads a reply's events; `send` is swapped to a no-op when the socket goes away."""
 
-    def __init__(self, message_id: int, request_id: str, send: Send | None, *, owner: bool,
+    def __init__(self, message_id: int, request_id: str, model: str, send: Send | None, *, owner: bool,
                  submitted_at: float | None = None):
         self.message_id = message_id
         self.request_id = request_id
+        self.model = model
         self.send = send
         self.owner = owner
         self.submitted_at = submitted_at or time.time()
@@ -73,7 +74,7 @@ class Follower:
 
     async def run(self) -> None:
         try:
-            async for event in engine.astream(self.request_id):
+            async for event in engine.aclient().stream(self.request_id, model=self.model):
                 await self._on_event(event)
         except Exception as exc:  # Redis gone, etc.: the message must not stay "streaming"
             log.exception("following %s failed", self.request_id)
@@ -120,7 +121,7 @@ class Follower:
         if self.send is None and now - self._last_watch_check >= 1.0:
             self._last_watch_check = now
             if not await is_watched(self.message_id):  # nobody came back: stop spending compute
-                await engine.aabort(self.request_id)
+                await engine.aclient().abort(self.request_id)
 
     async def finish(self) -> None:
         if not self.owner:  # the owner measured TTFT and latency: give it the first chance to save

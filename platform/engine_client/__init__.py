@@ -1,5 +1,6 @@
 """Engine client: the one module Django code uses to reach the engine workers.
 
-Use `from engine_client import client as engine` then engine.submit / stream / astream / abort /
-collect / health / workers; see engine_client/client.py and docs/protocol.md.
+`from engine_client import client as engine`, then `engine.client()` (sync) or `engine.aclient()`
+(async, per event loop): submit / stream / collect / abort / workers / health. The protocol
+itself (keys, typed messages) is inference/protocol.py; see docs/protocol.md.
 """

@@ -1,20 +1,22 @@
-"""The one way Django code talks to engine workers: submit, stream (sync/async), abort, health.
+"""The one way Django code talks to engine workers: one sync client and one async client.
 
-Every caller (OpenAI API views, the playground consumer, the batch runner, the dashboard) uses
-this module; nothing else touches the engine's Redis keys. Protocol: docs/protocol.md.
+Protocol and message types: inference/protocol.py (docs/protocol.md). Both clients do the same
+things with the same rules; they differ only in how they wait for Redis.
 
-    rid = submit(prompt_token_ids=[1, 2, 3], sampling_params={"max_tokens": 16}, priority_class="api")
-    for event in stream(rid):          # or: async for event in astream(rid)
+    engine = client()                  # sync, one per process (batch runner, management code)
+    rid = engine.submit(model="tiny", prompt_token_ids=[1, 2, 3], sampling_params={"max_tokens": 16})
+    for event in engine.stream(rid, model="tiny"):   # async: `async for event in aclient().stream(...)`
         if event["type"] == "delta":   # {"index", "text", "token_ids", "logprobs"?, "finish_reason", "stop_reason"}
             ...
         elif event["type"] == "finish":  # {"finish_reasons", "usage": {prompt,completion,cached}_tokens, "metrics"}
             ...
-        elif event["type"] == "error":   # {"code", "message", "param"?}; codes in ERROR_CODES
+        elif event["type"] == "error":   # {"code", "message"}; codes in protocol.ERROR_CODES
             ...
-    abort(rid)                          # stop button / disconnect; the worker frees blocks within one step
+    engine.abort(rid)                  # stop button / disconnect; the worker frees blocks within one step
 
-The stream always ends with exactly one terminal event (finish or error): a dead worker or no
-worker at all is reported as an error event, never as an endless wait.
+A stream always ends with exactly one terminal event (finish or error): a dead worker, or no live
+worker serving the request's model, is reported as an error event, never as an endless wait.
+Liveness.verdict is that rule, shared by both streams and the batch collector.
 """
 from __future__ import annotations
 
@@ -29,126 +31,23 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from . import protocol as p
-
-# Codes of error events: worker-side validation, a lost or missing worker, engine failure.
-ERROR_CODES = ("invalid_request", "worker_lost", "no_worker", "engine_error", "worker_shutdown",
-               "expired", "timeout")
+from inference import protocol as p
 
 POLL_MS = 1000  # how long one XREAD blocks before liveness is re-checked
-REQUEST_STREAM_MAXLEN = 100_000
-OUTPUT_TTL_S = 3600
+NO_WORKER_GRACE_S = 5.0
+
+LiveWorkers = dict[str, list[str]]  # worker id -> the model names it serves
+LIVENESS_FIELDS = ("served_model_names", "model")
 
 
-class EngineUnavailable(Exception):
-    """No engine worker has a fresh heartbeat (the API answers 503)."""
+# ---------------------------------------------------------------- rules shared by both clients
 
+class Liveness:
+    """Whether waiting longer for one request is pointless: timeout, its worker died, nobody serves it."""
 
-# ---------------------------------------------------------------- connections
-
-_sync_client: redis.Redis | None = None
-_async_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis]" = weakref.WeakKeyDictionary()
-
-
-def redis_client() -> redis.Redis:
-    global _sync_client
-    if _sync_client is None:
-        _sync_client = redis.Redis.from_url(settings.REDIS_URL)
-    return _sync_client
-
-
-def async_redis_client() -> aioredis.Redis:
-    """One asyncio client per event loop (asyncio connections cannot cross loops)."""
-    loop = asyncio.get_running_loop()
-    client = _async_clients.get(loop)
-    if client is None:
-        client = aioredis.Redis.from_url(settings.REDIS_URL)
-        _async_clients[loop] = client
-    return client
-
-
-# ---------------------------------------------------------------- submit / abort
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
-
-
-def build_request(*, prompt_token_ids=None, prompt=None, sampling_params: dict | None = None,
-                  priority_class: str = "api", priority: int = 0, user=None,
-                  request_id: str | None = None, queue_timeout: float | None = None) -> dict:
-    if (prompt_token_ids is None) == (prompt is None):
-        raise ValueError("give exactly one of prompt_token_ids or prompt")
-    now = time.time()
-    return {
-        "request_id": request_id or new_request_id(),
-        "prompt_token_ids": list(prompt_token_ids) if prompt_token_ids is not None else None,
-        "prompt": prompt,
-        "sampling_params": dict(sampling_params or {}),
-        "priority": p.engine_priority(priority_class, priority),
-        "priority_class": priority_class,
-        "user": None if user is None else str(user),
-        "submitted_at": now,
-        "deadline": now + queue_timeout if queue_timeout else None,
-    }
-
-
-def _xadd_args(message: dict) -> tuple:
-    return (p.REQUEST_STREAM, {"data": p.encode(message)}), {"maxlen": REQUEST_STREAM_MAXLEN, "approximate": True}
-
-
-def submit(**kwargs) -> str:
-    """Queue one generation request for the engine workers and return its request id.
-
-    Keyword args: prompt_token_ids (list[int]) or prompt (str); sampling_params (dict of
-    inference.SamplingParams fields); priority_class "interactive" | "api" | "batch"; priority
-    (0..999 inside the class, lower first); user; request_id (default: a fresh uuid);
-    queue_timeout (s): a worker that picks the request up later fails it with code "expired".
-    Raises ValueError for a bad priority class or prompt arguments.
-    """
-    message = build_request(**kwargs)
-    args, opts = _xadd_args(message)
-    redis_client().xadd(*args, **opts)
-    return message["request_id"]
-
-
-async def asubmit(**kwargs) -> str:
-    message = build_request(**kwargs)
-    args, opts = _xadd_args(message)
-    await async_redis_client().xadd(*args, **opts)
-    return message["request_id"]
-
-
-def _abort_ops(pipe, request_id: str) -> None:
-    # The key catches requests still queued in the stream; the pub/sub message reaches running ones.
-    pipe.set(p.aborted_key(request_id), "1", ex=OUTPUT_TTL_S)
-    pipe.publish(p.ABORT_CHANNEL, request_id)
-
-
-def abort(request_id: str) -> None:
-    """Ask the worker running `request_id` to stop it; its stream then ends with finish_reason 'abort'."""
-    pipe = redis_client().pipeline(transaction=False)
-    _abort_ops(pipe, request_id)
-    pipe.execute()
-
-
-async def aabort(request_id: str) -> None:
-    pipe = async_redis_client().pipeline(transaction=False)
-    _abort_ops(pipe, request_id)
-    await pipe.execute()
-
-
-def delete_output(request_id: str) -> None:
-    """Drop a finished request's output stream now instead of waiting for its expiry."""
-    redis_client().delete(p.output_stream(request_id))
-
-
-# ---------------------------------------------------------------- streaming
-
-class _Watch:
-    """Liveness bookkeeping for one stream: who claimed the request, and for how long no one has."""
-
-    def __init__(self, request_id: str, no_worker_grace: float, timeout: float | None):
-        self.request_id = request_id
+    def __init__(self, model: str | None = None, *, no_worker_grace: float = NO_WORKER_GRACE_S,
+                 timeout: float | None = None):
+        self.model = model  # None: any live worker counts
         self.worker_id: str | None = None
         self.started = time.monotonic()
         self.no_worker_since: float | None = None
@@ -159,42 +58,30 @@ class _Watch:
         if event.get("type") == "accepted":
             self.worker_id = event.get("worker_id")
 
-    def liveness_keys(self) -> list[str]:
-        if self.worker_id:
-            return [p.heartbeat_key(self.worker_id)]
-        return []
-
-    def liveness(self, live_workers: set[str]) -> tuple[bool, bool]:
-        """(the claiming worker is alive, any worker is alive) from a set of live worker ids."""
-        return self.worker_id in live_workers, bool(live_workers)
-
-    def verdict(self, claimed_alive: bool, any_alive: bool) -> dict | None:
-        """An error event when waiting longer is pointless, else None."""
+    def verdict(self, live: LiveWorkers) -> p.ErrorEvent | None:
+        """An error event when the request can no longer finish, else None."""
         now = time.monotonic()
         if self.timeout is not None and now - self.started > self.timeout:
-            return _error("timeout", f"no result within {self.timeout:g}s")
+            return p.error_event("timeout", f"no result within {self.timeout:g}s")
         if self.worker_id:
-            if not claimed_alive:
-                return _error("worker_lost", f"engine worker {self.worker_id} stopped responding mid-request")
+            if self.worker_id not in live:
+                return p.error_event("worker_lost", f"engine worker {self.worker_id} stopped responding mid-request")
             return None
-        if any_alive:
+        if any(self.model is None or self.model in names for names in live.values()):
             self.no_worker_since = None
             return None
         self.no_worker_since = self.no_worker_since or now
         if now - self.no_worker_since >= self.no_worker_grace:
-            return _error("no_worker", "no engine worker is running")
+            return p.error_event("no_worker", "no engine worker is running" if self.model is None
+                                 else f"no engine worker is serving '{self.model}'")
         return None
 
 
-def _error(code: str, message: str) -> dict:
-    return {"type": "error", "code": code, "message": message}
-
-
-def _pass_on(events: list[dict], watch: _Watch, include_control: bool) -> tuple[list[dict], bool]:
+def _pass_on(events: list[dict], liveness: Liveness, include_control: bool) -> tuple[list[dict], bool]:
     """The events a reader yields from one read (control events hidden), and whether the last ends it."""
     shown = []
     for event in events:
-        watch.see(event)
+        liveness.see(event)
         if event["type"] == "accepted" and not include_control:
             continue
         shown.append(event)
@@ -203,92 +90,298 @@ def _pass_on(events: list[dict], watch: _Watch, include_control: bool) -> tuple[
     return shown, False
 
 
-def _unpack(entries):
-    """XREAD reply -> (last entry id, events)."""
+def _text(raw) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+def _unpack(entries) -> tuple[str | None, list[dict]]:
+    """XREAD/XRANGE reply -> (last entry id, events, each tagged with its entry_id)."""
     last_id, events = None, []
     for _stream, items in entries or []:
         for entry_id, fields in items:
-            last_id = _entry_id(entry_id)
-            for event in p.decode(fields[b"events"]):
+            last_id = _text(entry_id)
+            for event in p.events_of(fields):
                 event["entry_id"] = last_id
                 events.append(event)
     return last_id, events
 
 
-def stream(request_id: str, *, last_id: str = "0-0", timeout: float | None = None,
-           no_worker_grace: float = 5.0, include_control: bool = False) -> Iterator[dict]:
-    """Yield the request's events until one terminal event (finish or error) has been yielded.
+def _live(ids: list[str], replies: list) -> LiveWorkers:
+    """Live workers from their ids and an HMGET of (served_model_names, model) each; both None: no key."""
+    return {w: p.decode(names) if names is not None else [_text(model)]
+            for w, (names, model) in zip(ids, replies) if names is not None or model is not None}
 
-    last_id resumes after an earlier event's "entry_id" (a reconnecting browser); "0-0" replays all.
-    timeout bounds the whole wait (error code "timeout"). The "accepted" control event (which
-    worker claimed the request) is only yielded with include_control=True.
-    Closing the generator early does NOT abort the request; call abort() for that.
-    """
-    r = redis_client()
-    watch = _Watch(request_id, no_worker_grace, timeout)
-    key = p.output_stream(request_id)
-    while True:
-        reply = r.xread({key: last_id}, block=POLL_MS, count=256)
-        new_last, events = _unpack(reply)
-        if new_last:
-            last_id = new_last
-        shown, ended = _pass_on(events, watch, include_control)
-        yield from shown
-        if ended:
-            return
-        if not events:
-            error = watch.verdict(*_liveness(r, watch))
-            if error:
-                abort(request_id)  # a worker that comes back later must not run it
+
+def _abort_ops(pipe, request_id: str) -> None:
+    # The key catches requests still queued in the stream; the pub/sub message reaches running ones.
+    pipe.set(p.aborted_key(request_id), "1", ex=p.OUTPUT_TTL_S)
+    pipe.publish(p.ABORT_CHANNEL, request_id)
+
+
+def _xadd_args(request: p.EngineRequest) -> tuple:
+    return (request.stream, request.fields()), {"maxlen": p.REQUEST_STREAM_MAXLEN, "approximate": True}
+
+
+def _health(live: LiveWorkers) -> dict:
+    return {"ok": bool(live), "redis": True, "workers": sorted(live)}
+
+
+# ---------------------------------------------------------------- collecting a whole result
+
+def new_result() -> dict:
+    return {"choices": {}, "usage": None, "metrics": None, "error": None, "finish_reasons": None}
+
+
+def fold(result: dict, event: dict) -> dict:
+    """Accumulate one event into a result dict (see collect())."""
+    kind = event["type"]
+    if kind == "delta":
+        choice = result["choices"].setdefault(event["index"], _empty_choice(event["index"]))
+        choice["text"] += event.get("text", "")
+        choice["token_ids"].extend(event.get("token_ids", []))
+        choice["logprobs"].extend(event.get("logprobs") or [])
+        if event.get("finish_reason"):
+            choice["finish_reason"] = event["finish_reason"]
+            choice["stop_reason"] = event.get("stop_reason")
+    elif kind == "finish":
+        result["usage"] = event.get("usage")
+        result["metrics"] = event.get("metrics")
+        result["finish_reasons"] = event.get("finish_reasons")
+    elif kind == "error":
+        result["error"] = {k: v for k, v in event.items() if k not in ("type", "entry_id")}
+    return result
+
+
+def _empty_choice(index: int) -> dict:
+    return {"index": index, "text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "stop_reason": None}
+
+
+def finalize(result: dict, n: int | None) -> dict:
+    choices = result["choices"]
+    for index in range(n or 0):
+        choices.setdefault(index, _empty_choice(index))
+    for index, reason in enumerate(result["finish_reasons"] or []):
+        if index in choices and reason and not choices[index]["finish_reason"]:
+            choices[index]["finish_reason"] = reason
+    result["choices"] = [choices[i] for i in sorted(choices)]
+    return result
+
+
+# ---------------------------------------------------------------- the sync client
+
+class EngineClient:
+    """Blocking client (threads, Celery tasks, management commands)."""
+
+    def __init__(self, r: redis.Redis):
+        self.r = r
+        self._workers_cache: tuple[float, list[dict]] = (float("-inf"), [])
+
+    def submit(self, **kwargs) -> str:
+        """Queue one request on its model's stream; returns the request id.
+
+        Keyword args are EngineRequest.build's: model (required), prompt_token_ids (list[int]) or
+        prompt (str), sampling_params (inference.SamplingParams fields), priority_class
+        "interactive" | "api" | "batch", priority (0..999 inside the class), user, request_id,
+        queue_timeout (s: a worker that picks it up later fails it with "expired"). ValueError for bad ones.
+        """
+        request = p.EngineRequest.build(**kwargs)
+        args, opts = _xadd_args(request)
+        self.r.xadd(*args, **opts)
+        return request.request_id
+
+    def abort(self, request_id: str) -> None:
+        """Ask the worker running `request_id` to stop it; its stream then ends with finish_reason 'abort'."""
+        pipe = self.r.pipeline(transaction=False)
+        _abort_ops(pipe, request_id)
+        pipe.execute()
+
+    def stream(self, request_id: str, *, model: str | None = None, last_id: str = "0-0",
+               timeout: float | None = None, no_worker_grace: float = NO_WORKER_GRACE_S,
+               include_control: bool = False) -> Iterator[dict]:
+        """Yield the request's events until one terminal event (finish or error) has been yielded.
+
+        last_id resumes after an earlier event's "entry_id" (a reconnecting browser); "0-0" replays all.
+        timeout bounds the whole wait (error "timeout"); model names who may pick it up (error
+        "no_worker" when no live worker serves it). The "accepted" control event is only yielded
+        with include_control=True. Closing the generator early does NOT abort the request.
+        """
+        liveness = Liveness(model, no_worker_grace=no_worker_grace, timeout=timeout)
+        key = p.output_stream(request_id)
+        while True:
+            new_last, events = _unpack(self.r.xread({key: last_id}, block=POLL_MS, count=256))
+            last_id = new_last or last_id
+            shown, ended = _pass_on(events, liveness, include_control)
+            yield from shown
+            if ended:
+                return
+            if not events and (error := liveness.verdict(self.live_workers())):
+                self.abort(request_id)  # a worker that comes back later must not run it
                 yield error
                 return
 
+    def collect(self, request_id: str, *, n: int | None = None, model: str | None = None,
+                timeout: float | None = None) -> dict:
+        """Run a request's stream to the end: {"choices": [{index, text, token_ids, logprobs, finish_reason,
+        stop_reason}], "usage", "metrics", "finish_reasons", "error" (None or {"code", "message"})}."""
+        result = new_result()
+        for event in self.stream(request_id, model=model, timeout=timeout):
+            fold(result, event)
+        return finalize(result, n)
 
-async def astream(request_id: str, *, last_id: str = "0-0", timeout: float | None = None,
-                  no_worker_grace: float = 5.0, include_control: bool = False) -> AsyncIterator[dict]:
-    """Async twin of stream() (for ASGI views and Channels consumers).
+    def read_output(self, request_id: str, count: int | None = None) -> list[dict]:
+        """The events written so far (the batch collector reads finished streams whole)."""
+        return _unpack([(None, self.r.xrange(p.output_stream(request_id), count=count))])[1]
 
-    Every astream of one event loop shares that loop's StreamHub: one XREAD per engine step for all
-    of them instead of one per stream.
+    def delete_output(self, request_id: str) -> None:
+        """Drop a finished request's output stream now instead of waiting for its expiry."""
+        self.r.delete(p.output_stream(request_id))
+
+    def has_output(self, request_id: str) -> bool:
+        return bool(self.r.exists(p.output_stream(request_id)))
+
+    # ------------------------------------------------------------ workers
+
+    def live_workers(self) -> LiveWorkers:
+        """Workers whose heartbeat key exists, with the names each serves; stale ids leave the set."""
+        ids = sorted(_text(m) for m in self.r.smembers(p.WORKERS_SET))
+        pipe = self.r.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hmget(p.heartbeat_key(worker_id), LIVENESS_FIELDS)
+        live = _live(ids, pipe.execute() if ids else [])
+        stale = [w for w in ids if w not in live]
+        if stale:
+            self.r.srem(p.WORKERS_SET, *stale)
+        return live
+
+    def workers(self, max_age: float = 0.0) -> list[dict]:
+        """Live workers' heartbeats (protocol.Heartbeat.as_dict()).
+
+        max_age > 0 may answer from a snapshot up to that many seconds old (per-request callers on
+        the hot path: three Redis round trips per API request otherwise).
+        """
+        taken, cached = self._workers_cache
+        if max_age > 0 and time.monotonic() - taken < max_age:
+            return cached
+        ids = sorted(self.live_workers())
+        pipe = self.r.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(p.heartbeat_key(worker_id))
+        found = [p.Heartbeat.from_fields(raw).as_dict() for raw in (pipe.execute() if ids else []) if raw]
+        self._workers_cache = (time.monotonic(), found)
+        return found
+
+    def forget_workers_snapshot(self) -> None:
+        """Tests that start and stop workers faster than the snapshot ages."""
+        self._workers_cache = (float("-inf"), [])
+
+    def block_maps(self) -> dict[str, object]:
+        """worker_id -> the worker's latest engine.block_map() snapshot (published at most once a second)."""
+        ids = sorted(self.live_workers())
+        raws = self.r.mget([p.block_map_key(w) for w in ids]) if ids else []
+        return {w: p.decode(raw) for w, raw in zip(ids, raws) if raw}
+
+    def health(self) -> dict:
+        """{"ok": at least one fresh heartbeat, "workers": [worker_id...], "redis": reachable}."""
+        try:
+            return _health(self.live_workers())
+        except redis.RedisError as exc:
+            return {"ok": False, "redis": False, "workers": [], "error": str(exc)}
+
+
+# ---------------------------------------------------------------- the async client
+
+class AsyncEngineClient:
+    """Non-blocking client (ASGI views, Channels consumers): one per event loop.
+
+    Its streams share the loop's StreamHub: one XREAD per engine step for all of them.
     """
-    watch = _Watch(request_id, no_worker_grace, timeout)
-    hub = stream_hub()
-    inbox = await hub.follow(p.output_stream(request_id), last_id)
-    try:
-        while True:
-            batch = await inbox.get()
-            if isinstance(batch, BaseException):
-                raise batch
-            if isinstance(batch, _Tick):  # nothing for POLL_MS: is anyone still working on it?
-                error = watch.verdict(*watch.liveness(batch.live_workers))
-                if error:
-                    await aabort(request_id)
-                    yield error
+
+    def __init__(self, r: aioredis.Redis):
+        self.r = r
+        self.hub = StreamHub(self)
+
+    async def submit(self, **kwargs) -> str:
+        """As EngineClient.submit."""
+        request = p.EngineRequest.build(**kwargs)
+        args, opts = _xadd_args(request)
+        await self.r.xadd(*args, **opts)
+        return request.request_id
+
+    async def abort(self, request_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        _abort_ops(pipe, request_id)
+        await pipe.execute()
+
+    async def stream(self, request_id: str, *, model: str | None = None, last_id: str = "0-0",
+                     timeout: float | None = None, no_worker_grace: float = NO_WORKER_GRACE_S,
+                     include_control: bool = False) -> AsyncIterator[dict]:
+        """As EngineClient.stream."""
+        liveness = Liveness(model, no_worker_grace=no_worker_grace, timeout=timeout)
+        key = p.output_stream(request_id)
+        inbox = await self.hub.follow(key, last_id)
+        try:
+            while True:
+                batch = await inbox.get()
+                if isinstance(batch, BaseException):
+                    raise batch
+                if isinstance(batch, _Tick):  # nothing for POLL_MS: is anyone still working on it?
+                    if error := liveness.verdict(batch.live):
+                        await self.abort(request_id)
+                        yield error
+                        return
+                    continue
+                shown, ended = _pass_on(batch, liveness, include_control)
+                for event in shown:
+                    yield event
+                if ended:
                     return
-                continue
-            shown, ended = _pass_on(batch, watch, include_control)
-            for event in shown:
-                yield event
-            if ended:
-                return
-    finally:
-        hub.unfollow(p.output_stream(request_id), inbox)
+        finally:
+            self.hub.unfollow(key, inbox)
+
+    async def collect(self, request_id: str, *, n: int | None = None, model: str | None = None,
+                      timeout: float | None = None) -> dict:
+        result = new_result()
+        async for event in self.stream(request_id, model=model, timeout=timeout):
+            fold(result, event)
+        return finalize(result, n)
+
+    async def live_workers(self) -> LiveWorkers:
+        """As EngineClient.live_workers (read-only: the sync client prunes the set)."""
+        ids = sorted(_text(m) for m in await self.r.smembers(p.WORKERS_SET))
+        pipe = self.r.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hmget(p.heartbeat_key(worker_id), LIVENESS_FIELDS)
+        return _live(ids, await pipe.execute() if ids else [])
+
+    async def workers(self) -> list[dict]:
+        ids = sorted(await self.live_workers())
+        pipe = self.r.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(p.heartbeat_key(worker_id))
+        return [p.Heartbeat.from_fields(raw).as_dict() for raw in (await pipe.execute() if ids else []) if raw]
+
+    async def health(self) -> dict:
+        try:
+            return _health(await self.live_workers())
+        except redis.RedisError as exc:
+            return {"ok": False, "redis": False, "workers": [], "error": str(exc)}
 
 
 class StreamHub:
-    """Reads the output streams of every astream on one event loop with a single blocking XREAD.
+    """Reads the output streams of every stream() of one AsyncEngineClient with a single blocking XREAD.
 
     Each follower gets an asyncio queue of batches: a list of events per XREAD reply, a _Tick when
-    its stream was quiet for POLL_MS (with the live worker ids, read once for all quiet streams),
-    or the exception that stopped the reader. A follower that joins while the XREAD blocks wakes
-    it through the hub's own wake stream, so its first events are not held back until the block
+    its stream was quiet for POLL_MS (with the live workers, read once for all quiet streams), or
+    the exception that stopped the reader. A follower that joins while the XREAD blocks wakes it
+    through the hub's own wake stream, so its first events are not held back until the block
     times out; a burst of followers sends one wake, since the next XREAD names them all. Two
     followers of one stream (a browser tab that reconnects) each get every entry after their own
     last id.
     """
 
-    def __init__(self, r: aioredis.Redis):
-        self.r = r
+    def __init__(self, engine: AsyncEngineClient):
+        self.engine = engine
+        self.r = engine.r
         self.wake_key = f"{p.PREFIX}:hub-wake:{uuid.uuid4().hex}"
         self.wake_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
         self.by_key: dict[str, dict[asyncio.Queue, _Follower]] = {}
@@ -304,7 +397,7 @@ class StreamHub:
             self.wake_sent = True
             pipe = self.r.pipeline(transaction=False)
             pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1)
-            pipe.expire(self.wake_key, OUTPUT_TTL_S)
+            pipe.expire(self.wake_key, p.OUTPUT_TTL_S)
             await pipe.execute()
         return inbox
 
@@ -332,15 +425,15 @@ class StreamHub:
     def _deliver(self, reply) -> None:
         now = time.monotonic()
         for raw_key, items in reply or []:
-            key = _entry_id(raw_key)
+            key = _text(raw_key)
             if key == self.wake_key:
-                self.wake_id = _entry_id(items[-1][0])
+                self.wake_id = _text(items[-1][0])
                 continue
             for inbox, f in self.by_key.get(key, {}).items():
-                mine = [(entry_id, fields) for entry_id, fields in items if _id_tuple(_entry_id(entry_id)) > f.last_id]
+                mine = [(entry_id, fields) for entry_id, fields in items if _id_tuple(_text(entry_id)) > f.last_id]
                 if mine:
                     inbox.put_nowait(_unpack([(raw_key, mine)])[1])
-                    f.last_id, f.seen = _id_tuple(_entry_id(mine[-1][0])), now
+                    f.last_id, f.seen = _id_tuple(_text(mine[-1][0])), now
 
     async def _tick_quiet(self) -> None:
         now = time.monotonic()
@@ -348,7 +441,7 @@ class StreamHub:
                  if now - f.seen >= POLL_MS / 1000]
         if not quiet:
             return
-        tick = _Tick(await alive_worker_ids(self.r))
+        tick = _Tick(await self.engine.live_workers())
         for inbox, f in quiet:
             inbox.put_nowait(tick)
             f.seen = now
@@ -362,7 +455,7 @@ class _Follower:
 
 @dataclass
 class _Tick:
-    live_workers: set[str]
+    live: LiveWorkers
 
 
 def _id_tuple(entry_id: str) -> tuple[int, int]:
@@ -370,195 +463,41 @@ def _id_tuple(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-_hubs: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, StreamHub]" = weakref.WeakKeyDictionary()
+# ---------------------------------------------------------------- the clients of this process
+
+_sync_client: EngineClient | None = None
+_async_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncEngineClient]" = weakref.WeakKeyDictionary()
 
 
-def stream_hub() -> StreamHub:
+def client() -> EngineClient:
+    global _sync_client
+    if _sync_client is None:
+        _sync_client = EngineClient(redis.Redis.from_url(settings.REDIS_URL))
+    return _sync_client
+
+
+def aclient() -> AsyncEngineClient:
+    """The running event loop's client (asyncio connections cannot cross loops)."""
     loop = asyncio.get_running_loop()
-    hub = _hubs.get(loop)
-    if hub is None:
-        hub = _hubs[loop] = StreamHub(async_redis_client())
-    return hub
-
-
-def _entry_id(raw) -> str:
-    return raw.decode() if isinstance(raw, bytes) else raw
-
-
-def _liveness(r, watch: _Watch) -> tuple[bool, bool]:
-    keys = watch.liveness_keys()
-    if keys:
-        return bool(r.exists(*keys)), True
-    return False, bool(live_worker_ids(r))
-
-
-async def alive_worker_ids(r) -> set[str]:
-    """Workers whose heartbeat key still exists (async, read-only twin of live_worker_ids)."""
-    ids = sorted(m.decode() for m in await r.smembers(p.WORKERS_SET))
-    if not ids:
-        return set()
-    pipe = r.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.exists(p.heartbeat_key(worker_id))
-    return {w for w, ok in zip(ids, await pipe.execute()) if ok}
-
-
-# ---------------------------------------------------------------- collecting a whole result
-
-def new_result() -> dict:
-    return {"choices": {}, "usage": None, "metrics": None, "error": None, "finish_reasons": None}
-
-
-def fold(result: dict, event: dict) -> dict:
-    """Accumulate one event into a result dict (see collect())."""
-    kind = event["type"]
-    if kind == "delta":
-        choice = result["choices"].setdefault(event["index"], {
-            "index": event["index"], "text": "", "token_ids": [], "logprobs": [],
-            "finish_reason": None, "stop_reason": None})
-        choice["text"] += event.get("text", "")
-        choice["token_ids"].extend(event.get("token_ids", []))
-        choice["logprobs"].extend(event.get("logprobs") or [])
-        if event.get("finish_reason"):
-            choice["finish_reason"] = event["finish_reason"]
-            choice["stop_reason"] = event.get("stop_reason")
-    elif kind == "finish":
-        result["usage"] = event.get("usage")
-        result["metrics"] = event.get("metrics")
-        result["finish_reasons"] = event.get("finish_reasons")
-    elif kind == "error":
-        result["error"] = {k: v for k, v in event.items() if k not in ("type", "entry_id")}
-    return result
-
-
-def finalize(result: dict, n: int | None) -> dict:
-    choices = result["choices"]
-    for index in range(n or 0):
-        choices.setdefault(index, {"index": index, "text": "", "token_ids": [], "logprobs": [],
-                                   "finish_reason": None, "stop_reason": None})
-    for index, reason in enumerate(result["finish_reasons"] or []):
-        if index in choices and reason and not choices[index]["finish_reason"]:
-            choices[index]["finish_reason"] = reason
-    result["choices"] = [choices[i] for i in sorted(choices)]
-    return result
-
-
-def collect(request_id: str, *, n: int | None = None, timeout: float | None = None) -> dict:
-    """Run a request's stream to the end: {"choices": [{index,text,token_ids,logprobs,finish_reason,
-    stop_reason}], "usage", "metrics", "finish_reasons", "error" (None or {"code","message"})}."""
-    result = new_result()
-    for event in stream(request_id, timeout=timeout):
-        fold(result, event)
-    return finalize(result, n)
-
-
-async def acollect(request_id: str, *, n: int | None = None, timeout: float | None = None) -> dict:
-    result = new_result()
-    async for event in astream(request_id, timeout=timeout):
-        fold(result, event)
-    return finalize(result, n)
-
-
-# ---------------------------------------------------------------- health and worker stats
-
-def live_worker_ids(r=None) -> list[str]:
-    r = r or redis_client()
-    ids = sorted(m.decode() for m in r.smembers(p.WORKERS_SET))
-    if not ids:
-        return []
-    pipe = r.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.exists(p.heartbeat_key(worker_id))
-    alive = pipe.execute()
-    stale = [w for w, ok in zip(ids, alive) if not ok]
-    if stale:
-        r.srem(p.WORKERS_SET, *stale)
-    return [w for w, ok in zip(ids, alive) if ok]
-
-
-def _parse_heartbeat(raw: dict) -> dict:
-    info = {k.decode(): v.decode() for k, v in raw.items()}
-    for field in ("stats", "config"):
-        if field in info:
-            info[field] = p.decode(info[field])
-    for field in ("updated_at", "started_at"):
-        if field in info:
-            info[field] = float(info[field])
-    return info
-
-
-_workers_cache: tuple[float, list[dict]] = (float("-inf"), [])
-
-
-def workers(max_age: float = 0.0) -> list[dict]:
-    """Live workers' heartbeats: worker_id, model, served_model_name, pid, host, started_at,
-    updated_at (unix s), config (engine args, max_model_len), stats (engine.get_stats() plus
-    tokens_per_s, inflight, requests_total, aborts_total, errors_total, step_ms).
-
-    max_age > 0 may answer from a snapshot up to that many seconds old (per-request callers on the
-    hot path: three Redis round trips per API request otherwise).
-    """
-    global _workers_cache
-    taken, cached = _workers_cache
-    if max_age > 0 and time.monotonic() - taken < max_age:
-        return cached
-    r = redis_client()
-    ids = live_worker_ids(r)
-    pipe = r.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.hgetall(p.heartbeat_key(worker_id))
-    found = [_parse_heartbeat(raw) for raw in pipe.execute() if raw]
-    _workers_cache = (time.monotonic(), found)
+    found = _async_clients.get(loop)
+    if found is None:
+        found = _async_clients[loop] = AsyncEngineClient(aioredis.Redis.from_url(settings.REDIS_URL))
     return found
 
 
-def clear_workers_snapshot() -> None:
-    """Forget the snapshot behind workers(max_age=...) (tests that start and stop workers)."""
-    global _workers_cache
-    _workers_cache = (float("-inf"), [])
+# Read-only shortcuts for callers outside the generation path (dashboard, /metrics, chat's model list).
+
+def redis_client() -> redis.Redis:
+    return client().r
 
 
-async def aworkers() -> list[dict]:
-    r = async_redis_client()
-    ids = sorted(m.decode() for m in await r.smembers(p.WORKERS_SET))
-    pipe = r.pipeline(transaction=False)
-    for worker_id in ids:
-        pipe.hgetall(p.heartbeat_key(worker_id))
-    return [_parse_heartbeat(raw) for raw in await pipe.execute() if raw]
+def async_redis_client() -> aioredis.Redis:
+    return aclient().r
+
+
+def workers(max_age: float = 0.0) -> list[dict]:
+    return client().workers(max_age)
 
 
 def block_maps() -> dict[str, object]:
-    """worker_id -> the worker's latest engine.block_map() snapshot (published at most once a second)."""
-    r = redis_client()
-    ids = live_worker_ids(r)
-    raws = r.mget([p.block_map_key(w) for w in ids]) if ids else []
-    return {w: p.decode(raw) for w, raw in zip(ids, raws) if raw}
-
-
-def health() -> dict:
-    """{"ok": at least one fresh heartbeat, "workers": [worker_id...], "redis": reachable}."""
-    try:
-        ids = live_worker_ids()
-    except redis.RedisError as exc:
-        return {"ok": False, "redis": False, "workers": [], "error": str(exc)}
-    return {"ok": bool(ids), "redis": True, "workers": ids}
-
-
-async def ahealth() -> dict:
-    try:
-        live = await aworkers()
-    except redis.RedisError as exc:
-        return {"ok": False, "redis": False, "workers": [], "error": str(exc)}
-    return {"ok": bool(live), "redis": True, "workers": [w["worker_id"] for w in live]}
-
-
-def require_worker() -> None:
-    if not health()["ok"]:
-        raise EngineUnavailable("no engine worker is running")
-
-
-async def arequire_worker() -> list[dict]:
-    live = await aworkers()
-    if not live:
-        raise EngineUnavailable("no engine worker is running")
-    return live
+    return client().block_maps()

@@ -21,6 +21,7 @@ from django.http import JsonResponse, StreamingHttpResponse
 from accounts.authentication import bearer_token
 from accounts.services import authenticate_api_key
 from engine_client import client as engine
+from inference import protocol
 from quotas import selectors as quota_selectors
 from quotas import services as quotas
 from usage.services import record_usage
@@ -100,15 +101,15 @@ def models_from_workers(workers: list[dict]) -> dict[str, dict]:
     models = {}
     for worker in workers:
         config = worker.get("config") or {}
-        name = worker.get("served_model_name") or worker.get("model")
-        if name and name not in models:
-            models[name] = {"max_model_len": config.get("max_model_len"), "model_path": config.get("model_path"),
-                            "created": int(worker.get("started_at", 0))}
+        for name in worker.get("served_model_names") or [worker.get("model")]:
+            if name and name not in models:
+                models[name] = {"max_model_len": config.get("max_model_len"), "model_path": config.get("model_path"),
+                                "created": int(worker.get("started_at", 0))}
     return models
 
 
 async def served_models() -> dict[str, dict]:
-    models = models_from_workers(await engine.aworkers())
+    models = models_from_workers(await engine.aclient().workers())
     models.setdefault(configured_model_name(), {"max_model_len": None, "model_path": settings.MODEL, "created": 0})
     return models
 
@@ -269,7 +270,7 @@ def resolve_model(name: str) -> dict:
     A snapshot up to WORKERS_MAX_AGE_S old is good enough: a worker that died since then fails the
     request with worker_lost / no_worker through the stream instead of a 503 up front.
     """
-    workers = engine.workers(max_age=WORKERS_MAX_AGE_S)
+    workers = engine.client().workers(max_age=WORKERS_MAX_AGE_S)
     models = models_from_workers(workers)
     if name not in models and name != configured_model_name():
         raise OpenAIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
@@ -330,7 +331,8 @@ async def events(gen: Generation):
     terminal = False
     last_renew = time.monotonic()
     try:
-        async for event in engine.astream(gen.request_id, timeout=getattr(settings, "API_REQUEST_TIMEOUT", 3600)):
+        async for event in engine.aclient().stream(gen.request_id, model=gen.model,
+                                                   timeout=getattr(settings, "API_REQUEST_TIMEOUT", 3600)):
             kind = event["type"]
             if kind == "delta" and event.get("token_ids"):
                 gen.completion_tokens += len(event["token_ids"])
@@ -348,7 +350,7 @@ async def events(gen: Generation):
     finally:
         if not terminal:  # the client went away mid-stream: free the engine's blocks now
             gen.status_code, gen.error_code = 499, "client_disconnected"
-            await engine.aabort(gen.request_id)
+            await engine.aclient().abort(gen.request_id)
         await _finish(gen)
 
 
@@ -380,6 +382,8 @@ def settle_and_record(gen: Generation, usage: dict, latency_ms: float) -> None:
 
 def engine_error(event: dict) -> OpenAIError:
     code = event.get("code", "engine_error")
+    if code == "no_worker":  # the same refusal as resolve_model's, whichever check saw it first
+        return OpenAIError(503, event.get("message", code), code="engine_unavailable")
     status = ENGINE_ERROR_STATUS.get(code, 500)
     return OpenAIError(status, event.get("message", code), code=code, param=event.get("param"))
 
@@ -389,11 +393,12 @@ def engine_error(event: dict) -> OpenAIError:
 async def handle_generation(request, endpoint: str):
     """POST /v1/chat/completions and /v1/completions."""
     gen = Generation(endpoint=endpoint)
-    gen.request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + engine.new_request_id()
+    gen.request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + protocol.new_request_id()
     try:
         await bookkeeping(admit)(request, gen)
-        await engine.asubmit(prompt_token_ids=gen.prompt_token_ids, sampling_params=gen.sampling_params,
-                             priority_class="api", priority=gen.priority, user=gen.user.pk, request_id=gen.request_id)
+        await engine.aclient().submit(model=gen.model, prompt_token_ids=gen.prompt_token_ids,
+                                      sampling_params=gen.sampling_params, priority_class="api",
+                                      priority=gen.priority, user=gen.user.pk, request_id=gen.request_id)
         if gen.stream:
             return await _streaming_response(gen)
         return await _json_response(gen)

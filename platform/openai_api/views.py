@@ -98,7 +98,7 @@ class HealthView(AsyncAPIView):
                    description="200 while at least one engine worker has a fresh heartbeat, else 503.")
     async def get(self, request):
         services.warm_up_in_background()  # load balancers and the live tests ping this first
-        state = await engine.ahealth()
+        state = await engine.aclient().health()
         body = {"status": "ok" if state["ok"] else "unavailable", "engine": state["ok"],
                 "redis": state["redis"], "workers": state["workers"]}
         return JsonResponse(body, status=200 if state["ok"] else 503)

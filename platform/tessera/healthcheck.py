@@ -24,7 +24,7 @@ def web_ok(env=os.environ) -> bool:
 def engine_ok(env=os.environ) -> bool:
     import redis
 
-    from engine_client import protocol
+    from inference import protocol
 
     client = redis.Redis.from_url(env.get("REDIS_URL", "redis://127.0.0.1:6379/0"), socket_timeout=2)
     try:

@@ -10,9 +10,9 @@ from django.conf import settings
 
 import inference.worker as worker_module
 from engine_client import client as engine_client
-from engine_client import protocol
+from inference import protocol
 from inference import SamplingParams
-from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
+from tests.inference.worker_helpers import MODEL, ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -27,13 +27,6 @@ def heartbeat_stats(worker_id: str) -> dict:
     return json.loads(raw) if raw else {}
 
 
-def test_worker_and_client_agree_on_every_key_name():
-    for name in ("REQUEST_STREAM", "CONSUMER_GROUP", "ABORT_CHANNEL", "WORKERS_SET"):
-        assert getattr(worker_module, name) == getattr(protocol, name)
-    for fn in ("output_stream", "aborted_key", "heartbeat_key", "block_map_key"):
-        assert getattr(worker_module, fn)("x1") == getattr(protocol, fn)("x1")
-
-
 def offline_greedy(llm, max_tokens: int):
     return llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0].outputs[0]
@@ -43,8 +36,8 @@ def served_events(llm, sampling_params: dict, **worker_config) -> tuple[str, lis
     """PROMPT through a worker of its own: the request id and its events up to the terminal one."""
     running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, **worker_config).start()
     try:
-        rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params=sampling_params)
-        return rid, list(engine_client.stream(rid, timeout=30))
+        rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=sampling_params)
+        return rid, list(engine_client.client().stream(rid, timeout=30))
     finally:
         running.stop()
 
@@ -61,14 +54,14 @@ def test_submit_streams_deltas_then_finish_equal_to_offline_greedy(llm, r):
     assert finish["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 12, "cached_tokens": 0}
     assert finish["metrics"]["ttft_ms"] is not None
     # the request is acknowledged: nothing is left pending in the group
-    assert r.xpending(protocol.REQUEST_STREAM, protocol.CONSUMER_GROUP)["pending"] == 0
+    assert r.xpending(protocol.request_stream(MODEL), protocol.CONSUMER_GROUP)["pending"] == 0
     assert 0 < r.ttl(protocol.output_stream(rid)) <= 3600
 
 
 def test_n2_with_logprobs_returns_two_choices_with_top_candidates(worker):
-    rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
         "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6, "ignore_eos": True, "logprobs": 2})
-    result = engine_client.collect(rid, n=2, timeout=30)
+    result = engine_client.client().collect(rid, n=2, timeout=30)
     assert result["error"] is None
     assert [c["index"] for c in result["choices"]] == [0, 1]
     for choice in result["choices"]:
@@ -81,13 +74,13 @@ def test_n2_with_logprobs_returns_two_choices_with_top_candidates(worker):
 
 
 def test_abort_mid_generation_frees_the_blocks(worker):
-    rid = engine_client.submit(prompt_token_ids=PROMPT * 4, sampling_params={
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT * 4, sampling_params={
         "temperature": 0.0, "max_tokens": 200, "ignore_eos": True})
-    events = engine_client.stream(rid, timeout=30)
+    events = engine_client.client().stream(rid, timeout=30)
     first = next(events)
     assert first["type"] == "delta"
     wait_for(lambda: heartbeat_stats(worker.worker.worker_id).get("blocks_used", 0) > 0, timeout=5)
-    engine_client.abort(rid)
+    engine_client.client().abort(rid)
     rest = list(events)
     assert rest[-1]["type"] == "finish" and rest[-1]["finish_reasons"] == ["abort"]
     assert rest[-1]["usage"]["completion_tokens"] < 200
@@ -97,11 +90,11 @@ def test_abort_mid_generation_frees_the_blocks(worker):
 
 
 def test_a_request_aborted_before_any_worker_read_it_is_never_run(llm, r):
-    rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 50})
-    engine_client.abort(rid)
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 50})
+    engine_client.client().abort(rid)
     running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
     try:
-        events = list(engine_client.stream(rid, timeout=30))
+        events = list(engine_client.client().stream(rid, timeout=30))
     finally:
         running.stop()
     assert [e["type"] for e in events] == ["finish"]
@@ -114,18 +107,19 @@ def test_a_request_aborted_before_any_worker_read_it_is_never_run(llm, r):
     ({"no_such_field": 1}, PROMPT, "no_such_field"),
 ])
 def test_invalid_requests_end_with_an_invalid_request_error(worker, params, prompt, needle):
-    rid = engine_client.submit(prompt_token_ids=prompt, sampling_params=params)
-    events = list(engine_client.stream(rid, timeout=30))
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=prompt, sampling_params=params)
+    events = list(engine_client.client().stream(rid, timeout=30))
     assert [e["type"] for e in events] == ["error"]
     assert events[0]["code"] == "invalid_request" and needle in events[0]["message"]
 
 
 def test_an_expired_request_is_failed_not_run(llm, r):
-    rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4}, queue_timeout=0.01)
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4},
+                                        queue_timeout=0.01)
     time.sleep(0.05)
     running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
     try:
-        events = list(engine_client.stream(rid, timeout=30))
+        events = list(engine_client.client().stream(rid, timeout=30))
     finally:
         running.stop()
     assert events[-1]["type"] == "error" and events[-1]["code"] == "expired"
@@ -141,15 +135,15 @@ def test_priority_classes_reach_the_engine_in_order(llm, r):
         order.append((request_id, priority))
         return original(request_id, prompt, params, priority=priority, **kw)
 
-    batch = [engine_client.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
+    batch = [engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
                                   priority_class="batch", request_id=f"b{i}") for i in range(2)]
-    chat = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
+    chat = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
                                 priority_class="interactive", request_id="chat")
     engine.add_request = spy
     running = ThreadedWorker(engine, settings.REDIS_URL).start()
     try:
         for rid in batch + [chat]:
-            assert engine_client.collect(rid, timeout=30)["error"] is None
+            assert engine_client.client().collect(rid, timeout=30)["error"] is None
     finally:
         running.stop()
         del engine.add_request
@@ -160,14 +154,14 @@ def test_priority_classes_reach_the_engine_in_order(llm, r):
 
 
 def test_heartbeat_publishes_stats_config_and_block_map(worker):
-    info = wait_for(lambda: engine_client.workers())[0]
+    info = wait_for(lambda: engine_client.client().workers())[0]
     assert info["worker_id"] == worker.worker.worker_id and info["model"] == "tiny"
     assert time.time() - info["updated_at"] < 2
     for key in ("num_running", "num_waiting", "kv_usage", "blocks_total", "blocks_used", "tokens_per_s",
                 "inflight", "requests_total", "prefix_cache_hit_rate"):
         assert key in info["stats"], key
     assert info["config"]["max_model_len"] == 256
-    block_map = engine_client.block_maps()[worker.worker.worker_id]
+    block_map = engine_client.client().block_maps()[worker.worker.worker_id]
     assert len(block_map["states"]) == info["stats"]["blocks_total"]
     ttl = redis.Redis.from_url(settings.REDIS_URL).pttl(protocol.heartbeat_key(worker.worker.worker_id))
     assert 0 < ttl <= 1000
@@ -175,9 +169,9 @@ def test_heartbeat_publishes_stats_config_and_block_map(worker):
 
 def test_a_crashed_workers_request_ends_with_worker_lost_on_the_client(llm, r):
     crashing = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
         "temperature": 0.0, "max_tokens": 200, "ignore_eos": True})
-    events = engine_client.stream(rid, timeout=30)
+    events = engine_client.client().stream(rid, timeout=30)
     assert next(events)["type"] == "delta"
     crashing.crash()
     started = time.monotonic()
@@ -189,7 +183,7 @@ def test_a_crashed_workers_request_ends_with_worker_lost_on_the_client(llm, r):
 
 def test_a_surviving_worker_fails_the_dead_workers_requests(llm, second_llm, r):
     crashing = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
         "temperature": 0.0, "max_tokens": 200, "ignore_eos": True})
     wait_for(lambda: r.exists(protocol.output_stream(rid)))
     dead_id = crashing.worker.worker_id
@@ -201,8 +195,9 @@ def test_a_surviving_worker_fails_the_dead_workers_requests(llm, second_llm, r):
             return any(e["type"] == "error" and e["code"] == "worker_lost"
                        for _id, f in entries for e in json.loads(f[b"events"]))
         wait_for(reaped, timeout=10)
-        assert r.xpending(protocol.REQUEST_STREAM, protocol.CONSUMER_GROUP)["pending"] == 0
-        consumers = {c["name"].decode() for c in r.xinfo_consumers(protocol.REQUEST_STREAM, protocol.CONSUMER_GROUP)}
+        assert r.xpending(protocol.request_stream(MODEL), protocol.CONSUMER_GROUP)["pending"] == 0
+        stream = protocol.request_stream(MODEL)
+        consumers = {c["name"].decode() for c in r.xinfo_consumers(stream, protocol.CONSUMER_GROUP)}
         assert dead_id not in consumers
     finally:
         survivor.stop()
@@ -211,38 +206,38 @@ def test_a_surviving_worker_fails_the_dead_workers_requests(llm, second_llm, r):
 def test_two_workers_share_one_consumer_group(llm, second_llm, r):
     workers = [ThreadedWorker(m.llm_engine, settings.REDIS_URL, max_inflight=2).start() for m in (llm, second_llm)]
     try:
-        wait_for(lambda: len(engine_client.workers()) == 2)
-        rids = [engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
+        wait_for(lambda: len(engine_client.client().workers()) == 2)
+        rids = [engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
             "temperature": 0.0, "max_tokens": 16, "ignore_eos": True}) for _ in range(8)]
         claimed = {}
         for rid in rids:
-            events = list(engine_client.stream(rid, timeout=60, include_control=True))
+            events = list(engine_client.client().stream(rid, timeout=60, include_control=True))
             assert events[-1]["type"] == "finish"
             claimed[rid] = events[0]["worker_id"]
     finally:
         for w in workers:
             w.stop()
     assert set(claimed.values()) == {w.worker.worker_id for w in workers}
-    outputs = {tuple(engine_client.collect(rid, timeout=5)["choices"][0]["token_ids"]) for rid in rids}
+    outputs = {tuple(engine_client.client().collect(rid, timeout=5)["choices"][0]["token_ids"]) for rid in rids}
     assert len(outputs) == 1, "greedy outputs agree whichever worker ran them"
 
 
 def test_graceful_stop_drains_then_cleans_up(llm, r):
     running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
         "temperature": 0.0, "max_tokens": 20, "ignore_eos": True})
     wait_for(lambda: r.exists(protocol.output_stream(rid)))
     running.worker.stop(drain=True)
     running.thread.join(30)
-    result = engine_client.collect(rid, timeout=5)
+    result = engine_client.client().collect(rid, timeout=5)
     assert result["error"] is None and len(result["choices"][0]["token_ids"]) == 20
     assert not r.exists(protocol.heartbeat_key(running.worker.worker_id))
-    assert engine_client.health() == {"ok": False, "redis": True, "workers": []}
+    assert engine_client.client().health() == {"ok": False, "redis": True, "workers": []}
 
 
 def test_no_worker_at_all_ends_the_stream_with_no_worker(r):
-    rid = engine_client.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4})
-    events = list(engine_client.stream(rid, no_worker_grace=0.5))
+    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4})
+    events = list(engine_client.client().stream(rid, no_worker_grace=0.5))
     assert events == [{"type": "error", "code": "no_worker", "message": "no engine worker is running"}]
 
 

@@ -11,6 +11,7 @@ from django.conf import settings
 from inference import LLM
 from inference.worker import EngineWorker, WorkerConfig
 
+MODEL = "tiny"  # the name ThreadedWorker serves by default (requests are routed by it)
 ENGINE_ARGS = dict(dtype="float32", device="cpu", block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
                    max_model_len=256, num_kv_blocks=64, seed=0)
 
@@ -29,7 +30,7 @@ class ThreadedWorker:
     """An EngineWorker whose loop runs in a thread; crash() stops it without any clean-up."""
 
     def __init__(self, engine, redis_url: str, **config):
-        defaults = dict(heartbeat_interval=0.2, heartbeat_ttl=1.0, reap_interval=0.3, model_name="tiny",
+        defaults = dict(heartbeat_interval=0.2, heartbeat_ttl=1.0, reap_interval=0.3, model_name=MODEL,
                         extra_info={"max_model_len": engine.max_model_len})
         defaults.update(config)
         self.worker = EngineWorker(engine, redis.Redis.from_url(redis_url), WorkerConfig(**defaults))
@@ -95,6 +96,6 @@ def worker(llm, r):
     from engine_client import client as engine_client
 
     running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    wait_for(lambda: engine_client.health()["ok"])
+    wait_for(lambda: engine_client.client().health()["ok"])
     yield running
     running.stop()

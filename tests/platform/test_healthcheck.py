@@ -7,7 +7,7 @@ from pathlib import Path
 import redis
 from django.conf import settings
 
-from engine_client import protocol
+from inference import protocol
 from tessera import healthcheck
 from tessera.embedded_redis import free_port
 

@@ -31,7 +31,7 @@ def worker(llm, chat_settings):
     client = redis.Redis.from_url(settings.REDIS_URL)
     clear_engine_keys(client)
     running = start_worker(llm, settings.REDIS_URL)
-    wait_for(lambda: engine_client.health()["ok"])
+    wait_for(lambda: engine_client.client().health()["ok"])
     yield running
     running.stop()
     clear_engine_keys(client)
@@ -273,9 +273,10 @@ def test_stale_replies_whose_follower_died_are_finished_from_the_engine_stream(u
     from chat import services
 
     orphan = services.send_message(user, "Hello", SETTINGS)  # its web process "died" after submitting
-    engine_client.submit(prompt_token_ids=orphan.prompt_token_ids, sampling_params=orphan.sampling_params,
-                         request_id=orphan.request_id, priority_class="interactive")
-    expected = engine_client.collect(orphan.request_id, timeout=30)["choices"][0]["text"]
+    engine_client.client().submit(model=orphan.model, prompt_token_ids=orphan.prompt_token_ids,
+                                  sampling_params=orphan.sampling_params, request_id=orphan.request_id,
+                                  priority_class="interactive")
+    expected = engine_client.client().collect(orphan.request_id, timeout=30)["choices"][0]["text"]
     never_submitted = services.send_message(user, "Lost", SETTINGS)
     services.save_progress(never_submitted.message_id, "partial")
     assert services.finish_stale_replies(older_than_s=3600) == 0  # recent ones are left alone

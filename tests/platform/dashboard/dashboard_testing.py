@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import redis
 from django.conf import settings
 
-from engine_client import protocol
+from inference import protocol
 
 # A fixed "now" half-way through an hour, so hour buckets are deterministic.
 NOW = datetime(2026, 11, 20, 14, 30, tzinfo=timezone.utc)

@@ -8,8 +8,8 @@ import redis
 from django.conf import settings
 
 from engine_client import client as engine
-from engine_client import protocol
-from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
+from inference import protocol
+from tests.inference.worker_helpers import MODEL, ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -22,31 +22,36 @@ def test_priority_classes_map_onto_disjoint_engine_priority_ranges(cls, within, 
 
 def test_bad_submissions_are_refused_before_anything_is_queued(r):
     with pytest.raises(ValueError):
-        engine.submit(prompt_token_ids=PROMPT, prompt="both", sampling_params={})
+        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, prompt="both", sampling_params={})
     with pytest.raises(ValueError):
-        engine.submit(sampling_params={})
+        engine.client().submit(model=MODEL, sampling_params={})
     with pytest.raises(ValueError):
-        engine.submit(prompt_token_ids=PROMPT, priority_class="vip")
-    assert r.xlen(protocol.REQUEST_STREAM) == 0 if r.exists(protocol.REQUEST_STREAM) else True
+        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, priority_class="vip")
+    with pytest.raises(ValueError, match="model"):
+        engine.client().submit(model="", prompt_token_ids=PROMPT)
+    assert r.xlen(protocol.request_stream(MODEL)) == 0 if r.exists(protocol.request_stream(MODEL)) else True
 
 
 def test_submit_writes_the_documented_message(r):
-    rid = engine.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3}, priority_class="batch",
-                        priority=7, user=42, queue_timeout=60)
-    [(_id, fields)] = r.xrange(protocol.REQUEST_STREAM)
+    rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
+                                 priority_class="batch", priority=7, user=42, queue_timeout=60)
+    [(_id, fields)] = r.xrange(protocol.request_stream(MODEL))
     message = protocol.decode(fields[b"data"])
     assert message["request_id"] == rid and message["prompt_token_ids"] == PROMPT and message["prompt"] is None
     assert message["priority"] == 2007 and message["priority_class"] == "batch" and message["user"] == "42"
+    assert message["model"] == MODEL
     assert message["deadline"] - message["submitted_at"] == pytest.approx(60)
 
 
 def test_astream_yields_what_stream_yields(worker):
     params = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-    sync_events = list(engine.stream(engine.submit(prompt_token_ids=PROMPT, sampling_params=params), timeout=30))
+    sync_rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=params)
+    sync_events = list(engine.client().stream(sync_rid, model=MODEL, timeout=30))
 
     async def run():
-        rid = await engine.asubmit(prompt_token_ids=PROMPT, sampling_params=params)
-        return [e async for e in engine.astream(rid, timeout=30)], await engine.acollect(rid, timeout=30)
+        rid = await engine.aclient().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=params)
+        client = engine.aclient()
+        return [e async for e in client.stream(rid, model=MODEL, timeout=30)], await client.collect(rid, timeout=30)
 
     async_events, collected = asyncio.run(run())
     strip = lambda events: [{k: v for k, v in e.items() if k not in ("entry_id", "metrics")} for e in events]  # noqa: E731
@@ -55,17 +60,17 @@ def test_astream_yields_what_stream_yields(worker):
 
 
 def test_stream_resumes_after_an_entry_id_and_replays_from_the_start(worker):
-    rid = engine.submit(prompt_token_ids=PROMPT, sampling_params={"temperature": 0.0, "max_tokens": 6,
-                                                                   "ignore_eos": True})
-    events = list(engine.stream(rid, timeout=30))
-    assert list(engine.stream(rid, timeout=5)) == events, "a reconnecting reader sees everything again"
-    resumed = list(engine.stream(rid, last_id=events[0]["entry_id"], timeout=5))
+    rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
+        "temperature": 0.0, "max_tokens": 6, "ignore_eos": True})
+    events = list(engine.client().stream(rid, timeout=30))
+    assert list(engine.client().stream(rid, timeout=5)) == events, "a reconnecting reader sees everything again"
+    resumed = list(engine.client().stream(rid, last_id=events[0]["entry_id"], timeout=5))
     assert resumed == [e for e in events if e["entry_id"] > events[0]["entry_id"]] or resumed == events[1:]
 
 
 def test_timeout_ends_the_stream_with_an_error_and_aborts(r):
-    rid = engine.submit(prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4})
-    events = list(engine.stream(rid, timeout=0.5, no_worker_grace=60))
+    rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4})
+    events = list(engine.client().stream(rid, timeout=0.5, no_worker_grace=60))
     assert [(e["type"], e["code"]) for e in events] == [("error", "timeout")]
     assert r.exists(protocol.aborted_key(rid)), "a worker that starts later must not run it"
 
@@ -85,14 +90,17 @@ def test_fold_and_finalize_build_a_result_with_every_choice():
 
 
 def test_health_tracks_heartbeats_and_forgets_dead_workers(worker, r):
-    assert engine.health() == {"ok": True, "redis": True, "workers": [worker.worker.worker_id]}
+    assert engine.client().health() == {"ok": True, "redis": True, "workers": [worker.worker.worker_id]}
     worker.crash()
-    wait_for(lambda: not engine.health()["ok"], timeout=5)
+    wait_for(lambda: not engine.client().health()["ok"], timeout=5)
     assert not r.sismember(protocol.WORKERS_SET, worker.worker.worker_id)
-    assert asyncio.run(engine.ahealth())["ok"] is False
+
+    async def ahealth():
+        return await engine.aclient().health()
+
+    assert asyncio.run(ahealth())["ok"] is False
 
 
-def test_health_reports_an_unreachable_redis(monkeypatch):
-    monkeypatch.setattr(engine, "_sync_client", redis.Redis(port=1, socket_connect_timeout=0.2))
-    state = engine.health()
+def test_health_reports_an_unreachable_redis():
+    state = engine.EngineClient(redis.Redis(port=1, socket_connect_timeout=0.2)).health()
     assert state["ok"] is False and state["redis"] is False

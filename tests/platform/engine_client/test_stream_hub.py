@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from engine_client import client as engine
-from engine_client import protocol
+from inference import protocol
 from tests.inference.worker_helpers import r  # noqa: F401 (fixture)
 
 DELTA = {"type": "delta", "index": 0, "text": "x", "token_ids": [1], "finish_reason": None}
@@ -23,14 +23,14 @@ def write(client, request_id: str, *events: dict) -> str:
 
 
 async def collect(request_id: str, last_id: str = "0-0") -> list[dict]:
-    return [e async for e in engine.astream(request_id, last_id=last_id, timeout=30)]
+    return [e async for e in engine.aclient().stream(request_id, last_id=last_id, timeout=30)]
 
 
 def test_concurrent_streams_share_one_reader_and_get_only_their_own_events(r):
     async def run():
         tasks = [asyncio.create_task(collect(f"req-{i}")) for i in range(3)]
         await asyncio.sleep(0.1)  # all three are following now
-        hub = engine.stream_hub()
+        hub = engine.aclient().hub
         assert set(hub.by_key) == {protocol.output_stream(f"req-{i}") for i in range(3)}
         reader = hub.reader
         for i in range(3):
@@ -81,13 +81,13 @@ def test_two_readers_of_one_stream_each_resume_after_their_own_entry(r):
 
 def test_quiet_streams_share_one_liveness_read_and_a_dead_worker_ends_them(r, monkeypatch):
     reads = []
-    real = engine.alive_worker_ids
+    real = engine.AsyncEngineClient.live_workers
 
     async def counting(client):
         reads.append(time.monotonic())
         return await real(client)
 
-    monkeypatch.setattr(engine, "alive_worker_ids", counting)
+    monkeypatch.setattr(engine.AsyncEngineClient, "live_workers", counting)
     for i in range(3):  # claimed by a worker that has no heartbeat (it died)
         write(r, f"orphan-{i}", {"type": "accepted", "worker_id": "ghost", "prompt_tokens": 3})
 
@@ -106,7 +106,7 @@ def test_a_burst_of_followers_wakes_the_blocked_reader_once_and_all_are_served(r
     async def run():
         idle = asyncio.create_task(collect("burst-idle"))
         await asyncio.sleep(0.2)  # the reader now blocks in XREAD
-        hub = engine.stream_hub()
+        hub = engine.aclient().hub
         wakes = []
         real_pipeline = hub.r.pipeline
         hub.r.pipeline = lambda *a, **k: wakes.append(1) or real_pipeline(*a, **k)

@@ -30,7 +30,8 @@ def _envelope_ok(body: dict) -> bool:
 
 def test_without_a_worker_generation_is_503_and_health_is_down(raw_key):
     client = Client()
-    response = client.post("/v1/completions", {"model": "tessera-demo", "prompt": "hi"}, content_type="application/json",
+    response = client.post("/v1/completions", {"model": settings.SERVED_MODEL_NAME, "prompt": "hi"},
+                           content_type="application/json",
                            HTTP_AUTHORIZATION=f"Bearer {raw_key}")
     assert response.status_code == 503 and _envelope_ok(response.json())
     assert response.json()["error"]["code"] == "engine_unavailable"

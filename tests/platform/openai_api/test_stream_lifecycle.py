@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from inference import protocol
 from tests.platform.live_stack import LiveStack
 
 pytestmark = pytest.mark.slow
@@ -88,7 +89,7 @@ def test_worker_death_and_shutdown_never_leave_a_client_waiting(doomed_stack):
     assert process.wait(30) == 0
     r = stack.redis()
     assert not r.exists(f"tessera:engine:worker:{survivor_id}")
-    consumers = {c["name"].decode() for c in r.xinfo_consumers("tessera:engine:requests", "engines")}
+    consumers = {c["name"].decode() for c in r.xinfo_consumers(protocol.request_stream(stack.model_name), protocol.CONSUMER_GROUP)}
     assert survivor_id not in consumers
     assert httpx.get(stack.base_url + "/health").status_code == 503
     with pytest.raises(openai.InternalServerError) as info:

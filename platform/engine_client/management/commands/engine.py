@@ -3,7 +3,10 @@
 Engine arguments (inference EngineArgs names), later sources win:
   settings.ENGINE_ARGS (dict) < env ENGINE_ARGS (JSON object) < env ENGINE_<NAME> (e.g.
   ENGINE_MAX_NUM_SEQS=64, values parsed as JSON when they parse) < --arg NAME=VALUE.
-The model folder is settings.MODEL (env MODEL) unless --model is given. SIGTERM/SIGINT drain the
+The model folder is settings.MODEL (env MODEL) unless --model is given. The worker serves its
+served_model_name (engine arg, else settings.SERVED_MODEL_NAME, else the folder's name) and any
+aliases (--alias, repeatable, or ENGINE_SERVED_MODEL_ALIASES=a,b): it reads only those names'
+request streams. SIGTERM/SIGINT drain the
 in-flight requests (ENGINE_DRAIN_TIMEOUT seconds) and exit; a second signal exits at once.
 """
 from __future__ import annotations
@@ -42,6 +45,10 @@ def engine_args_from_env(names: set[str], env=os.environ, base: dict | None = No
     return args
 
 
+def _names(raw: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in raw.split(",") if name.strip())
+
+
 def worker_config_from_env(env=os.environ) -> dict:
     """Worker knobs (heartbeat, drain, output stream limits) from WORKER_* / ENGINE_* env vars."""
     spec = {"heartbeat_interval": ("ENGINE_HEARTBEAT_INTERVAL", float),
@@ -50,7 +57,8 @@ def worker_config_from_env(env=os.environ) -> dict:
             "max_inflight": ("ENGINE_MAX_INFLIGHT", int),
             "output_ttl": ("ENGINE_OUTPUT_TTL", int),
             "stream_interval": ("ENGINE_STREAM_INTERVAL", int),
-            "worker_id": ("ENGINE_WORKER_ID", str)}
+            "worker_id": ("ENGINE_WORKER_ID", str),
+            "aliases": ("ENGINE_SERVED_MODEL_ALIASES", _names)}
     return {field: cast(env[var]) for field, (var, cast) in spec.items() if env.get(var)}
 
 
@@ -61,6 +69,8 @@ class Command(BaseCommand):
         parser.add_argument("--model", help="HF model folder (default: settings.MODEL)")
         parser.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
                             help="an engine argument, e.g. --arg max_num_seqs=64 (repeatable)")
+        parser.add_argument("--alias", action="append", default=[], metavar="NAME",
+                            help="another name this model is served under (repeatable)")
         parser.add_argument("--worker-id", help="consumer name in the Redis group (default: host-pid-random)")
 
     def handle(self, *args, **options):
@@ -81,7 +91,8 @@ class Command(BaseCommand):
         worker = self.build_worker(llm, model, engine_args, options, redis.Redis.from_url(settings.REDIS_URL),
                                    EngineWorker, WorkerConfig)
         self.install_signal_handlers(worker)
-        self.stdout.write(f"engine worker {worker.worker_id} ready on {settings.REDIS_URL}", ending="\n")
+        where = settings.REDIS_URL.rsplit("@", 1)[-1]  # host:port/db, never the URL's password
+        self.stdout.write(f"engine worker {worker.worker_id} ready on redis {where}", ending="\n")
         self.stdout.flush()
         worker.run()
 
@@ -106,6 +117,8 @@ class Command(BaseCommand):
         info = {"engine_args": engine_args, "model_path": model, "max_model_len": _max_model_len(engine),
                 "memory": getattr(engine, "memory", None)}
         config = config_cls(model_name=served, extra_info=info, **worker_config_from_env())
+        if options.get("alias"):
+            config.aliases = tuple(options["alias"])
         if options.get("worker_id"):
             config.worker_id = options["worker_id"]
         return worker_cls(engine, client, config)

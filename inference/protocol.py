@@ -1,0 +1,244 @@
+"""The engine protocol over Redis (docs/protocol.md): key names, typed messages and their codecs.
+
+The one definition shared by the engine worker (inference/worker.py) and the web tier
+(platform/engine_client). Pure Python: no torch, no Django, no Redis client.
+
+Messages: EngineRequest (web tier -> worker, one entry of its model's request stream), events
+(worker -> web tier, a JSON list per entry of the request's output stream; typed dicts built by
+the *_event functions) and Heartbeat (a worker's hash, refreshed every second).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Literal, TypedDict
+
+PREFIX = "tessera:engine"
+CONSUMER_GROUP = "engines"
+ABORT_CHANNEL = f"{PREFIX}:abort"
+WORKERS_SET = f"{PREFIX}:workers"
+REQUEST_STREAM_MAXLEN = 100_000
+OUTPUT_TTL_S = 3600
+
+# Priority classes (lower runs first in the engine); a request's own priority orders it inside its class.
+PRIORITY_CLASSES = {"interactive": 0, "api": 1, "batch": 2}
+PRIORITY_CLASS_SPAN = 1000
+
+TERMINAL_EVENTS = ("finish", "error")
+# Codes of error events: worker-side validation, a lost or missing worker, engine failure, the caller's timeout.
+ERROR_CODES = ("invalid_request", "worker_lost", "no_worker", "engine_error", "worker_shutdown", "expired",
+               "timeout")
+
+
+# ---------------------------------------------------------------- keys
+
+def request_stream(model: str) -> str:
+    """One request stream (and consumer group) per served model name: a worker reads only its own."""
+    return f"{PREFIX}:requests:{model}"
+
+
+def output_stream(request_id: str) -> str:
+    return f"{PREFIX}:out:{request_id}"
+
+
+def aborted_key(request_id: str) -> str:
+    return f"{PREFIX}:aborted:{request_id}"
+
+
+def heartbeat_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def block_map_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}:blocks"
+
+
+def engine_priority(priority_class: str, priority: int = 0) -> int:
+    """Map (class, in-class priority) onto the engine's single integer (lower value runs first)."""
+    if priority_class not in PRIORITY_CLASSES:
+        raise ValueError(f"unknown priority class {priority_class!r}")
+    within = min(max(int(priority), 0), PRIORITY_CLASS_SPAN - 1)
+    return PRIORITY_CLASSES[priority_class] * PRIORITY_CLASS_SPAN + within
+
+
+def encode(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def decode(raw) -> object:
+    if isinstance(raw, bytes):
+        raw = raw.decode()
+    return json.loads(raw)
+
+
+# ---------------------------------------------------------------- request
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class EngineRequest:
+    """One generation request. Exactly one of prompt_token_ids / prompt is set."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int] | None = None
+    prompt: str | None = None
+    sampling_params: dict = field(default_factory=dict)
+    priority: int = 0  # the engine's integer: engine_priority(priority_class, within-class priority)
+    priority_class: str = "api"
+    user: str | None = None
+    submitted_at: float = 0.0
+    deadline: float | None = None
+
+    @classmethod
+    def build(cls, *, model: str, prompt_token_ids=None, prompt: str | None = None,
+              sampling_params: dict | None = None, priority_class: str = "api", priority: int = 0, user=None,
+              request_id: str | None = None, queue_timeout: float | None = None) -> "EngineRequest":
+        """Validate the arguments (ValueError) and stamp the submission time."""
+        if (prompt_token_ids is None) == (prompt is None):
+            raise ValueError("give exactly one of prompt_token_ids or prompt")
+        if not model:
+            raise ValueError("a request names the model it is for")
+        now = time.time()
+        return cls(request_id=request_id or new_request_id(), model=model,
+                   prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids), prompt=prompt,
+                   sampling_params=dict(sampling_params or {}),
+                   priority=engine_priority(priority_class, priority), priority_class=priority_class,
+                   user=None if user is None else str(user), submitted_at=now,
+                   deadline=now + queue_timeout if queue_timeout else None)
+
+    @property
+    def stream(self) -> str:
+        return request_stream(self.model)
+
+    def fields(self) -> dict[str, str]:
+        """The stream entry's fields."""
+        return {"data": encode(asdict(self))}
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> "EngineRequest":
+        """Parse a stream entry; KeyError / TypeError / ValueError for a malformed one."""
+        data = decode(fields[b"data"] if b"data" in fields else fields["data"])
+        known = {name: data[name] for name in cls.__dataclass_fields__ if name in data}
+        return cls(**known)
+
+
+# ---------------------------------------------------------------- events
+
+class LogprobEntry(TypedDict):
+    token_id: int
+    token: str
+    logprob: float | None
+    top: list[dict]
+
+
+class AcceptedEvent(TypedDict):
+    type: Literal["accepted"]
+    worker_id: str
+    prompt_tokens: int
+    accepted_at: float  # unix s: the worker's clock when it claimed the request
+
+
+class DeltaEvent(TypedDict, total=False):
+    type: Literal["delta"]
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None
+    logprobs: list[LogprobEntry]
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class FinishEvent(TypedDict):
+    type: Literal["finish"]
+    finish_reasons: list[str | None]
+    usage: Usage
+    metrics: dict  # worker-side times: queue_ms, ttft_ms (from acceptance), latency_ms, num_preemptions
+
+
+class ErrorEvent(TypedDict):
+    type: Literal["error"]
+    code: str
+    message: str
+
+
+Event = AcceptedEvent | DeltaEvent | FinishEvent | ErrorEvent
+
+
+def accepted_event(worker_id: str, prompt_tokens: int) -> AcceptedEvent:
+    return {"type": "accepted", "worker_id": worker_id, "prompt_tokens": prompt_tokens, "accepted_at": time.time()}
+
+
+def delta_event(index: int, text: str, token_ids: list[int], finish_reason, stop_reason) -> DeltaEvent:
+    return {"type": "delta", "index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def finish_event(finish_reasons: list, usage: Usage, metrics: dict) -> FinishEvent:
+    return {"type": "finish", "finish_reasons": finish_reasons, "usage": usage, "metrics": metrics}
+
+
+def error_event(code: str, message: str) -> ErrorEvent:
+    return {"type": "error", "code": code, "message": message}
+
+
+def empty_usage() -> Usage:
+    return {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+
+
+def output_fields(events: list[Event]) -> dict[str, str]:
+    """One output stream entry: a step's events of one request."""
+    return {"events": encode(events)}
+
+
+def events_of(fields: dict) -> list[Event]:
+    return decode(fields[b"events"] if b"events" in fields else fields["events"])
+
+
+# ---------------------------------------------------------------- heartbeat
+
+@dataclass
+class Heartbeat:
+    """A worker's heartbeat hash. A worker is alive exactly while this key exists."""
+
+    worker_id: str
+    model: str  # the primary served name
+    served_model_names: list[str]  # the primary name first, then its aliases
+    pid: int = 0
+    host: str = ""
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    config: dict = field(default_factory=dict)  # engine_args, model_path, max_model_len
+    stats: dict = field(default_factory=dict)  # engine.get_stats() plus the worker's counters
+
+    def fields(self) -> dict[str, str | int | float]:
+        data = asdict(self)
+        for name in ("served_model_names", "config", "stats"):
+            data[name] = encode(data[name])
+        data["served_model_name"] = self.model  # older readers
+        return data
+
+    @classmethod
+    def from_fields(cls, raw: dict) -> "Heartbeat":
+        info = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+                for k, v in raw.items()}
+        names = decode(info["served_model_names"]) if info.get("served_model_names") else [info.get("model", "")]
+        return cls(worker_id=info.get("worker_id", ""), model=info.get("model", ""), served_model_names=names,
+                   pid=int(info.get("pid") or 0), host=info.get("host", ""),
+                   started_at=float(info.get("started_at") or 0), updated_at=float(info.get("updated_at") or 0),
+                   config=decode(info["config"]) if info.get("config") else {},
+                   stats=decode(info["stats"]) if info.get("stats") else {})
+
+    def as_dict(self) -> dict:
+        """The plain dict callers read (dashboard, /metrics): the dataclass fields plus served_model_name."""
+        return {**asdict(self), "served_model_name": self.model}
