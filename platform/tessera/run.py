@@ -6,7 +6,8 @@ Steps: find the model (MODEL, or the SmolLM2-135M-Instruct GGUF file the llm-smo
 start Redis (embedded redis-server unless REDIS_URL is set), migrate the database, make sure an
 admin user exists, then start the engine worker, a Celery worker, Celery beat and daphne, wait
 for /health, and print a line starting with "ready". Ctrl-C (or SIGTERM) stops every child;
-a child that dies is reported by name and the rest are stopped (exit status 1).
+a child that dies is started again with backoff (RESTART); one that keeps dying soon after each
+start is given up on: it is reported by name and the rest are stopped (exit status 1).
 
 Environment: PORT (8000), HOST (127.0.0.1), MODEL (a HF folder or .gguf file; SmolLM2), REDIS_URL (embedded),
 DATABASE_URL (SQLite in var/), TESSERA_VAR_DIR (var/), TESSERA_CACHE_DIR (var/cache), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
@@ -26,12 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tessera import embedded_redis, exposure
-from tessera.supervisor import Exited, Supervisor
+from tessera.supervisor import Exited, RestartPolicy, Supervisor
 
 from inference.gguf_files import is_gguf, resolve_model, served_model_name  # torch-free
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 PLATFORM_DIR = REPO_DIR / "platform"
+# Every child, Redis included, as compose's `restart: unless-stopped`: back after 1, 2, 4... s (at
+# most 30 s); five deaths in a row, each within 10 s of its start, and `make run` gives up.
+RESTART = RestartPolicy(backoff_s=1.0, max_backoff_s=30.0, min_uptime_s=10.0, max_fast_failures=5)
 
 
 @dataclass
@@ -127,14 +131,16 @@ def prepare_model(cfg: RunConfig) -> str:
 # -- redis and the environment ---------------------------------------------------------------
 
 def start_redis(supervisor: Supervisor, var_dir: Path) -> str:
+    """A private redis-server with var/redis's password. Its append-only file lets a restarted Redis
+    keep this run's queues and counters; the previous run's file is dropped first."""
     port = embedded_redis.free_port()
     data_dir = var_dir / "redis"
     data_dir.mkdir(parents=True, exist_ok=True)
-    argv = [embedded_redis.redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1",
-            "--dir", str(data_dir), "--save", "", "--appendonly", "no", "--loglevel", "warning"]
-    child = supervisor.start("redis", argv, tier=0)  # stopped last: the engine drains into it
+    (data_dir / "appendonly.aof").unlink(missing_ok=True)
+    argv = embedded_redis.server_command(port, data_dir, persistent=True)
+    child = supervisor.start("redis", argv, tier=0, restart=RESTART)  # stopped last: the engine drains into it
     embedded_redis.wait_until_listening(port, child.process)
-    return f"redis://127.0.0.1:{port}/0"
+    return embedded_redis.url(port, embedded_redis.password(data_dir))
 
 
 def child_env(cfg: RunConfig, model: str, redis_url: str) -> dict[str, str]:
@@ -211,7 +217,7 @@ def service_commands(cfg: RunConfig) -> dict[str, list[str]]:
 
 def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str]) -> None:
     for name, argv in service_commands(cfg).items():
-        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR))
+        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR), restart=RESTART)
 
 
 def wait_until_ready(supervisor: Supervisor, cfg: RunConfig) -> Exited | None:

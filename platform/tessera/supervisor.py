@@ -1,10 +1,13 @@
-"""A tiny process supervisor for `make run`: start children, prefix their output, stop them all.
+"""A tiny process supervisor for `make run`: start children, prefix their output, restart the ones
+that die, stop them all.
 
 Each child runs in its own session (process group), so a terminal's Ctrl-C reaches only the
 supervisor, which then stops the children tier by tier (services before the Redis they talk
 to): SIGTERM to each whole group (that reaches Celery's pool processes too), then SIGKILL after
-a grace period. A child that
-exits on its own is reported by name and exit code; the caller decides what to do about it.
+a grace period. A child that exits on its own is reported by name and exit code; one started
+with a RestartPolicy is started again after a backoff (as compose's `restart:` policies do),
+until it fails fast too many times in a row; then (or at once, without a policy) watch()
+returns it and the caller decides what to do.
 """
 from __future__ import annotations
 
@@ -19,12 +22,33 @@ from typing import Callable, TextIO
 
 
 @dataclass
+class RestartPolicy:
+    """Start a child again when it dies: after backoff_s, doubled for each fast failure in a row (one
+    within min_uptime_s of its start) up to max_backoff_s; give up after max_fast_failures of them."""
+
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    min_uptime_s: float = 10.0
+    max_fast_failures: int = 5
+
+    def delay(self, fast_failures: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(fast_failures - 1, 0))
+
+
+@dataclass
 class Child:
     name: str
     argv: list[str]
     process: subprocess.Popen
     tier: int = 1  # stop order: higher tiers first (all of one tier at once), e.g. Redis is tier 0
     pump: threading.Thread | None = None
+    env: dict | None = None
+    cwd: str | None = None
+    restart: RestartPolicy | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    fast_failures: int = 0  # deaths in a row, each soon after its start
+    restarts: int = 0
+    restart_at: float | None = None  # set while the child waits out its backoff
 
     @property
     def pid(self) -> int:
@@ -36,14 +60,17 @@ class Child:
 
 @dataclass
 class Exited:
-    """A child that stopped without being asked to."""
+    """A child that stopped without being asked to (fast_failures > 0: its restarts were given up)."""
 
     name: str
     returncode: int
+    fast_failures: int = 0
 
     def describe(self) -> str:
         code = self.returncode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if self.fast_failures:
+            how += f" ({self.fast_failures} times in a row, each soon after starting; not restarting it again)"
         return f"{self.name} {how}"
 
 
@@ -57,45 +84,76 @@ class Supervisor:
     _hurry: bool = False
 
     def start(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None,
-              tier: int = 1) -> Child:
+              tier: int = 1, restart: RestartPolicy | None = None) -> Child:
         """Start argv as a child whose output lines are printed as 'name | line'."""
-        process = subprocess.Popen(
-            argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, bufsize=1, text=True, errors="replace",
-        )
-        child = Child(name, argv, process, tier)
-        child.pump = threading.Thread(target=self._pump, args=(child,), name=f"pump-{name}", daemon=True)
-        child.pump.start()
+        child = Child(name, argv, _spawn(argv, env, cwd), tier, env=env, cwd=cwd, restart=restart)
+        self._pump_output(child)
         self.children.append(child)
         return child
+
+    def _pump_output(self, child: Child) -> None:
+        child.pump = threading.Thread(target=self._pump, args=(child, child.process), name=f"pump-{child.name}",
+                                      daemon=True)
+        child.pump.start()
 
     def say(self, line: str) -> None:
         with self._lock:
             self.out.write(line + "\n")
             self.out.flush()
 
-    def _pump(self, child: Child) -> None:
+    def _pump(self, child: Child, process: subprocess.Popen) -> None:
         width = max(8, len(child.name))
-        for line in child.process.stdout:
+        for line in process.stdout:
             self.say(f"{child.name:<{width}} | {line.rstrip()}")
 
-    def first_exited(self) -> Exited | None:
-        """The first child (in start order) that is no longer running, if any."""
-        for child in self.children:
-            if not child.running():
-                return Exited(child.name, child.process.returncode)
-        return None
-
     def watch(self, poll_seconds: float = 0.5, until: Callable[[], bool] | None = None) -> Exited | None:
-        """Block until a child exits (returned) or until() becomes true / stop() is called (None)."""
+        """Block until until() becomes true or stop() is called (None), restarting children that die
+        under a restart policy; a child that dies without one (or gives up) is returned."""
         while not self._stopping:
-            exited = self.first_exited()
+            exited = self.tend()
             if exited:
                 return exited
             if until is not None and until():
                 return None
             time.sleep(poll_seconds)
         return None
+
+    def tend(self) -> Exited | None:
+        """One look at every child: schedule or do due restarts; the first child that is down for good."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self._respawn(child)
+            elif not child.running():
+                exited = self._died(child, now)
+                if exited:
+                    return exited
+        return None
+
+    def _died(self, child: Child, now: float) -> Exited | None:
+        exited = Exited(child.name, child.process.returncode)
+        _signal_group(child, signal.SIGKILL)  # what is left of its group (e.g. Celery's pool processes)
+        policy = child.restart
+        if policy is None:
+            return exited
+        fast = now - child.started_at < policy.min_uptime_s
+        child.fast_failures = child.fast_failures + 1 if fast else 0
+        if child.fast_failures >= policy.max_fast_failures:
+            exited.fast_failures = child.fast_failures
+            return exited
+        delay = policy.delay(child.fast_failures)
+        child.restart_at = now + delay
+        self.say(f"{exited.describe()}; restarting it in {delay:g}s")
+        return None
+
+    def _respawn(self, child: Child) -> None:
+        child.restart_at = None
+        child.restarts += 1
+        child.started_at = time.monotonic()
+        child.process = _spawn(child.argv, child.env, child.cwd)
+        self._pump_output(child)
+        self.say(f"{child.name} restarted (restart {child.restarts})")
 
     def stop(self) -> None:
         """Stop the children tier by tier (highest first): SIGTERM to each process group of the
@@ -123,6 +181,12 @@ class Supervisor:
             # The leader may be gone while its group lives on (e.g. orphaned pool processes).
             _signal_group(child, signal.SIGKILL)
             child.process.wait()
+
+
+def _spawn(argv: list[str], env: dict | None, cwd: str | None) -> subprocess.Popen:
+    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, bufsize=1, text=True,
+                            errors="replace")
 
 
 def _signal_group(child: Child, sig: int) -> None:

@@ -2,17 +2,16 @@
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import redis
 from django.contrib.auth import get_user_model
 
 from accounts.services import authenticate_api_key
 from tessera import run
-from tessera.embedded_redis import free_port
+from tests.platform.run_stack import RunStack, alive, cmdline, descendants, environ, make_run_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,93 +92,15 @@ def test_superuser_env_sets_the_name_and_resets_the_password():
     assert get_user_model().objects.get(username="root").check_password("second-pass-456")
 
 
-# -- end to end ------------------------------------------------------------------------------
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below pid, from /proc (children of children included)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if fields[0] != "Z":
-                parents[int(entry.name)] = int(fields[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except (FileNotFoundError, ProcessLookupError):
-        return ""
-
-
-class Stack:
-    """`python -m tessera.run` as `make run` starts it, with its output collected in a file."""
-
-    def __init__(self, env: dict, log: Path):
-        self.log = log
-        self.handle = log.open("w")
-        self.process = subprocess.Popen([sys.executable, "-m", "tessera.run"], cwd=REPO, env=env,
-                                        stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.output(), re.MULTILINE)
-            if match:
-                return match
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.5)
-        pytest.fail(f"no {pattern!r} in the output (exit code {self.process.poll()}):\n{self.output()[-6000:]}")
-
-    def close(self) -> None:
-        if self.process.poll() is None:  # the test failed midway: take everything down
-            os.killpg(self.process.pid, signal.SIGKILL)
-            for pid in _descendants(self.process.pid):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait()
-        self.handle.close()
-
+# -- end to end ---------------------------------------------------------------------------------
 
 @pytest.fixture
 def stack_env(tiny_model_dir, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
-    env.update({
-        "PORT": str(free_port()), "MODEL": tiny_model_dir, "TESSERA_VAR_DIR": str(tmp_path / "var"),
-        "DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "CELERY_CONCURRENCY": "1", "READY_TIMEOUT": "240",
-        "ENGINE_ARGS": '{"num_kv_blocks": 128, "max_model_len": 256, "device": "cpu"}',
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
-    })
-    return env
+    return make_run_env(tiny_model_dir, tmp_path / "var")
 
 
 def _start(env, tmp_path, name):
-    stack = Stack(env, tmp_path / f"{name}.log")
-    try:
-        stack.wait_for(r"^ready: http://127\.0\.0\.1:\d+/", timeout=300)
-    except BaseException:
-        stack.close()
-        raise
-    return stack
+    return RunStack.start(env, tmp_path / f"{name}.log")
 
 
 @pytest.mark.slow
@@ -195,6 +116,18 @@ def test_make_run_serves_the_openai_api_and_ctrl_c_leaves_nothing_behind(stack_e
         for name in ("redis", "engine", "worker", "beat", "web"):
             assert re.search(rf"^{name}\s+\| ", text, re.MULTILINE), f"no output from {name}"
 
+        # The embedded Redis has a password: every child has it in REDIS_URL, no command line or
+        # output line shows it, and a client without it is refused.
+        url = stack.redis_url()
+        secret = redis.connection.parse_url(url)["password"]
+        assert len(secret) >= 24
+        assert redis.Redis.from_url(url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=redis.connection.parse_url(url)["port"]).get("tessera:engine:workers")
+        assert all(environ(pid)["REDIS_URL"] == url for pid in stack.pids("") if "redis-server" not in cmdline(pid))
+        assert not [pid for pid in descendants(stack.process.pid) if secret in cmdline(pid)]
+        assert secret not in text
+
         client = OpenAI(base_url=f"http://127.0.0.1:{stack_env['PORT']}/v1", api_key=api_key, max_retries=0)
         [model] = [m.id for m in client.models.list()]
         reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
@@ -206,25 +139,39 @@ def test_make_run_serves_the_openai_api_and_ctrl_c_leaves_nothing_behind(stack_e
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == reply.choices[0].message.content
 
-        children = _descendants(stack.process.pid)
+        children = descendants(stack.process.pid)
         assert len(children) >= 5
         stack.process.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal delivers
         assert stack.process.wait(90) == 0
         assert "stopped" in stack.output().splitlines()[-1]
-        assert not [pid for pid in children if _alive(pid)], "processes left behind"
+        assert not [pid for pid in children if alive(pid)], "processes left behind"
     finally:
         stack.close()
 
 
 @pytest.mark.slow
-def test_a_crashed_child_is_reported_and_the_rest_are_stopped(stack_env, tmp_path):
+def test_a_killed_engine_is_restarted_with_backoff_and_serves_again(stack_env, tmp_path):
+    from openai import OpenAI
+
     stack = _start(stack_env, tmp_path, "crash")
     try:
-        children = _descendants(stack.process.pid)
-        [engine] = [pid for pid in children if "manage.py engine" in _cmdline(pid)]
-        os.kill(engine, signal.SIGKILL)
-        assert stack.process.wait(90) == 1
-        assert "error: engine was killed by signal 9; stopping the other processes" in stack.output()
-        assert not [pid for pid in children if _alive(pid)], "processes left behind"
+        _, api_key = stack.admin_login()
+        first = stack.pid("manage.py engine")
+        os.kill(first, signal.SIGKILL)
+        stack.wait_for(r"^engine was killed by signal 9; restarting it in 1s$", timeout=30)
+        stack.wait_for(r"^engine restarted \(restart 1\)$", timeout=30)
+        assert stack.pid("manage.py engine") != first
+        client = OpenAI(base_url=stack.base_url + "/v1", api_key=api_key, max_retries=0)
+        r = redis.Redis.from_url(stack.redis_url())
+        # Serving again once the new worker's heartbeat is up (the old one's expires on its own).
+        deadline = time.monotonic() + 180
+        while not [w for w in r.smembers("tessera:engine:workers")
+                   if r.hget(f"tessera:engine:worker:{w.decode()}", "pid") == str(stack.pid("manage.py engine")).encode()]:
+            assert time.monotonic() < deadline, stack.output()[-4000:]
+            time.sleep(0.2)
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hello"}])
+        assert reply.usage.completion_tokens >= 1
+        assert stack.process.poll() is None and "error:" not in stack.output()
     finally:
         stack.close()
