@@ -9,9 +9,10 @@ _lock = threading.Lock()
 
 @lru_cache(maxsize=8)
 def _load(path: str):
-    from transformers import AutoTokenizer
+    # The engine's own loader: a HF folder or a GGUF file tokenizes here exactly as in the engine.
+    from inference.loader import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def tokenizer_for(path: str):
