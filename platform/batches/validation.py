@@ -5,9 +5,10 @@ Pure functions (no database): the caller supplies what depends on the user and t
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable
+
+from tessera import http_guards
 
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
 MAX_CUSTOM_ID_LENGTH = 512
@@ -78,7 +79,7 @@ def validate_jsonl(content: bytes, endpoint: str, *, check_model: ModelCheck, ch
 def parse_line(raw: str, number: int, endpoint: str, check_model: ModelCheck,
                check_body: BodyCheck) -> tuple[ParsedLine | None, dict | None]:
     try:
-        obj = json.loads(raw)
+        obj = http_guards.loads(raw)  # json.loads, refusing lone surrogates and deep nesting (ValueError)
     except ValueError as exc:
         return None, line_error("invalid_json_line", f"Line {number} is not valid JSON: {exc.msg}.", number)
     if not isinstance(obj, dict):

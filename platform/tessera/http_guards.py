@@ -5,6 +5,7 @@ files and batches views with DRF's parsers); the byte-level rules they all need 
 a size limit (413), valid Unicode (no lone UTF-16 surrogates, which json.loads accepts and every
 encoder later refuses) and a nesting limit (json.loads raises RecursionError past ~1,000 levels,
 and validators recurse too). Malformed JSON is left to the views, which say where it broke.
+loads() is the same JSON rule for JSON that arrives inside a file (batch input lines).
 """
 from __future__ import annotations
 
@@ -58,12 +59,29 @@ def read_body(request) -> bytes:
 
 def check_json(body: bytes) -> None:
     try:
-        value = json.loads(body)
-    except RecursionError:
-        raise _too_deep() from None
+        loads(body)
+    except UnsafeJSON as refused:
+        raise BadInput(400, refused.msg, refused.code) from None
     except ValueError:
         return  # malformed JSON: the view answers with its own 400, naming the position
+
+
+class UnsafeJSON(ValueError):
+    """Valid JSON syntax that no consumer can use safely; .msg as on json.JSONDecodeError."""
+
+    def __init__(self, msg: str, code: str):
+        super().__init__(msg)
+        self.msg, self.code = msg, code
+
+
+def loads(text: str | bytes):
+    """json.loads that also refuses lone surrogates and nesting past MAX_JSON_DEPTH (UnsafeJSON)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise _too_deep() from None
     _check_tree(value)
+    return value
 
 
 def _check_tree(value) -> None:
@@ -73,8 +91,8 @@ def _check_tree(value) -> None:
         item, depth = pending.pop()
         if isinstance(item, str):
             if _SURROGATE.search(item):
-                raise BadInput(400, "The request body contains a lone UTF-16 surrogate (such as \\ud800), "
-                                    "which is not valid Unicode.", "invalid_unicode")
+                raise UnsafeJSON("The JSON contains a lone UTF-16 surrogate (such as \\ud800), which is not "
+                                 "valid Unicode.", "invalid_unicode")
         elif isinstance(item, (dict, list)):
             if depth > MAX_JSON_DEPTH:
                 raise _too_deep()
@@ -82,8 +100,8 @@ def _check_tree(value) -> None:
             pending.extend((child, depth + 1) for child in children)
 
 
-def _too_deep() -> BadInput:
-    return BadInput(400, f"The JSON body is nested more than {MAX_JSON_DEPTH} levels deep.", "json_too_deep")
+def _too_deep() -> UnsafeJSON:
+    return UnsafeJSON(f"The JSON is nested more than {MAX_JSON_DEPTH} levels deep.", "json_too_deep")
 
 
 def _content_type(request) -> str:

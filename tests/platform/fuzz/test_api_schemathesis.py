@@ -1,0 +1,57 @@
+"""schemathesis against /v1/openapi.json, in process through the real ASGI app: no 5xx, every error in the envelope.
+
+No engine worker runs here, so a request that passes every check answers 503 engine_unavailable (documented);
+everything before it (parsing, validation, auth, quotas) is what this fuzzes.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import schemathesis
+from django.contrib.auth.models import User
+from hypothesis import HealthCheck, settings
+
+from accounts.services import create_api_key
+from tests.platform.security.asgi_calls import is_envelope, no_engine_workers
+
+pytestmark = pytest.mark.django_db(transaction=True)
+MAX_EXAMPLES = int(os.environ.get("FUZZ_MAX_EXAMPLES", 25))
+EXPECTED_5XX = {(503, "engine_unavailable")}  # no worker in this process
+
+
+def _schema():
+    from tessera.asgi import application
+
+    return schemathesis.openapi.from_asgi("/v1/openapi.json", application)
+
+
+schema = _schema()  # at collection: pytest-django has set Django up, and the schema view reads no database
+
+
+@pytest.fixture
+def auth():
+    no_engine_workers()
+    user = User.objects.create_user("fuzz", password="pw-long-enough-1")
+    return {"Authorization": f"Bearer {create_api_key(user)[1]}"}
+
+
+def _check(case, response) -> None:
+    status = response.status_code
+    if case.path == "/health" and status == 503:
+        assert response.json()["status"] == "unavailable"  # the documented health body, not an error
+        return
+    body = None
+    if status >= 400:
+        assert response.headers.get("content-type", [""])[0].startswith("application/json"), (status, response.text)
+        body = response.json()
+        assert is_envelope(body), body
+    if status >= 500:
+        assert (status, body["error"]["code"]) in EXPECTED_5XX, (status, body)
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, derandomize=os.environ.get("FUZZ_RANDOM") != "1", deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_5xx_and_errors_in_the_envelope(case, auth):
+    response = case.call(headers=auth)
+    _check(case, response)
