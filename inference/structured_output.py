@@ -1,0 +1,140 @@
+"""Structured outputs: a grammar compiled once per spec, one matcher per sequence, a token mask per step.
+
+A request asks for at most one of: a JSON schema, any JSON object, a regex, a choice among
+strings, or an EBNF grammar (vLLM's `structured_outputs` / `guided_*` kinds). The grammar is
+compiled on a background thread (the engine's step loop never waits for a compile; a request
+is scheduled once its grammar is ready) and cached by spec, so repeated schemas cost nothing.
+Each sequence gets its own matcher; before sampling, the rows that have one are masked to the
+tokens the grammar allows, and EOS is allowed only where the grammar may end. Recompute
+preemption keeps the output tokens, so a matcher needs no rollback; an n > 1 fork gets a fresh
+matcher of the same grammar (forks happen before the first output token).
+
+Backend: xgrammar (vLLM's default). Measured on this 2-core CPU with SmolLM2's 49k vocabulary
+against llguidance, random-logit walks through a 3-field schema: mask cost per step at batch 1
+0.08 ms (llguidance 9.3 ms p50), at batch 64 with every row constrained 19 ms (llguidance 19 ms).
+"""
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one kind. `json` is a schema (dict or JSON text); `choice` a list of strings."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        chosen = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {chosen or 'none'}")
+        self._check_types()
+
+    def _check_types(self) -> None:
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured_outputs.json must be a JSON schema object")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    def cache_key(self) -> tuple[str, str]:
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        return self.kind, value if isinstance(value, str) else json.dumps(value)
+
+    def to_dict(self) -> dict:
+        value = getattr(self, self.kind)
+        return {self.kind: list(value) if self.kind == "choice" else value}
+
+
+class GrammarCompiler:
+    """Compiles specs off the caller's thread and caches the result (or the error) per spec."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self._compiler = xgr.GrammarCompiler(info)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._futures: dict[tuple[str, str], Future] = {}
+        self.vocab_size = vocab_size
+
+    def submit(self, spec: StructuredOutputs) -> Future:
+        key = spec.cache_key()
+        if key not in self._futures:
+            self._futures[key] = self._pool.submit(self._compile, spec)
+        return self._futures[key]
+
+    def compile(self, spec: StructuredOutputs):
+        """Blocking: the compiled grammar, or ValueError naming what could not be compiled."""
+        return self.submit(spec).result()
+
+    def _compile(self, spec: StructuredOutputs):
+        try:
+            return self._compile_kind(spec)
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
+            raise ValueError(f"structured_outputs.{spec.kind} could not be compiled: {exc}") from None
+
+    def _compile_kind(self, spec: StructuredOutputs):
+        c = self._compiler
+        if spec.kind == "json":
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            # Compact JSON: "any whitespace" lets a small model pad with spaces until max_tokens.
+            return c.compile_json_schema(schema, any_whitespace=False)
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.regex)
+        if spec.kind == "choice":
+            return c.compile_regex("(" + "|".join(re.escape(choice) for choice in spec.choice) + ")")
+        return c.compile_grammar(spec.grammar)
+
+    def matcher(self, compiled):
+        return self._xgr.GrammarMatcher(compiled)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class TokenMasker:
+    """One bitmask buffer, reused; masks the rows of a logits batch that have a matcher."""
+
+    def __init__(self, vocab_size: int):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def apply(self, logits: torch.Tensor, matchers: list) -> None:
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if not rows:
+            return
+        if self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        for row in rows:
+            matchers[row].fill_next_token_bitmask(self._bitmask, row)
+        self._xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]].to(logits.device),
+                                              vocab_size=self.vocab_size, indices=rows)
