@@ -9,7 +9,7 @@ import torch
 from inference.config import EngineArgs, ModelConfig
 from inference.detokenizer import IncrementalDetokenizer
 from inference.kv_cache_manager import KVCacheManager
-from inference.layers.ops import get_ops
+from inference.engine_setup import choose_ops, resolve_device, resolve_max_model_len
 from inference.executor import create_executor
 from inference.gguf_files import served_model_name
 from inference.loader import check_model_path, end_of_turn_token_ids, load_model, load_tokenizer
@@ -37,9 +37,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(args.model)
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | end_of_turn_token_ids(self.tokenizer))
         self.served_model_name = args.served_model_name or served_model_name(args.model)
-        self.ops = get_ops(args.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
-        # The executor first: it sets this process's tensor-parallel rank, which the layers read.
-        self.executor = create_executor(args, self.device)
+        self.ops = choose_ops(args, self.device)
+        self.executor = create_executor(args, self.device)  # first: it says which shard this process builds
         try:
             self.model = self._load_model(progress)
             self.memory = self._plan_memory()
@@ -61,7 +60,7 @@ class LLMEngine:
 
     def _load_model(self, progress: bool):
         return load_model(self.args, self.model_config, self.ops, self.dtype, self.device, self.max_model_len,
-                          progress)
+                          progress, self.executor.parallel)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op with one); also runs at interpreter exit."""
@@ -353,25 +352,6 @@ class LLMEngine:
             "states": "".join(str(c) for c in self.kv.pool.state_codes()),
             "top_requests": [{"request_id": rid, "blocks": n} for n, rid in holders[:top]],
         }
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    return torch.device(device)
-
-
-def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)
-    if asked is None:
-        return limit
-    if asked > limit:
-        raise ValueError(f"max_model_len {asked} exceeds the model's limit of {limit} positions")
-    return asked
 
 
 def profile_cuda(engine: LLMEngine) -> tuple[int, int]:

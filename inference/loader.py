@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from inference import gguf_loader
 from inference.config import ModelConfig
+from inference.distributed import SINGLE, ParallelConfig
 from inference.gguf_files import is_gguf
 from inference.layers.linear import copy_checked
 from inference.models.llama import LlamaForCausalLM
@@ -51,9 +52,11 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def build_model(cfg: ModelConfig, ops, dtype, device, max_position: int, linear_method=None) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, ops, dtype, device, max_position: int, linear_method=None,
+                parallel: ParallelConfig = SINGLE) -> LlamaForCausalLM:
     with torch.device(device):
-        return LlamaForCausalLM(cfg, ops, dtype, max(max_position, cfg.max_position_embeddings), linear_method)
+        return LlamaForCausalLM(cfg, ops, dtype, max(max_position, cfg.max_position_embeddings), linear_method,
+                                parallel)
 
 
 def load_weights(model: LlamaForCausalLM, path: str, progress: bool = True) -> None:
@@ -120,11 +123,12 @@ def not_in_checkpoint(model, name: str, param) -> bool:
     return getattr(param, "derived", False) or getattr(param, "optional", False)
 
 
-def load_model(args, cfg: ModelConfig, ops, dtype, device, max_model_len: int, progress: bool = True):
-    """This rank's model: built with the linear method of args.quantization, then weights loaded."""
+def load_model(args, cfg: ModelConfig, ops, dtype, device, max_model_len: int, progress: bool = True,
+               parallel: ParallelConfig = SINGLE):
+    """This rank's shard (`parallel`) of the model: built with the linear method of args.quantization, then loaded."""
     from inference.quantization import get_linear_method
 
-    model = build_model(cfg, ops, dtype, device, max_model_len, get_linear_method(cfg, args))
+    model = build_model(cfg, ops, dtype, device, max_model_len, get_linear_method(cfg, args), parallel)
     if args.load_format == "dummy":
         init_dummy_weights(model, args.seed)
         process_weights_after_loading(model)

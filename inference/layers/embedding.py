@@ -5,17 +5,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from inference.distributed import SINGLE, ParallelConfig, all_gather_last_dim, all_reduce
 from inference.layers import onednn
 from inference.layers.linear import copy_checked
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, dtype):
+    def __init__(self, vocab_size: int, hidden: int, dtype, parallel: ParallelConfig = SINGLE):
         super().__init__()
-        self.vocab_size = vocab_size
-        self.shard = -(-vocab_size // tp_size())
-        self.start = tp_rank() * self.shard
+        self.vocab_size, self.parallel = vocab_size, parallel
+        self.shard = -(-vocab_size // parallel.size)
+        self.start = parallel.rank * self.shard
         self.end = min(self.start + self.shard, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -25,12 +25,12 @@ class VocabParallelEmbedding(nn.Module):
         copy_checked(param.data[: rows.shape[0]], rows)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if tp_size() == 1:
+        if self.parallel.size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.start) | (input_ids >= self.end)
         local = (input_ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
-        return all_reduce(out)
+        return all_reduce(out, self.parallel)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -47,4 +47,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = F.linear(hidden, self.weight) if self.packed is None else onednn.linear(hidden, self.packed)
-        return all_gather_last_dim(local)[..., : self.vocab_size]
+        return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

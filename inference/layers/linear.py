@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference.distributed import all_reduce, tp_rank, tp_size
+from inference.distributed import SINGLE, ParallelConfig, all_reduce
 from inference.layers import onednn
 
 
@@ -35,9 +35,11 @@ class UnquantizedLinearMethod:
 class LinearBase(nn.Module):
     """in_features x out_features held by this rank; subclasses say how checkpoints are cut."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None,
+                 parallel: ParallelConfig = SINGLE):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.parallel = parallel  # before create_weights: quantized formats lay out groups by it
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, out_features, dtype)
         if bias:
@@ -56,8 +58,9 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks (dim 0 of the [out, in] weight)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None):
-        super().__init__(in_features, divide(out_features, tp_size()), bias, dtype, method)
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None,
+                 parallel: ParallelConfig = SINGLE):
+        super().__init__(in_features, divide(out_features, parallel.size), bias, dtype, method, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None):
         dim = output_dim(param)
@@ -65,25 +68,26 @@ class ColumnParallelLinear(LinearBase):
             copy_checked(param.data, loaded)
             return
         size = param.shape[dim]
-        copy_checked(param.data, loaded.narrow(dim, tp_rank() * size, size))
+        copy_checked(param.data, loaded.narrow(dim, self.parallel.rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up): shard_id is the index."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype, method=None):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype, method=None,
+                 parallel: ParallelConfig = SINGLE):
         self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias, dtype, method)
+        super().__init__(in_features, sum(out_sizes), bias, dtype, method, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None):
         dim = output_dim(param)
         if dim is None:
             copy_checked(param.data, loaded)
             return
-        per_rank = [stored_size(param, divide(s, tp_size())) for s in self.out_sizes]
+        per_rank = [stored_size(param, divide(s, self.parallel.size)) for s in self.out_sizes]
         offset = sum(per_rank[:shard_id])
         size = per_rank[shard_id]
-        copy_checked(param.data.narrow(dim, offset, size), loaded.narrow(dim, tp_rank() * size, size))
+        copy_checked(param.data.narrow(dim, offset, size), loaded.narrow(dim, self.parallel.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -92,14 +96,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     With fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
     """
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype, method=None):
-        size = tp_size()
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype, method=None,
+                 parallel: ParallelConfig = SINGLE):
+        size = parallel.size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, size)
         self.num_kv_heads = max(1, num_kv_heads // size)
         self.kv_replicas = max(1, size // num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
-        super().__init__(hidden, out, bias, dtype, method)
+        super().__init__(hidden, out, bias, dtype, method, parallel)
 
     @property
     def output_sizes(self) -> tuple[int, int, int]:
@@ -112,18 +117,19 @@ class QKVParallelLinear(ColumnParallelLinear):
             return
         q_size, kv_size = (stored_size(param, n) for n in self.output_sizes[:2])
         if shard_id == "q":
-            offset, size, rank_index = 0, q_size, tp_rank()
+            offset, size, rank_index = 0, q_size, self.parallel.rank
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, rank_index = kv_size, tp_rank() // self.kv_replicas
+            size, rank_index = kv_size, self.parallel.rank // self.kv_replicas
         copy_checked(param.data.narrow(dim, offset, size), loaded.narrow(dim, rank_index * size, size))
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed by an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None):
-        super().__init__(divide(in_features, tp_size()), out_features, bias, dtype, method)
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None,
+                 parallel: ParallelConfig = SINGLE):
+        super().__init__(divide(in_features, parallel.size), out_features, bias, dtype, method, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None):
         dim = input_dim(param)
@@ -131,10 +137,10 @@ class RowParallelLinear(LinearBase):
             copy_checked(param.data, loaded)
             return
         size = param.shape[dim]
-        copy_checked(param.data, loaded.narrow(dim, tp_rank() * size, size))
+        copy_checked(param.data, loaded.narrow(dim, self.parallel.rank * size, size))
 
     def forward(self, x):
-        out = all_reduce(self.method.apply(self, x, None))
+        out = all_reduce(self.method.apply(self, x, None), self.parallel)
         return out if self.bias is None else out + self.bias
 
 

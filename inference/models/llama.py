@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from inference.config import ModelConfig
+from inference.distributed import SINGLE, ParallelConfig
 from inference.layers.attention import PagedAttention
 from inference.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from inference.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -28,13 +29,14 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None):
+    def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None, parallel: ParallelConfig = SINGLE):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.attention_bias, dtype, linear_method)
+                                          cfg.attention_bias, dtype, linear_method, parallel)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, linear_method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, linear_method,
+                                        parallel)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, ops)
         self.ops = ops
 
@@ -49,11 +51,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None):
+    def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None, parallel: ParallelConfig = SINGLE):
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, dtype, linear_method)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, linear_method)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, dtype, linear_method,
+                                                       parallel)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, linear_method, parallel)
         self.ops = ops
 
     def forward(self, x):
@@ -61,10 +64,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None):
+    def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None, parallel: ParallelConfig = SINGLE):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, ops, dtype, linear_method)
-        self.mlp = LlamaMLP(cfg, ops, dtype, linear_method)
+        self.self_attn = LlamaAttention(cfg, ops, dtype, linear_method, parallel)
+        self.mlp = LlamaMLP(cfg, ops, dtype, linear_method, parallel)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
 
@@ -86,13 +89,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, ops, dtype, max_position: int, linear_method=None):
+    def __init__(self, cfg: ModelConfig, ops, dtype, max_position: int, linear_method=None,
+                 parallel: ParallelConfig = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops, dtype, linear_method) for _ in range(cfg.num_layers))
+        self.cfg, self.parallel = cfg, parallel
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops, dtype, linear_method, parallel)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cache = cos_sin_cache(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, torch.float32)

@@ -42,13 +42,11 @@ def get_linear_method(model_config, engine_args):
 
 def describe_weights(model, dtype) -> dict:
     """The weights' format for the engine's memory breakdown (weights_bytes is this rank's share)."""
-    from inference.distributed import tp_size
-
     method = model.layers[0].mlp.down_proj.method
     name = getattr(method, "name", None)
     return {
         "weights_dtype": getattr(method, "weight_dtype", str(dtype).removeprefix("torch.")),
         "quantization": name,
         "compute_dtype": str(dtype).removeprefix("torch."),
-        "tensor_parallel_size": tp_size(),
+        "tensor_parallel_size": model.parallel.size,
     }

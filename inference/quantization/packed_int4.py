@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inference.distributed import tp_size
-
 PACK = 8
 
 
@@ -35,12 +33,12 @@ def group_layout(layer: nn.Module, in_features: int, group_size: int,
     """
     from inference.layers.linear import RowParallelLinear
 
-    row = isinstance(layer, RowParallelLinear)
-    full_in = in_features * tp_size() if row else in_features
+    row, tp_size = isinstance(layer, RowParallelLinear), layer.parallel.size
+    full_in = in_features * tp_size if row else in_features
     group = full_in if group_size == -1 else group_size
     if in_features % PACK or layer.out_features % PACK:
         raise ValueError(f"int4 layers need in/out features divisible by {PACK}; got {in_features}x{layer.out_features}")
-    split = row and tp_size() > 1 and not replicate_groups and group_size != -1
+    split = row and tp_size > 1 and not replicate_groups and group_size != -1
     if split and in_features % group:
         raise ValueError(f"group_size {group} does not divide the {in_features} input features per rank of "
                          f"{type(layer).__name__}; use a tensor_parallel_size that keeps whole groups")

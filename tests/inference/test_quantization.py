@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from inference import LLM, SamplingParams
 from inference.config import EngineArgs, ModelConfig
-from inference.distributed import set_tensor_parallel
+from inference.distributed import ParallelConfig
 from inference.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from inference.quantization import get_linear_method
 from inference.quantization.awq import AWQLinearMethod
@@ -76,13 +76,6 @@ def finish(layer):
     return layer
 
 
-@pytest.fixture(autouse=True)
-def single_rank():
-    set_tensor_parallel(0, 1)
-    yield
-    set_tensor_parallel(0, 1)
-
-
 LAYER_CASES = [("gptq", 32, False), ("gptq", 32, True), ("gptq", 128, False), ("gptq", 128, True),
                ("gptq", -1, False), ("awq", 32, False), ("awq", 128, False)]
 
@@ -123,10 +116,12 @@ def test_row_and_column_shards_add_up_to_the_full_product(fmt, group, act_order)
     full = x @ naive_dequantize(fmt, tensors, k, n, group)
     row_sum, columns = 0, []
     for rank in range(tp):
-        set_tensor_parallel(rank, tp)
-        row = finish(load_into(RowParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order)), tensors))
+        parallel = ParallelConfig(rank, tp)
+        row = finish(load_into(RowParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order),
+                                                 parallel), tensors))
         row_sum = row_sum + row.method.apply(row, x.chunk(tp, dim=1)[rank], None)  # the all-reduce, by hand
-        col = finish(load_into(ColumnParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order)), tensors))
+        col = finish(load_into(ColumnParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order),
+                                                    parallel), tensors))
         columns.append(col.method.apply(col, x, None))
     torch.testing.assert_close(row_sum, full, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.cat(columns, dim=1), full, atol=1e-4, rtol=1e-4)
@@ -148,8 +143,8 @@ def test_merged_qkv_and_gate_up_shards_with_packed_outputs(fmt):
     packed = {sid: pack(fmt, w, 32) for sid, w in parts.items()}
     full = {sid: x @ naive_dequantize(fmt, t, hidden, parts[sid].shape[0], 32) for sid, t in packed.items()}
     for rank in range(tp):
-        set_tensor_parallel(rank, tp)
-        qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, torch.float32, method_for(fmt, 32))
+        parallel = ParallelConfig(rank, tp)
+        qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, torch.float32, method_for(fmt, 32), parallel)
         for sid, t in packed.items():
             load_layer(qkv, t, sid)
         out = finish(qkv).method.apply(qkv, x, None)
@@ -157,7 +152,7 @@ def test_merged_qkv_and_gate_up_shards_with_packed_outputs(fmt):
         torch.testing.assert_close(q, full["q"].chunk(tp, dim=1)[rank], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(k, full["k"].chunk(tp, dim=1)[rank], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(v, full["v"].chunk(tp, dim=1)[rank], atol=1e-4, rtol=1e-4)
-        gate_up = MergedColumnParallelLinear(hidden, [64, 64], False, torch.float32, method_for(fmt, 32))
+        gate_up = MergedColumnParallelLinear(hidden, [64, 64], False, torch.float32, method_for(fmt, 32), parallel)
         load_layer(gate_up, packed["q"], 0)
         load_layer(gate_up, packed["q"], 1)
         gate, up = finish(gate_up).method.apply(gate_up, x, None).chunk(2, dim=-1)

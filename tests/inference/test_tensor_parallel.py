@@ -13,7 +13,8 @@ import time
 import pytest
 
 from inference import LLM, SamplingParams
-from inference.executor import MultiprocExecutor, TensorParallelError
+from inference.distributed import TensorParallelError
+from inference.multiproc_executor import MultiprocExecutor
 FAMILIES = ["llama", "llama3", "mistral", "qwen2"]  # mistral: one KV head, replicated on both ranks
 
 
