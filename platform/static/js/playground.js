@@ -8,7 +8,8 @@
   var transcript = $("transcript"), prompt = $("prompt"), sendBtn = $("send"), stopBtn = $("stop");
   var errorBox = $("chat-error"), statusDot = $("ws-status");
   var socket = null, retryMs = 500, pending = [];
-  var PARAMS = ["temperature", "top_p", "max_tokens", "seed", "presence_penalty", "frequency_penalty"];
+  var PARAMS = ["temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed", "presence_penalty",
+                "frequency_penalty"];
 
   // ---------------------------------------------------------------- parameters panel
   function initParams() {
@@ -23,6 +24,7 @@
       }
     });
     $("p-stop").value = (p.stop || []).join(", ");
+    showDefaultSources();
     var model = $("p-model");
     if (state.conversation && state.conversation.model) {
       if (!Array.prototype.some.call(model.options, function (o) { return o.value === state.conversation.model; })) {
@@ -30,6 +32,18 @@
       }
       model.value = state.conversation.model;
     }
+  }
+
+  // Each model-settable field says where its default comes from: the model's own generation
+  // config, or the playground (the model sets none for it).
+  function showDefaultSources() {
+    var sources = state.param_sources || {}, defaults = state.param_defaults || {};
+    Object.keys(sources).forEach(function (name) {
+      var tag = $("s-" + name);
+      if (!tag) return;
+      tag.textContent = "default " + defaults[name] + (sources[name] === "model" ? ", from the model" : ", playground's");
+      tag.dataset.source = sources[name];
+    });
   }
 
   function settings() {

@@ -30,7 +30,8 @@ def test_send_creates_conversation_turn_and_a_streaming_answer_with_reserved_quo
     assert (assistant.role, assistant.status, assistant.parent_id) == ("assistant", "streaming", reply.user_message_id)
     assert conversation.current_leaf_id == assistant.pk
     assert reply.prompt_token_ids and reply.sampling_params == {
-        "temperature": 0.0, "top_p": 1.0, "max_tokens": 8, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        "temperature": 0.0, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1, "max_tokens": 8,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0}  # top_p, top_k, repetition_penalty: the panel's defaults
     usage = quota_selectors.quota_status(user).usage
     assert (usage.concurrent, usage.tokens_today) == (1, len(reply.prompt_token_ids) + 8)
 
