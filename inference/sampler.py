@@ -70,9 +70,16 @@ class Sampler:
         probs = self._filter(torch.softmax(sub / temps[:, None], dim=-1), params)
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=seqs[i].generator)
+            self._draw_noise(noise[j], seqs[i].generator)
         greedy[rows] = (probs / noise).argmax(dim=-1)
         return greedy
+
+    @staticmethod
+    def _draw_noise(row: torch.Tensor, generator: torch.Generator | None) -> None:
+        if generator is None or generator.device == row.device:
+            row.exponential_(generator=generator)
+        else:  # seeded generators live on the CPU: draw there, so a seed gives the same tokens on any device
+            row.copy_(torch.empty(row.shape, dtype=row.dtype).exponential_(generator=generator))
 
     def _filter(self, probs, params) -> torch.Tensor:
         """top-k, then top-p (nucleus), then min-p; the kept mass is renormalised implicitly."""

@@ -70,6 +70,8 @@ class BrokenAfter(IncrementalDetokenizer):
 class ExhaustedGenerator:
     """A generator that can save and restore its state but fails when drawn from."""
 
+    device = torch.device("cpu")
+
     def get_state(self):
         return torch.zeros(1, dtype=torch.uint8)
 
