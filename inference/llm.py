@@ -28,7 +28,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         Bad input (an empty prompt, one longer than max_model_len, invalid sampling values)
-        raises ValueError before anything is queued, so nothing else is affected.
+        raises ValueError before anything is queued, so nothing else is affected. A request that
+        fails inside the engine comes back finished with `error` set (finish_reason "error").
         """
         inputs = self._inputs(prompts, prompt_token_ids)
         params = self._per_prompt(sampling_params or SamplingParams(), len(inputs), "sampling_params")

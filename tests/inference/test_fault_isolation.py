@@ -119,6 +119,42 @@ def test_a_sampling_failure_fails_only_its_request(engine):
     assert_blocks_returned(engine)
 
 
+def test_a_stop_check_failure_fails_only_its_request(engine):
+    clean = run_batch(engine)
+
+    def break_a(eng):  # corrupt state that only the scheduler's stop checks read
+        eng.requests["a"].params.stop_token_ids = None
+
+    faulty = run_batch(engine, inject=break_a)
+    assert faulty["a"].error.startswith("stop checks failed: TypeError")
+    assert_others_unchanged(clean, faulty, "a")
+    assert_blocks_returned(engine)
+
+
+def test_a_prompt_logprobs_failure_fails_only_its_request(engine, monkeypatch):
+    clean = run_batch(engine)
+    real = engine._prompt_logprobs_of
+
+    def failing_for_c(request, hidden_rows, first_pos):
+        if request.request_id == "c":
+            raise IndexError("injected")
+        return real(request, hidden_rows, first_pos)
+
+    monkeypatch.setattr(engine, "_prompt_logprobs_of", failing_for_c)
+    for rid in PROMPTS:  # every request asks for prompt logprobs; only c's computation fails
+        PARAMS[rid]["prompt_logprobs"] = 1
+    try:
+        faulty = run_batch(engine)
+    finally:
+        for rid in PROMPTS:
+            del PARAMS[rid]["prompt_logprobs"]
+    assert faulty["c"].error == "prompt logprobs failed: IndexError: injected"
+    assert faulty["c"].outputs[0].token_ids == []  # it failed in its prefill step, before sampling
+    assert_others_unchanged(clean, faulty, "c")
+    assert all(len(faulty[rid].prompt_logprobs) == len(PROMPTS[rid]) for rid in PROMPTS if rid != "c")
+    assert_blocks_returned(engine)
+
+
 def test_a_failure_after_other_rows_drew_their_noise_keeps_their_tokens(engine):
     """The batch is re-sampled row by row with every generator rewound, so seeded rows are unchanged."""
     clean = run_batch(engine)

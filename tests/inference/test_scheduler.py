@@ -448,3 +448,48 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow], derandomize=True,
 )
 TestSchedulerRandomOperations = SchedulerMachine.TestCase
+
+
+# ---- update_from_output and fail ----------------------------------------------------------------------
+
+
+def test_update_from_output_advances_caches_and_finishes_at_max_tokens():
+    sim = Sim(prefix_caching=True)
+    request = sim.add(8, max_tokens=2)
+    out = sim.sched.schedule()
+    updated = sim.sched.update_from_output(out, [SampledToken(request, 7)])
+    assert updated == [request] and request.num_computed_tokens == 8 and request.output_token_ids == [7]
+    assert len(sim.kv.hashes[request]) == 2  # both full prompt blocks are in the prefix cache now
+    assert sim.sched.metrics.prompt_tokens_total == 8 and sim.sched.metrics.generation_tokens_total == 1
+    out = sim.sched.schedule()
+    sim.sched.update_from_output(out, [SampledToken(request, 8)])
+    assert request.status is RequestStatus.FINISHED_LENGTH and not sim.kv.tables
+    assert sim.sched.metrics.requests_finished_total == 1
+
+
+def test_forks_join_their_parent_before_a_parent_that_stops_frees_its_blocks():
+    sim = Sim(eos_token_ids=(0,))
+    parent = sim.add(6, max_tokens=5, n=2)
+    out = sim.sched.schedule()
+    group = parent.fork()
+    sim.sched.update_from_output(out, [SampledToken(group[0], 0), SampledToken(group[1], 5)])  # 0 is EOS
+    assert parent.status is RequestStatus.FINISHED_STOPPED
+    child = group[1]
+    assert child.status is RequestStatus.RUNNING and child.num_computed_tokens == 6
+    assert len(sim.kv.tables[child]) == 2  # it kept the prompt's blocks the parent gave back
+
+
+def test_fail_ends_the_whole_group_and_frees_every_block():
+    sim = Sim()
+    parent = sim.add(6, max_tokens=5, n=3)
+    sim.step()  # prefill, fork, first tokens
+    other = sim.add(4, max_tokens=5)
+    sim.step()
+    out = sim.sched.schedule()
+    sim.sched.fail(parent.group[2], "detokenization", UnicodeDecodeError("utf-8", b"", 0, 1, "bad"), out)
+    assert all(seq.status is RequestStatus.FINISHED_ERROR for seq in parent.group)
+    assert parent.error.startswith("detokenization failed: UnicodeDecodeError")
+    assert out.finished == [parent]
+    assert set(sim.kv.tables) == {other} and sim.sched.running == [other]
+    sim.run()
+    sim.assert_no_leak()
