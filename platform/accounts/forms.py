@@ -1,3 +1,4 @@
+import redis
 from django import forms
 from django.conf import settings
 from django.contrib.admin.forms import AdminAuthenticationForm
@@ -28,12 +29,16 @@ class ThrottledLogin:
     throttle_messages = {
         "throttled": "Too many failed log-in attempts. Try again in %(minutes)s minute(s).",
         "pending": "Your account is waiting for an administrator's approval.",
+        "unavailable": "Log-in is unavailable for a moment (attempts cannot be counted); try again shortly.",
     }
 
     def clean(self):
         username = self.data.get("username", "")
         address = throttle.client_address(self.request)
-        wait = throttle.is_locked(username, address)
+        try:
+            wait = throttle.is_locked(username, address)
+        except redis.RedisError:  # attempts cannot be counted: fail closed, with a reason, not a 500
+            raise forms.ValidationError(self.throttle_messages["unavailable"], code="unavailable") from None
         if wait:
             raise forms.ValidationError(self.throttle_messages["throttled"], code="throttled",
                                         params={"minutes": -(-wait // 60)})

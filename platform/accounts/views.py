@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import redis
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import login
@@ -30,7 +31,11 @@ def signup(request):
     form = SignupForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         address = throttle.client_address(request)
-        wait = throttle.signup_wait(address)
+        try:
+            wait = throttle.signup_wait(address)
+        except redis.RedisError:  # sign-ups cannot be counted: refuse for now rather than unthrottled
+            form.add_error(None, "Sign-up is unavailable for a moment; try again shortly.")
+            return render(request, "accounts/signup.html", {"form": form}, status=503)
         if wait:
             form.add_error(None, f"Too many new accounts from your address. Try again in {-(-wait // 60)} minute(s).")
             return render(request, "accounts/signup.html", {"form": form}, status=429)

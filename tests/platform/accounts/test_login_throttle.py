@@ -116,3 +116,30 @@ def test_a_success_clears_the_pairs_failures(settings):
     for _ in range(2):
         _login(user.username, "wrong", address)
     assert _logged_in(*_login(user.username, PASSWORD, address))
+
+
+@pytest.fixture
+def redis_stopped(settings, tmp_path):
+    """settings.REDIS_URL at a real redis-server that has been stopped."""
+    from tessera import embedded_redis
+
+    url, process = embedded_redis.start(data_dir=str(tmp_path))
+    process.terminate()
+    process.wait(10)
+    settings.REDIS_URL = url
+    return url
+
+
+def test_with_redis_down_log_in_fails_closed_with_a_reason_not_a_500(redis_stopped):
+    user = _user()
+    for url in (reverse("accounts:login"), reverse("admin:login")):
+        response, client = _login(user.username, PASSWORD, _address(), url)
+        assert response.status_code == 200 and "Log-in is unavailable for a moment" in response.content.decode()
+        assert not _logged_in(response, client)
+
+
+def test_with_redis_down_sign_up_is_refused_and_creates_nothing(redis_stopped):
+    response = Client().post(reverse("accounts:signup"), {"username": "late", "password1": PASSWORD,
+                                                          "password2": PASSWORD}, REMOTE_ADDR=_address())
+    assert response.status_code == 503 and "Sign-up is unavailable" in response.content.decode()
+    assert not get_user_model().objects.filter(username="late").exists()
