@@ -20,7 +20,7 @@ from django.utils import timezone
 from usage.models import UsageRecord
 
 MODELS = {  # name -> (share of traffic, TPOT median ms, prefill ms per prompt token)
-    "tessera-demo": (0.55, 18.0, 0.08),
+    "SmolLM2-135M-Instruct": (0.55, 18.0, 0.08),
     "llama-3.2-1b-instruct": (0.30, 32.0, 0.15),
     "qwen2.5-7b-instruct": (0.15, 65.0, 0.45),
 }

@@ -101,7 +101,10 @@ def write_gguf(hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, na
             data = permute(data, heads if "q_proj" in hf_name else kv_heads)
         kind = "F32" if data.ndim == 1 else types[matrices % len(types)]
         matrices += data.ndim == 2
-        if kind == "F32":
+        if kind in K_QUANT_SCALES:
+            qtype = GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name(hf_name), random_k_quant(data.shape, kind, matrices), raw_dtype=qtype)
+        elif kind == "F32":
             writer.add_tensor(gguf_name(hf_name), data)
         elif kind == "F16":
             writer.add_tensor(gguf_name(hf_name), data.astype(np.float16))
@@ -113,6 +116,22 @@ def write_gguf(hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, na
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# The gguf package dequantizes K-quants but cannot quantize them, so K-quant tensors get random
+# blocks with small scales: byte offsets of each block's f16 scale(s) and the value to put there.
+K_QUANT_SCALES = {"Q6_K": {208: 2e-4}, "Q4_K": {0: 1e-3, 2: 7.5e-3}}  # Q4_K: d, dmin (centres the values)
+
+
+def random_k_quant(shape: tuple[int, int], kind: str, seed: int) -> np.ndarray:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rows, cols = shape
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset, scale in K_QUANT_SCALES[kind].items():
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, cols // block * size)
 
 
 def hf_greedy_gguf(file: Path, prompts, max_tokens) -> list[list[int]]:
@@ -152,6 +171,15 @@ def test_greedy_output_equals_hf_transformers_on_the_same_gguf(tmp_path, family,
         from tiny_models import hf_greedy
 
         assert ours == hf_greedy(hf_dir, PROMPTS, MAX_TOKENS)
+
+
+def test_k_quants_equal_hf_transformers(tmp_path):
+    """Q4_K and Q6_K blocks hold 256 values, so this model's rows are 256 wide."""
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama", hidden_size=256, intermediate_size=256)
+    file = write_gguf(hf_dir, tmp_path / "tiny-k.gguf", ("Q4_K", "Q6_K"))
+    ours = engine_greedy(file, PROMPTS, MAX_TOKENS)
+    assert ours == hf_greedy_gguf(file, PROMPTS, MAX_TOKENS)
+    assert len(set(tok for out in ours for tok in out)) > 3  # not one token over and over
 
 
 def test_config_and_names_come_from_the_metadata(tmp_path):
