@@ -13,7 +13,7 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 django_asgi_app = get_asgi_application()
 
 from openai_api.middleware import status_envelope  # noqa: E402  (needs the apps loaded)
-from tessera.http_guards import is_machine_path  # noqa: E402
+from tessera import http_guards  # noqa: E402
 
 
 class APIHandler(ASGIHandler):
@@ -34,8 +34,13 @@ class APIHandler(ASGIHandler):
         finally:
             settings.MIDDLEWARE = browser_middleware
 
+    async def handle(self, scope, receive, send):
+        await super().handle(scope, http_guards.capped_receive(scope, receive), send)
+
     def create_request(self, scope, body_file):
-        """Django's bare 400/413 for a request it cannot even build (bytes that are not UTF-8) as the envelope."""
+        """413 for a body over the limit; Django's bare 400 for bytes that are not UTF-8, as the envelope."""
+        if scope.get(http_guards.BODY_TOO_LARGE):
+            return None, status_envelope(413, scope["method"], scope["path"])
         request, refused = super().create_request(scope, body_file)
         if refused is not None:
             refused = status_envelope(refused.status_code, scope["method"], scope["path"])
@@ -46,7 +51,7 @@ api_asgi_app = APIHandler()
 
 
 async def http_app(scope, receive, send):
-    await (api_asgi_app if is_machine_path(scope["path"]) else django_asgi_app)(scope, receive, send)
+    await (api_asgi_app if http_guards.is_machine_path(scope["path"]) else django_asgi_app)(scope, receive, send)
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402

@@ -34,6 +34,62 @@ def is_machine_path(path: str) -> bool:
     return path.startswith(API_PREFIX) or path in MACHINE_PATHS
 
 
+BODY_TOO_LARGE = "tessera.body_too_large"  # set in the ASGI scope by capped_receive()
+MULTIPART_OVERHEAD = 1 << 20  # form fields and part headers around an uploaded file
+
+
+def body_limit(scope) -> int | None:
+    """The most bytes a request may send: the upload limit for files, Django's for everything else."""
+    if _scope_content_type(scope) == "multipart/form-data":
+        from batches import conf
+
+        return conf.get("BATCH_FILE_MAX_BYTES") + MULTIPART_OVERHEAD
+    return settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+
+
+def capped_receive(scope, receive):
+    """receive() that stops taking the body past body_limit(): the rest is never read into memory or onto
+    disk (Django would spool all of it first), and scope[BODY_TOO_LARGE] marks the request for a 413."""
+    limit = body_limit(scope)
+    if limit is None:
+        return receive
+    declared = _declared_length(scope)
+    received = 0
+
+    async def capped():
+        nonlocal received
+        if declared > limit:
+            scope[BODY_TOO_LARGE] = True
+        if scope.get(BODY_TOO_LARGE):
+            return {"type": "http.request", "body": b"", "more_body": False}
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                scope[BODY_TOO_LARGE] = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+        return message
+
+    return capped
+
+
+def _declared_length(scope) -> int:
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _scope_content_type(scope) -> str:
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"content-type":
+            return value.decode("latin1").split(";")[0].strip().lower()
+    return ""
+
+
 def check_body(request) -> None:
     """Raise BadInput when the body is too large or is JSON that no view could use safely."""
     if _content_type(request) == "multipart/form-data":

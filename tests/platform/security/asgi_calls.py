@@ -21,12 +21,14 @@ async def _call(method, path, **kwargs):
         return await client.request(method, path, **kwargs)
 
 
-def raw_call(scope_overrides: dict, body_chunks: list[bytes]) -> tuple[int, dict, bytes]:
-    """A hand-made ASGI scope (bytes no HTTP client would send) -> (status, headers, body)."""
-    return asyncio.run(_raw_call(scope_overrides, body_chunks))
+def raw_call(scope_overrides: dict, body_chunks: list[bytes], unread: list | None = None) -> tuple[int, dict, bytes]:
+    """A hand-made ASGI scope (bytes no HTTP client would send) -> (status, headers, body).
+
+    `unread`, when given, gets the body chunks the application never asked for."""
+    return asyncio.run(_raw_call(scope_overrides, body_chunks, unread if unread is not None else []))
 
 
-async def _raw_call(scope_overrides, body_chunks):
+async def _raw_call(scope_overrides, body_chunks, unread):
     from tessera.asgi import application
 
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
@@ -49,6 +51,7 @@ async def _raw_call(scope_overrides, body_chunks):
         await application(scope, receive, send)
     finally:
         finished.set()
+        unread.extend(messages)
     start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return start["status"], {k.decode().lower(): v.decode() for k, v in start["headers"]}, body

@@ -45,13 +45,41 @@ def test_a_body_over_the_upload_limit_is_413(auth, path):
     _refused(response, 413, "request_too_large")
 
 
-def test_a_chunked_body_without_content_length_is_held_to_the_same_limit(auth):
+def test_a_chunked_body_without_content_length_is_held_to_the_same_limit_and_not_read_further(auth):
     chunk = b"a" * (1 << 20)
-    count = settings.DATA_UPLOAD_MAX_MEMORY_SIZE // len(chunk) + 1
+    count = settings.DATA_UPLOAD_MAX_MEMORY_SIZE // len(chunk) + 3
     headers = [(b"authorization", auth["Authorization"].encode()), (b"content-type", b"application/json")]
+    unread = []
     status, _headers, body = raw_call({"method": "POST", "path": "/v1/chat/completions", "headers": headers},
-                                      [chunk] * count)
+                                      [chunk] * count, unread)
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    assert len(unread) >= 2  # refused at the limit, not after spooling the whole body to disk
+
+
+def test_a_declared_length_over_the_limit_is_413_before_any_body_is_read(auth):
+    headers = [(b"authorization", auth["Authorization"].encode()), (b"content-type", b"application/json"),
+               (b"content-length", str(10 ** 10).encode())]
+    unread = []
+    status, _headers, body = raw_call({"method": "POST", "path": "/v1/chat/completions", "headers": headers},
+                                      [b"{}"], unread)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large" and len(unread) == 1
+
+
+def test_an_upload_may_exceed_the_json_limit_but_not_the_batch_file_limit(auth, settings):
+    settings.BATCH_FILE_MAX_BYTES = 1000
+    chunk = b"a" * (1 << 20)
+    headers = [(b"authorization", auth["Authorization"].encode()),
+               (b"content-type", b"multipart/form-data; boundary=xx")]
+    unread = []
+    status, _headers, body = raw_call({"method": "POST", "path": "/v1/files", "headers": headers},
+                                      [chunk] * (http_guards.MULTIPART_OVERHEAD // len(chunk) + 3), unread)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large" and unread
+    settings.BATCH_FILE_MAX_BYTES = 50 * 1024 * 1024
+    line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": "m", "messages": [{"role": "user", "content": "x" * 1000}]}}) + "\n"
+    big = (line * (settings.DATA_UPLOAD_MAX_MEMORY_SIZE // len(line) + 10)).encode()  # over the JSON limit
+    uploaded = call("POST", "/v1/files", headers=auth, files={"file": ("big.jsonl", big)}, data={"purpose": "batch"})
+    assert uploaded.status_code == 200 and uploaded.json()["bytes"] == len(big)
 
 
 @pytest.mark.parametrize("path", JSON_ENDPOINTS)
