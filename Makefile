@@ -4,8 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
+FUZZ_MAX_EXAMPLES ?= 25
+FUZZ_RANDOM ?= 0
 
-.PHONY: install browser assets test screenshots bench run clean
+.PHONY: install browser assets test screenshots security bench run clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -43,6 +45,12 @@ BROWSER_TESTS := tests/platform/chat/test_chat_browser.py tests/platform/dashboa
 	tests/platform/batches/test_batches_browser.py
 screenshots: install browser assets
 	TESSERA_SCREENSHOTS=$(CURDIR)/docs/screenshots $(BIN)/python -m pytest -q $(BROWSER_TESTS)
+
+# Hostile input, security and fuzzing alone (also part of make test). A longer, fresh search:
+# make security FUZZ_MAX_EXAMPLES=300 FUZZ_RANDOM=1
+security: install
+	FUZZ_MAX_EXAMPLES=$(FUZZ_MAX_EXAMPLES) FUZZ_RANDOM=$(FUZZ_RANDOM) $(BIN)/python -m pytest -q \
+		tests/platform/security tests/platform/fuzz tests/platform/accounts
 
 bench: install
 	$(BIN)/python -m benchmarks.run_all $(ARGS)
