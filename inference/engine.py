@@ -218,10 +218,16 @@ class LLMEngine:
     def _sample(self, requests: list[Request], logits: torch.Tensor, plan: SchedulerOutput) -> list[SampledToken]:
         seqs, rows = [], []
         for row, request in enumerate(requests):
-            group = self._fork(request) if request.needs_fork else [request]
+            try:
+                group = self._fork(request) if request.needs_fork else [request]
+            except Exception as exc:
+                self.scheduler.fail(request, "forking n sequences", exc, plan)
+                continue
             seqs.extend(group)
             rows.extend([row] * len(group))
-        if len(rows) != len(requests):
+        if not seqs:
+            return []
+        if rows != list(range(len(requests))):
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = self._sample_isolated(logits, seqs, plan)
         return [SampledToken(seq, token, entry) for seq, token, entry in zip(seqs, tokens, logprobs)

@@ -69,7 +69,8 @@ class SamplingParams:
             ("prompt_logprobs", lambda: self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
             ("stop", lambda: all(isinstance(s, str) and s for s in self.stop_strings), "must be a non-empty string or a list of them"),
             ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be a list of token ids"),
-            ("seed", lambda: self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("seed", lambda: self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+             "must be an integer in [-2**63, 2**64) (what torch.Generator takes)"),
         ]
         for name, check, why in checks:
             try:
@@ -105,6 +106,8 @@ class SamplingParams:
         from dataclasses import replace
 
         seed = None if self.seed is None else self.seed + index
+        if seed is not None and seed >= 2**64:  # wrap as torch.Generator does (2**64 + k seeds like k)
+            seed -= 2**64
         return replace(self, n=1, seed=seed)
 
 

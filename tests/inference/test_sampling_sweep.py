@@ -28,7 +28,7 @@ FIELDS = {
     "top_p": maybe_default(1.0, st.sampled_from([1e-3, 1.0]) | floats(1e-3, 1.0)),
     "top_k": maybe_default(-1, st.sampled_from([0, 1, 10_000]) | st.integers(1, 600)),
     "min_p": maybe_default(0.0, st.sampled_from([1.0]) | floats(0.0, 1.0)),
-    "seed": optional(st.sampled_from([0, -1, 2**63 - 1]) | st.integers(-(2**31), 2**31)),
+    "seed": optional(st.sampled_from([0, -1, -(2**63), 2**64 - 1]) | st.integers(-(2**31), 2**31)),
     "max_tokens": optional(st.integers(1, 4)),
     "min_tokens": st.integers(0, 4),
     "stop": optional(stop_text | st.lists(stop_text, max_size=3)),
@@ -47,6 +47,14 @@ FIELDS = {
 def test_the_sweep_covers_every_public_field():
     public = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
     assert set(FIELDS) == public
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_torch_cannot_take_is_refused_by_name(seed):
+    with pytest.raises(ValueError, match="SamplingParams.seed must be an integer in"):
+        SamplingParams(seed=seed)
+    SamplingParams(seed=2**64 - 1)  # the edges torch accepts
+    SamplingParams(seed=-(2**63))
 
 
 @st.composite
@@ -87,3 +95,20 @@ def test_any_accepted_parameters_survive_engine_steps(engine, batch):
         if params.prompt_logprobs is not None:
             assert len(out.prompt_logprobs) == len(PROMPT)
     assert engine.get_stats()["blocks_used"] == 0 and not engine.has_unfinished_requests()
+
+
+def run_alone(engine, rid: str, params: SamplingParams):
+    engine.add_request(rid, {"prompt_token_ids": PROMPT}, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return out
+
+
+def test_the_last_fork_of_the_largest_seed_wraps_like_torch(engine):
+    """Sequence i of n samples with seed + i; past 2**64 - 1 that wraps to what torch would do."""
+    common = dict(temperature=1.0, max_tokens=4, ignore_eos=True)
+    forked = run_alone(engine, "wrap-n2", SamplingParams(n=2, seed=2**64 - 1, **common))
+    assert forked.error is None
+    assert forked.outputs[0].token_ids == run_alone(engine, "wrap-a", SamplingParams(seed=-1, **common)).outputs[0].token_ids
+    assert forked.outputs[1].token_ids == run_alone(engine, "wrap-b", SamplingParams(seed=0, **common)).outputs[0].token_ids
