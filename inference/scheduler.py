@@ -242,7 +242,12 @@ class Scheduler:
         return updated
 
     def fail(self, request: Request, stage: str, exc: BaseException, out: SchedulerOutput) -> None:
-        """End every sequence of request's group with an error naming stage and cause; free its blocks."""
+        """End every sequence of request's group with an error naming stage and cause; free its blocks.
+
+        An error marked fatal (a dead tensor-parallel rank) is no one request's fault: it propagates.
+        """
+        if getattr(exc, "fatal", False):
+            raise exc
         root = request.group[0]
         if root.error is not None:
             return

@@ -192,6 +192,21 @@ def test_a_forward_failure_fails_the_batch_and_the_engine_serves_on(engine, monk
         {rid: tokens_of(out) for rid, out in clean.items()}
 
 
+def test_a_fatal_error_is_not_swallowed_as_one_requests_failure(engine, monkeypatch):
+    """A dead tensor-parallel rank is nobody's fault in particular: it stops the engine (the worker exits)."""
+    from inference.distributed import TensorParallelError
+
+    def dead_rank(inputs):
+        raise TensorParallelError("tensor-parallel rank 1 died")
+
+    monkeypatch.setattr(engine.executor, "execute", dead_rank)
+    engine.add_request("fatal", {"prompt_token_ids": PROMPTS["a"]}, SamplingParams(max_tokens=2))
+    with pytest.raises(TensorParallelError):
+        engine.step()
+    engine.abort_request("fatal")
+    assert_blocks_returned(engine)
+
+
 def test_offline_generate_returns_a_failed_request_and_does_not_hang(offline, engine, monkeypatch):
     llm = offline
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
