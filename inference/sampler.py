@@ -20,8 +20,10 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        # A private float32 copy: masking and penalties write into it, never into the caller's logits.
-        logits = logits.to(torch.float32, copy=True)
+        # min_tokens masking and penalties write in place: into a private copy, never the caller's
+        # logits (a row-by-row retry after a failure must see them unchanged); else no copy at all.
+        writes = any(s.params.uses_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs)
+        logits = logits.to(torch.float32, copy=writes)
         raw_logprobs = self._raw_logprobs(logits, seqs)
         self._mask_min_tokens(logits, seqs)
         self._apply_penalties(logits, seqs)

@@ -297,3 +297,15 @@ def test_more_logprobs_than_the_vocabulary_returns_the_whole_vocabulary():
     logits = torch.tensor([[1.0, 5.0, 3.0, 4.0]])
     _, entries = Sampler(4, [EOS])(logits, [make_seq(temperature=0.0, logprobs=20)])
     assert {t: lp.rank for t, lp in entries[0].items()} == {1: 1, 3: 2, 2: 3, 0: 4}
+
+
+def test_the_callers_logits_are_never_written():
+    """Penalties and min_tokens masking work on a copy (a retry after a failure needs the originals)."""
+    with torch.inference_mode():  # as the engine's step makes them
+        logits = torch.randn(2, VOCAB)
+    before = logits.clone()
+    seqs = [make_seq(output=(3, 3), repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5,
+                     temperature=0.0),
+            make_seq(min_tokens=4, stop_token_ids=[2], temperature=0.0)]
+    Sampler(VOCAB, [EOS])(logits, seqs)
+    assert torch.equal(logits, before)
