@@ -11,11 +11,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from accounts.authentication import ApiKeyAuthentication
-from openai_api.errors import OpenAIError, drf_exception_handler
+from errors import InvalidRequest
+from openai_api.errors import drf_exception_handler
 from openai_api.serializers import ErrorSerializer
 
 from . import presenters, selectors, services
-from .errors import BatchServiceError
 from .serializers import (BatchCreateSerializer, BatchListSerializer, BatchSerializer, FileDeletedSerializer,
                           FileListSerializer, FileSerializer, FileUploadSerializer)
 
@@ -45,15 +45,10 @@ class V1View(APIView):
     def get_exception_handler(self):
         return drf_exception_handler
 
-    def handle_exception(self, exc):
-        if isinstance(exc, BatchServiceError):
-            exc = OpenAIError(exc.status_code, exc.message, code=exc.code, param=exc.param, type=exc.error_type)
-        return super().handle_exception(exc)
-
     def json_body(self, request) -> dict:
         data = request.data
         if not isinstance(data, dict):
-            raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+            raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
         return data
 
 
@@ -76,7 +71,7 @@ class FilesView(V1View):
     def post(self, request):
         upload = request.FILES.get("file")
         if upload is None:
-            raise OpenAIError(400, "Missing the multipart field 'file'.", code="missing_required_parameter",
+            raise InvalidRequest("Missing the multipart field 'file'.", code="missing_required_parameter",
                               param="file")
         file = services.upload_file(request.user, content=upload.read(), filename=upload.name,
                                     purpose=request.data.get("purpose", ""))

@@ -4,8 +4,9 @@ from __future__ import annotations
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from errors import NotFound
+
 from . import presenters, selectors
-from .errors import NotFound
 from .progress import group_name
 
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from engine_client import client as engine
+from errors import EngineFailure, ServiceError
 from inference import protocol
 from openai_api import formatting
 from openai_api import services as api
-from openai_api.errors import OpenAIError
+from openai_api.errors import error_body
 from openai_api.serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
 
 BATCH_PRIORITY_CLASS = "batch"
@@ -75,7 +76,7 @@ def body_checker_for(user):
     def check(url: str, body: dict):
         try:
             gen = build_call(url, body, models)
-        except OpenAIError as error:
+        except ServiceError as error:
             return error.param, error.message
         if cap is not None and gen.max_tokens > cap:
             return "max_tokens", f"max_tokens is {gen.max_tokens}, but your plan allows at most {cap} per request."
@@ -87,7 +88,7 @@ def body_checker_for(user):
 # ---------------------------------------------------------------- building the engine request
 
 def build_call(url: str, body: dict, models: dict | None = None) -> api.Generation:
-    """The same Generation the live endpoint would build (raises OpenAIError for a bad body)."""
+    """The same Generation the live endpoint would build (raises errors.ServiceError for a bad body)."""
     kind, serializer = ENDPOINTS[url]
     data = api.validate(serializer, body)
     gen = api.Generation(endpoint=kind, model=data["model"], n=data.get("n") or 1, priority=data.get("priority") or 0)
@@ -124,12 +125,14 @@ def outcome(gen: api.Generation, result: dict, latency_ms: float) -> LineOutcome
 
 
 def error_outcome(error: dict, usage: dict, latency_ms: float) -> LineOutcome:
-    failure = api.engine_error(error)
-    return LineOutcome(ok=False, status_code=failure.status, body=failure.body(), usage=usage, latency_ms=latency_ms)
+    failure = EngineFailure.from_event(error)
+    return LineOutcome(ok=False, status_code=failure.status, body=error_body(failure), usage=usage,
+                       latency_ms=latency_ms)
 
 
-def refused_outcome(error: OpenAIError) -> LineOutcome:
-    return LineOutcome(ok=False, status_code=error.status, body=error.body())
+def refused_outcome(error: ServiceError) -> LineOutcome:
+    """A line refused before the engine: its output line carries the /v1 envelope the endpoint would answer."""
+    return LineOutcome(ok=False, status_code=error.status, body=error_body(error))
 
 
 def was_aborted(outcome: LineOutcome) -> bool:

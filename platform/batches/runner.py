@@ -21,8 +21,7 @@ import uuid
 from django import db
 
 from engine_client import client as engine
-from openai_api.errors import OpenAIError
-from quotas.exceptions import PlanViolation
+from errors import ServiceError
 
 from . import conf, engine_calls, progress, quota, selectors, services
 from .collector import Collector
@@ -30,7 +29,8 @@ from .models import Batch, BatchLine
 
 log = logging.getLogger(__name__)
 
-RETRYABLE_CODES = ("worker_lost", "worker_shutdown", "no_worker", "engine_error", "expired")
+# Codes of errors.EngineFailure a line is run again after (engine_unavailable: no worker serves its model).
+RETRYABLE_CODES = ("worker_lost", "worker_shutdown", "engine_unavailable", "engine_error", "expired")
 MAX_ATTEMPTS = 3
 NO_WORKER_PAUSE_S = 10
 
@@ -140,12 +140,8 @@ class BatchRunner:
         except quota.BudgetSpent as spent:
             self.pause(spent.reason, spent.retry_after_s)
             return False
-        except OpenAIError as error:
+        except ServiceError as error:  # the endpoint's or the plan's refusal: the line fails, the batch goes on
             self.fail_before_submit(line, engine_calls.refused_outcome(error))
-            return True
-        except PlanViolation as exc:
-            self.fail_before_submit(line, engine_calls.refused_outcome(
-                OpenAIError(exc.status_code, exc.message, code=exc.code, param=exc.param)))
             return True
         services.clear_paused(self.batch_id)
         if not services.mark_line_running(line, gen.request_id, reservation.as_dict()):
@@ -190,7 +186,7 @@ class BatchRunner:
         code = outcome.error_code
         if code in RETRYABLE_CODES and line.attempts < MAX_ATTEMPTS:
             services.requeue_line(line)
-            if code == "no_worker":
+            if code == "engine_unavailable":
                 self.pause("Waiting: no engine worker is running.", NO_WORKER_PAUSE_S)
             return
         if engine_calls.was_aborted(outcome):

@@ -5,7 +5,8 @@ from datetime import datetime
 
 from django.db.models import Q, QuerySet
 
-from .errors import InvalidRequest, NotFound
+from errors import InvalidRequest, NotFound
+
 from .models import Batch, BatchLine, File
 
 MAX_PAGE = 100

@@ -14,8 +14,9 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from errors import Conflict, InvalidRequest
+
 from . import conf, progress, selectors
-from .errors import Conflict, InvalidRequest
 from .models import Batch, BatchLine, File
 from .validation import SUPPORTED_URLS, validate_jsonl
 

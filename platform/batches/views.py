@@ -7,8 +7,9 @@ from django.http import Http404
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from errors import NotFound, ServiceError
+
 from . import presenters, selectors, services
-from .errors import BatchServiceError, NotFound
 from .validation import SUPPORTED_URLS
 
 
@@ -32,7 +33,7 @@ def upload(request):
         batch = services.create_batch(request.user, input_file_id=file.public_id,
                                       endpoint=request.POST.get("endpoint", SUPPORTED_URLS[0]),
                                       completion_window="24h", metadata=_description(request))
-    except BatchServiceError as exc:
+    except ServiceError as exc:
         messages.error(request, exc.message)
         return redirect("batches:list")
     return redirect("batches:detail", batch_id=batch.public_id)
@@ -55,7 +56,7 @@ def cancel(request, batch_id: str):
     _owned_batch(request, batch_id)
     try:
         services.cancel_batch(request.user, batch_id)
-    except BatchServiceError as exc:
+    except ServiceError as exc:
         messages.error(request, exc.message)
     return redirect("batches:detail", batch_id=batch_id)
 

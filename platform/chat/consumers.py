@@ -18,13 +18,21 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from engine_client import client as engine
-from quotas.exceptions import PlanViolation, QuotaExceeded
+from errors import QuotaExceeded, ServiceError
 
 from . import prompting, selectors, services, streaming
 from .models import Message
 
 WATCH_REFRESH_S = 5.0
 _background: set[asyncio.Task] = set()  # strong references: replies outlive their socket
+
+
+def error_frame(error: ServiceError) -> dict:
+    """The websocket rendering of any ServiceError (a refused quota adds when to retry)."""
+    frame = {"type": "error", "code": error.code, "message": error.message}
+    if isinstance(error, QuotaExceeded):
+        frame["retry_after"] = error.retry_after
+    return frame
 
 
 def _spawn(coro) -> asyncio.Task:
@@ -61,18 +69,18 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive_json(self, content, **kwargs):
         if not isinstance(content, dict):
-            await self.send_error("bad_frame", "Frames are JSON objects.")
+            await self.send_error(ServiceError("Frames are JSON objects.", code="bad_frame"))
             return
         handler = {"send": self.on_send, "edit": self.on_edit, "regenerate": self.on_regenerate,
                    "stop": self.on_stop, "resume": self.on_resume,
                    "select_branch": self.on_select_branch}.get(content.get("type"))
         if handler is None:
-            await self.send_error("bad_frame", "Unknown frame type.")
+            await self.send_error(ServiceError("Unknown frame type.", code="bad_frame"))
             return
         await handler(content)
 
-    async def send_error(self, code: str, message: str, **extra) -> None:
-        await self.send_json({"type": "error", "code": code, "message": message, **extra})
+    async def send_error(self, error: ServiceError) -> None:
+        await self.send_json(error_frame(error))
 
     # ------------------------------------------------------------ starting replies
 
@@ -114,15 +122,12 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
 
     async def _start(self, begin) -> None:
         if self._busy():
-            await self.send_error("busy", "An answer is still being generated; stop it first.")
+            await self.send_error(ServiceError("An answer is still being generated; stop it first.", code="busy"))
             return
         try:
             reply = await database_sync_to_async(begin)()
-        except QuotaExceeded as exc:
-            await self.send_error(exc.code, exc.message, retry_after=exc.retry_after)
-            return
-        except (PlanViolation, services.ChatError) as exc:
-            await self.send_error(exc.code, exc.message if hasattr(exc, "message") else str(exc))
+        except ServiceError as error:
+            await self.send_error(error)
             return
         await self.send_json(await database_sync_to_async(selectors.reply_started_payload)(reply))
         submitted_at = time.time()
@@ -157,7 +162,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         message_id = frame.get("message_id") or (self.follower.message_id if self.follower else None)
         message = await database_sync_to_async(selectors.message_for)(self.user, message_id)
         if message is None or message.status != Message.Status.STREAMING:
-            await self.send_error("not_streaming", "Nothing is being generated.")
+            await self.send_error(ServiceError("Nothing is being generated.", code="not_streaming"))
             return
         await engine.aclient().abort(message.request_id)  # the stream then ends with finish_reason "abort"
 
@@ -165,14 +170,14 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         """After a reload or dropped socket: replay the reply from the start of its output stream."""
         message = await database_sync_to_async(selectors.message_for)(self.user, frame.get("message_id"))
         if message is None:
-            await self.send_error("not_found", "Message not found.")
+            await self.send_error(ServiceError("Message not found.", code="not_found"))
             return
         if message.status != Message.Status.STREAMING:
             await self.send_json({"type": "done", "message": await database_sync_to_async(
                 selectors.message_payload)(message)})
             return
         if self._busy():
-            await self.send_error("busy", "Already following an answer.")
+            await self.send_error(ServiceError("Already following an answer.", code="busy"))
             return
         await self.send_json({"type": "resumed", "message_id": message.pk})
         self._follow(streaming.Follower(message.pk, message.request_id, message.model, self.send_json, owner=False))
@@ -185,7 +190,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
 
         try:
             branch = await database_sync_to_async(select)()
-        except services.ChatError as exc:
-            await self.send_error(exc.code, str(exc))
+        except ServiceError as error:
+            await self.send_error(error)
             return
         await self.send_json({"type": "branch", "messages": branch})

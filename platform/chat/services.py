@@ -14,6 +14,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from engine_client import client as engine
+from errors import InvalidRequest
 from inference import protocol
 from quotas import services as quotas
 from quotas.ledger import Reservation
@@ -27,12 +28,10 @@ TITLE_LENGTH = 60
 MAX_MESSAGE_CHARS = 32_000
 
 
-class ChatError(ValueError):
+class ChatError(InvalidRequest):
     """A request the playground refuses with a readable message (bad input, not found)."""
 
-    def __init__(self, message: str, code: str = "invalid_request"):
-        super().__init__(message)
-        self.code = code
+    code = "invalid_request"
 
 
 @dataclass(frozen=True)

@@ -21,20 +21,19 @@ from django.http import JsonResponse, StreamingHttpResponse
 from accounts.authentication import bearer_token
 from accounts.services import authenticate_api_key
 from engine_client import client as engine
+from errors import AuthenticationFailed, EngineFailure, EngineUnavailable, InvalidRequest, NotFound, ServiceError
 from inference import protocol
 from quotas import selectors as quota_selectors
 from quotas import services as quotas
 from usage.services import record_usage
 
 from . import formatting, tokenization
-from .errors import OpenAIError, error_response, sse_error
+from .errors import error_response, sse_error
 from .serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
 
 log = logging.getLogger("tessera.api")
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-ENGINE_ERROR_STATUS = {"invalid_request": 400, "no_worker": 503, "worker_lost": 503, "worker_shutdown": 503,
-                       "expired": 503, "timeout": 504, "engine_error": 500}
 QUOTA_RENEW_S = 30.0
 WORKERS_MAX_AGE_S = 1.0
 
@@ -109,9 +108,8 @@ def models_from_workers(workers: list[dict]) -> dict[str, dict]:
 
 
 async def served_models() -> dict[str, dict]:
-    models = models_from_workers(await engine.aclient().workers())
-    models.setdefault(configured_model_name(), {"max_model_len": None, "model_path": settings.MODEL, "created": 0})
-    return models
+    """What /v1/models lists: the names (aliases included) that live workers serve right now."""
+    return models_from_workers(await engine.aclient().workers())
 
 
 def model_card(name: str, info: dict) -> dict:
@@ -145,11 +143,11 @@ def warm_up_in_background() -> None:
 def authenticate(request, gen: Generation) -> None:
     raw = bearer_token(request.headers.get("Authorization"))
     if raw is None:
-        raise OpenAIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.",
-                          code="missing_api_key")
+        raise AuthenticationFailed("You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.",
+                                   code="missing_api_key")
     key = authenticate_api_key(raw)
     if key is None:
-        raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        raise AuthenticationFailed("Incorrect API key provided.")
     gen.api_key, gen.user = key, key.user
 
 
@@ -157,9 +155,9 @@ def parse_json(request) -> dict:
     try:
         body = json.loads(request.body or b"")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise OpenAIError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
+        raise InvalidRequest(f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
-        raise OpenAIError(400, "The request body must be a JSON object.", code="invalid_json")
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
     return body
 
 
@@ -168,7 +166,7 @@ def validate(serializer_cls, body: dict) -> dict:
     if serializer.is_valid():
         return serializer.validated_data
     param, message = _first_error(serializer.errors)
-    raise OpenAIError(400, f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
+    raise InvalidRequest(f"Invalid value for '{param}': {message}", param=param)
 
 
 def _first_error(errors, prefix="") -> tuple[str, str]:
@@ -216,7 +214,7 @@ def check_sampling_params(params: dict) -> None:
     except (ValueError, TypeError) as exc:
         message = str(exc)
         param = message.split(" ", 1)[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
-        raise OpenAIError(400, message, param=param, code="invalid_value") from None
+        raise InvalidRequest(message, param=param) from None
 
 
 def context_check(gen: Generation, requested_max: int | None, max_model_len: int | None, prompt_param: str,
@@ -230,10 +228,10 @@ def context_check(gen: Generation, requested_max: int | None, max_model_len: int
         return requested_max or min(16, default_cap or 16)
     if gen.prompt_tokens >= max_model_len or (requested_max and gen.prompt_tokens + requested_max > max_model_len):
         asked = gen.prompt_tokens + (requested_max or 0)
-        raise OpenAIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                               f"requested {asked} tokens ({gen.prompt_tokens} in the {prompt_param}, "
-                               f"{requested_max or 0} in the completion). Please reduce the length.",
-                          param=prompt_param, code="context_length_exceeded")
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                             f"requested {asked} tokens ({gen.prompt_tokens} in the {prompt_param}, "
+                             f"{requested_max or 0} in the completion). Please reduce the length.",
+                             param=prompt_param, code="context_length_exceeded")
     return requested_max or min(max_model_len - gen.prompt_tokens, default_cap or max_model_len)
 
 
@@ -265,20 +263,21 @@ def admit(request, gen: Generation) -> None:
 
 
 def resolve_model(name: str) -> dict:
-    """The live workers' facts about `name`: 404 for a model nobody serves, 503 when no worker is up.
+    """The live workers' facts about `name`: 404 for a model no live worker serves (requests are
+    routed by name, so nobody else would answer it); 503 for the configured model while no worker
+    at all is up (a restart, not a wrong name).
 
     A snapshot up to WORKERS_MAX_AGE_S old is good enough: a worker that died since then fails the
-    request with worker_lost / no_worker through the stream instead of a 503 up front.
+    request with worker_lost / no_worker through the stream instead of an error up front.
     """
     workers = engine.client().workers(max_age=WORKERS_MAX_AGE_S)
     models = models_from_workers(workers)
-    if name not in models and name != configured_model_name():
-        raise OpenAIError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
-    if name not in models:
-        message = f"No engine worker is serving '{name}' right now." if workers else \
-            "No engine worker is running; try again shortly."
-        raise OpenAIError(503, message, code="engine_unavailable")
-    return models[name]
+    if name in models:
+        return models[name]
+    if not workers and name == configured_model_name():
+        raise EngineUnavailable("No engine worker is running; try again shortly.")
+    raise NotFound(f"The model '{name}' does not exist or no engine worker is serving it.", param="model",
+                   code="model_not_found")
 
 
 def apply_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
@@ -290,7 +289,7 @@ def apply_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, st
 def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
     """Render the messages with the model's chat template."""
     if data.get("top_logprobs") is not None and not data.get("logprobs"):
-        raise OpenAIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs", code="invalid_value")
+        raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
     messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
     gen.prompt_token_ids = tokenization.chat_prompt_ids(path, messages)
     gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
@@ -299,7 +298,7 @@ def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str
 
 def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
     if data.get("best_of") not in (None, gen.n):
-        raise OpenAIError(400, "best_of must equal n (or be omitted).", param="best_of", code="invalid_value")
+        raise InvalidRequest("best_of must equal n (or be omitted).", param="best_of")
     prompt = data["prompt"]
     if isinstance(prompt, list):
         gen.prompt_token_ids = list(prompt)
@@ -316,13 +315,10 @@ def reserve_quota(gen: Generation, plan) -> None:
     try:
         gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.n, "api",
                                          plan=plan)
-    except quotas.QuotaExceeded as exc:
-        raise OpenAIError(429, exc.message, code=exc.code, type=exc.error_type, headers=exc.headers) from None
     except quotas.PlanViolation as exc:
-        message = exc.message
         if exc.code == "max_tokens_exceeded" and gen.n > 1:
-            message += f" With n={gen.n}, n x max_tokens counts against that cap."
-        raise OpenAIError(exc.status_code, message, code=exc.code, param=exc.param) from None
+            exc.message += f" With n={gen.n}, n x max_tokens counts against that cap."
+        raise
     gen.headers = quotas.rate_limit_headers(gen.user, plan)
 
 
@@ -341,8 +337,8 @@ async def events(gen: Generation):
             elif kind == "finish":
                 gen.usage, terminal = event.get("usage"), True
             elif kind == "error":
-                gen.error_code, terminal = event.get("code", "engine_error"), True
-                gen.status_code = ENGINE_ERROR_STATUS.get(gen.error_code, 500)
+                failure, terminal = EngineFailure.from_event(event), True
+                gen.status_code, gen.error_code = failure.status, failure.code
             if time.monotonic() - last_renew > QUOTA_RENEW_S:
                 last_renew = time.monotonic()
                 await bookkeeping(quotas.renew)(gen.reservation)
@@ -380,14 +376,6 @@ def settle_and_record(gen: Generation, usage: dict, latency_ms: float) -> None:
         ttft_ms=gen.ttft_ms, latency_ms=latency_ms, status_code=gen.status_code, error_code=gen.error_code)
 
 
-def engine_error(event: dict) -> OpenAIError:
-    code = event.get("code", "engine_error")
-    if code == "no_worker":  # the same refusal as resolve_model's, whichever check saw it first
-        return OpenAIError(503, event.get("message", code), code="engine_unavailable")
-    status = ENGINE_ERROR_STATUS.get(code, 500)
-    return OpenAIError(status, event.get("message", code), code=code, param=event.get("param"))
-
-
 # ---------------------------------------------------------------- the whole request
 
 async def handle_generation(request, endpoint: str):
@@ -402,8 +390,8 @@ async def handle_generation(request, endpoint: str):
         if gen.stream:
             return await _streaming_response(gen)
         return await _json_response(gen)
-    except OpenAIError as error:
-        gen.status_code, gen.error_code = error.status, error.code or error.type
+    except ServiceError as error:
+        gen.status_code, gen.error_code = error.status, error.code
         if gen.reservation is not None or gen.user is not None:
             await _finish(gen)
         response = error_response(error)
@@ -417,7 +405,7 @@ async def _json_response(gen: Generation):
     async for event in events(gen):
         engine.fold(result, event)
     if result["error"]:
-        raise engine_error(result["error"])
+        raise EngineFailure.from_event(result["error"])
     engine.finalize(result, gen.n)
     body = (formatting.chat_response if gen.endpoint == "chat" else formatting.completion_response)(gen, result)
     response = JsonResponse(body)
@@ -432,7 +420,7 @@ async def _streaming_response(gen: Generation):
     first = await anext(stream)
     if first["type"] == "error":
         await stream.aclose()
-        raise engine_error(first)
+        raise EngineFailure.from_event(first)
     response = StreamingHttpResponse(_sse(gen, first, stream), content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"  # proxies must not buffer tokens
@@ -459,7 +447,7 @@ async def _sse(gen: Generation, first: dict, stream):
                     yield chunk
                 break
             elif event["type"] == "error":
-                yield sse_error(engine_error(event))
+                yield sse_error(EngineFailure.from_event(event))
                 break
             event = await anext(stream, None)
             if event is None:

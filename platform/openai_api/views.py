@@ -13,9 +13,10 @@ from rest_framework.views import APIView
 
 from accounts.authentication import ApiKeyAuthentication
 from engine_client import client as engine
+from errors import NotFound, ServiceError
 
 from . import metrics, services
-from .errors import OpenAIError, error_response
+from .errors import error_response
 from .serializers import (ChatCompletionRequestSerializer, ChatCompletionSerializer, CompletionRequestSerializer,
                           CompletionSerializer, ErrorSerializer, HealthSerializer, ModelListSerializer,
                           ModelSerializer)
@@ -39,8 +40,8 @@ class AsyncAPIView(APIView):
         async def view(request, *args, **kwargs):
             handler = getattr(cls(**initkwargs), request.method.lower(), None)
             if handler is None:
-                return error_response(OpenAIError(405, f"Method {request.method} is not allowed on {request.path}.",
-                                                  code="method_not_allowed"))
+                return error_response(ServiceError(f"Method {request.method} is not allowed on {request.path}.",
+                                                   status=405, code="method_not_allowed"))
             return await handler(request, *args, **kwargs)
 
         markcoroutinefunction(view)
@@ -62,10 +63,10 @@ class CompletionsView(AsyncAPIView):
         return await services.handle_generation(request, "completions")
 
 
-async def _authenticated(request) -> OpenAIError | None:
+async def _authenticated(request) -> ServiceError | None:
     try:
         await services.bookkeeping(services.authenticate)(request, services.Generation(endpoint="models"))
-    except OpenAIError as error:
+    except ServiceError as error:
         return error
     return None
 
@@ -86,8 +87,8 @@ class ModelDetailView(AsyncAPIView):
             return error_response(error)
         models = await services.served_models()
         if model not in models:
-            return error_response(OpenAIError(404, f"The model '{model}' does not exist.", param="model",
-                                              code="model_not_found"))
+            return error_response(NotFound(f"The model '{model}' does not exist.", param="model",
+                                           code="model_not_found"))
         return JsonResponse(services.model_card(model, models[model]))
 
 

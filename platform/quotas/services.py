@@ -6,7 +6,8 @@ reservation that is never settled still frees its concurrency slot when its leas
 """
 from __future__ import annotations
 
-from .exceptions import PlanViolation, QuotaExceeded
+from errors import PlanViolation, QuotaExceeded
+
 from .ledger import Reservation
 from .limits import PlanLimits
 from .selectors import get_ledger, headers_for, plan_for, quota_status, rate_limit_headers
@@ -33,7 +34,7 @@ def check_plan(plan: PlanLimits, model: str, max_tokens: int) -> None:
     """Refuse requests the plan can never admit (not retryable, so not a 429)."""
     if not plan.allows_model(model):
         raise PlanViolation(f"Your plan does not include the model '{model}'.", code="model_not_allowed",
-                            param="model", status_code=403)
+                            param="model", status=403)
     if plan.max_tokens_per_request is not None and max_tokens > plan.max_tokens_per_request:
         raise PlanViolation(f"max_tokens is {max_tokens}, but your plan allows at most "
                             f"{plan.max_tokens_per_request} per request.", code="max_tokens_exceeded",
@@ -53,7 +54,7 @@ def reserve(user, model: str, prompt_tokens: int, max_tokens: int, source: str, 
         return outcome
     limit_value = getattr(plan, outcome.limit)
     message = REFUSAL_MESSAGES[outcome.limit].format(limit=limit_value, retry=outcome.retry_after_s, tokens=tokens)
-    raise QuotaExceeded(code=REFUSAL_CODES[outcome.limit], message=message, retry_after=outcome.retry_after_s,
+    raise QuotaExceeded(message, code=REFUSAL_CODES[outcome.limit], retry_after=outcome.retry_after_s,
                         headers=headers_for(quota_status(user, plan)), limit=outcome.limit)
 
 

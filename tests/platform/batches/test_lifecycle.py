@@ -10,10 +10,10 @@ from django.utils import timezone
 from batch_testing import chat_line, jsonl
 from batches import presenters, selectors, services
 from batches.engine_calls import LineOutcome
-from batches.errors import Conflict
 from batches.models import Batch, BatchLine
 from batches.quota import batch_ledger
 from batches.runner import BatchRunner
+from errors import Conflict
 from usage.models import UsageRecord
 
 pytestmark = pytest.mark.django_db

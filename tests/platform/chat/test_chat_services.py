@@ -6,8 +6,8 @@ import pytest
 from chat import params as chat_params
 from chat import selectors, services
 from chat.models import Conversation, Message
+from errors import PlanViolation, QuotaExceeded
 from quotas import selectors as quota_selectors
-from quotas.exceptions import PlanViolation, QuotaExceeded
 from usage.models import UsageRecord
 
 PANEL = {"model": "tiny", "system_prompt": "Be brief.", "params": {"temperature": 0, "max_tokens": 8}}

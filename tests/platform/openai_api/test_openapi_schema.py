@@ -83,9 +83,10 @@ def test_response_bodies_match_their_documented_components(schema, endpoint, pat
     ok = schema["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     _check_body(schema, body, _component(schema, ok), path)
     error = schema["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
-    from openai_api.errors import OpenAIError
+    from errors import InvalidRequest
+    from openai_api.errors import error_body
 
-    _check_body(schema, OpenAIError(400, "bad", param="n").body(), _component(schema, error), path + " 400")
+    _check_body(schema, error_body(InvalidRequest("bad", param="n")), _component(schema, error), path + " 400")
 
 
 def test_model_cards_match_the_documented_model(schema):

@@ -4,8 +4,9 @@ import time
 import pytest
 from django.contrib.auth import get_user_model
 
+from errors import PlanViolation, QuotaExceeded
+from openai_api.errors import error_body
 from quotas import selectors, services
-from quotas.exceptions import PlanViolation, QuotaExceeded
 from quotas.ledger import QuotaLedger
 from quotas.models import Plan, UserPlan
 
@@ -42,11 +43,12 @@ def test_concurrency_refusal_is_rate_limit_exceeded_with_headers(user, small_pla
     with pytest.raises(QuotaExceeded) as refused:
         services.reserve(user, "tiny", 10, 20, source="test")
     err = refused.value
-    assert (err.code, err.limit, err.status_code) == ("rate_limit_exceeded", "concurrent_requests", 429)
+    assert (err.code, err.limit, err.status) == ("rate_limit_exceeded", "concurrent_requests", 429)
     assert err.headers["Retry-After"] == "1"
     assert err.headers["x-ratelimit-limit-requests"] == "3"
     assert err.headers["x-ratelimit-remaining-requests"] == "1"
-    assert err.as_error()["error"]["code"] == "rate_limit_exceeded"
+    assert error_body(err)["error"] == {"message": err.message, "type": "rate_limit_error", "param": None,
+                                       "code": "rate_limit_exceeded"}
 
 
 def test_token_budget_refusal_is_insufficient_quota(user, small_plan, isolated_quota_prefix):
@@ -55,7 +57,7 @@ def test_token_budget_refusal_is_insufficient_quota(user, small_plan, isolated_q
         services.reserve(user, "tiny", 50, 100, source="test")  # 200 + 150 > 300 a day
     assert (refused.value.code, refused.value.limit) == ("insufficient_quota", "tokens_per_day")
     assert refused.value.retry_after >= 1
-    assert refused.value.as_error()["error"]["type"] == "insufficient_quota"
+    assert error_body(refused.value)["error"]["type"] == "insufficient_quota"
 
     services.settle(first, 100, 10)  # actual usage 110 frees 90 reserved tokens
     services.reserve(user, "tiny", 50, 100, source="test")
@@ -64,7 +66,7 @@ def test_token_budget_refusal_is_insufficient_quota(user, small_plan, isolated_q
 def test_plan_violations_are_not_quota_refusals(user, small_plan, isolated_quota_prefix):
     with pytest.raises(PlanViolation) as wrong_model:
         services.reserve(user, "big", 1, 1, source="test")
-    assert (wrong_model.value.code, wrong_model.value.param, wrong_model.value.status_code) == (
+    assert (wrong_model.value.code, wrong_model.value.param, wrong_model.value.status) == (
         "model_not_allowed", "model", 403)
     with pytest.raises(PlanViolation) as too_long:
         services.reserve(user, "tiny", 1, 101, source="test")
