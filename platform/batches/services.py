@@ -17,6 +17,8 @@ from django.utils import timezone
 from errors import Conflict, InvalidRequest
 
 from . import conf, progress, selectors
+from .tasks import run_batch as run_batch_task
+from .tasks import validate_batch as validate_batch_task
 from .models import Batch, BatchLine, File
 from .validation import SUPPORTED_URLS, validate_jsonl
 
@@ -81,7 +83,7 @@ def create_batch(user, *, input_file_id, endpoint, completion_window, metadata=N
     batch = Batch.objects.create(user=user, input_file=file, input_file_public_id=file.public_id,
                                  endpoint=endpoint, completion_window=completion_window, metadata=metadata,
                                  expires_at=now + timedelta(seconds=windows[completion_window]))
-    _enqueue_on_commit("validate_batch", batch.pk)
+    _enqueue_on_commit(validate_batch_task, batch.pk)
     return batch
 
 
@@ -139,7 +141,7 @@ def _start(batch: Batch, lines) -> None:
             [BatchLine(batch_id=batch.pk, line_number=ln.line_number, custom_id=ln.custom_id, method=ln.method,
                        url=ln.url, body=ln.body) for ln in lines],
             batch_size=500, ignore_conflicts=True)
-        _enqueue_on_commit("run_batch", batch.pk)
+        _enqueue_on_commit(run_batch_task, batch.pk)
     progress.push(batch.pk)
 
 
@@ -150,11 +152,8 @@ def _finish_cancel_before_start(batch: Batch) -> None:
         progress.push(batch.pk)
 
 
-def _enqueue_on_commit(task_name: str, batch_id: int) -> None:
+def _enqueue_on_commit(task, batch_id: int) -> None:
     """Tasks carry ids only and are sent after the rows they read are committed."""
-    from . import tasks
-
-    task = getattr(tasks, task_name)
     transaction.on_commit(lambda: task.delay(batch_id))
 
 
@@ -172,7 +171,7 @@ def cancel_batch(user, batch_id: str) -> Batch:
         raise Conflict(f"Batch {batch_id} is {batch.status} and cannot be cancelled.", code="invalid_state")
     with transaction.atomic():
         # A runner that is alive notices within one loop; otherwise this task finalizes the cancel.
-        task = "validate_batch" if batch.status == Batch.Status.VALIDATING else "run_batch"
+        task = validate_batch_task if batch.status == Batch.Status.VALIDATING else run_batch_task
         _enqueue_on_commit(task, batch.pk)
     progress.push(batch.pk)
     return selectors.get_batch(user, batch_id)

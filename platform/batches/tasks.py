@@ -1,5 +1,8 @@
 """Celery tasks: ids only, idempotent, thin (the work is in services and the runner).
 
+Task bodies import what they call (HackSoft's rule): services enqueue these tasks, so a
+module-level import of services here would be a cycle.
+
 acks_late + reject_on_worker_lost: a task whose worker dies is delivered again, and running it
 again is harmless (status checks, the runner lease, per-line conditional updates). The periodic
 watchdog also restarts batches whose runner vanished, without waiting for the broker's
@@ -12,8 +15,6 @@ import logging
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
-from . import services
-
 log = logging.getLogger(__name__)
 
 TASK_OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result": True}
@@ -21,7 +22,9 @@ TASK_OPTIONS = {"acks_late": True, "reject_on_worker_lost": True, "ignore_result
 
 @shared_task(name="batches.validate_batch", **TASK_OPTIONS)
 def validate_batch(batch_id: int) -> None:
-    services.validate_batch(batch_id)
+    from .services import validate_batch as validate
+
+    validate(batch_id)
 
 
 @shared_task(name="batches.run_batch", **TASK_OPTIONS)
@@ -39,6 +42,8 @@ def run_batch(batch_id: int) -> str:
 @shared_task(name="batches.watchdog", **TASK_OPTIONS)
 def watchdog() -> dict:
     """Expire overdue batches and restart batches that have no live runner (crash, lost task, pause over)."""
+    from . import services
+
     expired = services.expire_overdue_batches()
     stalled = services.mark_kicked(services.batches_needing_a_runner())
     for batch_id in stalled:
@@ -48,4 +53,6 @@ def watchdog() -> dict:
 
 @shared_task(name="batches.delete_expired_files", **TASK_OPTIONS)
 def delete_expired_files() -> int:
-    return services.delete_expired_files()
+    from .services import delete_expired_files as delete
+
+    return delete()
