@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
 FUZZ_MAX_EXAMPLES ?= 25
 FUZZ_RANDOM ?= 0
 
-.PHONY: install browser assets test screenshots security bench run clean
+.PHONY: install browser assets test chaos screenshots security bench run clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -36,8 +36,14 @@ $(ASSETS): package.json package-lock.json
 	cp node_modules/chart.js/dist/chart.umd.min.js node_modules/chart.js/dist/chart.umd.min.js.map var/assets/vendor/
 	touch $(ASSETS)
 
+# The chaos suite's fast scenario runs here; the whole suite is `make chaos`.
 test: install browser assets
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not chaos or chaos_fast"
+
+# Faults injected into the real stack on loopback (tests/chaos): prints the table of scenarios and
+# figures (the README's "Reliability" section) and writes it to var/chaos-report.md.
+chaos: install
+	$(BIN)/python -m pytest -m chaos tests/chaos
 
 # The README's screenshots (docs/screenshots/) are refreshed only here; a plain test run writes them
 # to var/test-screenshots/ (tests/platform/browser_output.py), so tests never touch tracked files.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 import urllib.error
@@ -26,6 +27,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
+from inference import protocol
 from tessera import embedded_redis, exposure
 from tessera.supervisor import Exited, RestartPolicy, Supervisor
 
@@ -217,7 +221,24 @@ def service_commands(cfg: RunConfig) -> dict[str, list[str]]:
 
 def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str]) -> None:
     for name, argv in service_commands(cfg).items():
-        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR), restart=RESTART)
+        on_exit = forget_engine_worker(env["REDIS_URL"], supervisor) if name == "engine" else None
+        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR), restart=RESTART, on_exit=on_exit)
+
+
+def forget_engine_worker(redis_url: str, supervisor: Supervisor):
+    """An on_exit hook: delete the heartbeat of the engine worker that just died (found by its pid),
+    so clients following its requests get `worker_lost` at once rather than when the heartbeat
+    expires (ENGINE_HEARTBEAT_TTL); the restarted worker then reaps its pending requests."""
+    def forget(child) -> None:
+        try:
+            r = redis.Redis.from_url(redis_url, socket_timeout=2)
+            for worker_id in r.smembers(protocol.WORKERS_SET):
+                key = protocol.heartbeat_key(worker_id.decode())
+                if r.hget(key, "pid") == str(child.pid).encode() and r.hget(key, "host") == socket.gethostname().encode():
+                    r.delete(key)
+        except redis.RedisError as exc:
+            supervisor.say(f"could not remove the dead engine's heartbeat ({exc}); clients notice it within the TTL")
+    return forget
 
 
 def wait_until_ready(supervisor: Supervisor, cfg: RunConfig) -> Exited | None:

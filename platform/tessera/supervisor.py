@@ -45,10 +45,12 @@ class Child:
     env: dict | None = None
     cwd: str | None = None
     restart: RestartPolicy | None = None
+    on_exit: Callable[["Child"], None] | None = None  # called once per death, before any restart
     started_at: float = field(default_factory=time.monotonic)
     fast_failures: int = 0  # deaths in a row, each soon after its start
     restarts: int = 0
     restart_at: float | None = None  # set while the child waits out its backoff
+    down: "Exited | None" = None  # set once it is down for good (no policy, or given up)
 
     @property
     def pid(self) -> int:
@@ -84,9 +86,10 @@ class Supervisor:
     _hurry: bool = False
 
     def start(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None,
-              tier: int = 1, restart: RestartPolicy | None = None) -> Child:
+              tier: int = 1, restart: RestartPolicy | None = None,
+              on_exit: Callable[[Child], None] | None = None) -> Child:
         """Start argv as a child whose output lines are printed as 'name | line'."""
-        child = Child(name, argv, _spawn(argv, env, cwd), tier, env=env, cwd=cwd, restart=restart)
+        child = Child(name, argv, _spawn(argv, env, cwd), tier, env=env, cwd=cwd, restart=restart, on_exit=on_exit)
         self._pump_output(child)
         self.children.append(child)
         return child
@@ -125,15 +128,19 @@ class Supervisor:
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     self._respawn(child)
+            elif child.down is not None:
+                return child.down
             elif not child.running():
-                exited = self._died(child, now)
-                if exited:
-                    return exited
+                child.down = self._died(child, now)
+                if child.down:
+                    return child.down
         return None
 
     def _died(self, child: Child, now: float) -> Exited | None:
         exited = Exited(child.name, child.process.returncode)
         _signal_group(child, signal.SIGKILL)  # what is left of its group (e.g. Celery's pool processes)
+        if child.on_exit is not None:
+            child.on_exit(child)
         policy = child.restart
         if policy is None:
             return exited

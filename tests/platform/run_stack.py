@@ -99,10 +99,14 @@ class RunStack:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+    def mark(self) -> int:
+        """Where the output ends now: wait_for(..., since=mark) looks only at what comes later."""
+        return len(self.output())
+
+    def wait_for(self, pattern: str, timeout: float, since: int = 0) -> re.Match:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            match = re.search(pattern, self.output(), re.MULTILINE)
+            match = re.search(pattern, self.output()[since:], re.MULTILINE)
             if match:
                 return match
             if self.process.poll() is not None:

@@ -198,3 +198,20 @@ def test_what_is_left_of_a_dead_childs_group_is_killed_before_the_restart():
         assert _wait_for(lambda: not _alive(orphan))
     finally:
         sup.stop()
+
+
+def test_on_exit_is_called_once_per_death_with_the_dead_process():
+    sup = Supervisor(out=io.StringIO())
+    dead = []
+    child = sup.start("engine", [PY, "-c", "import time; time.sleep(60)"], restart=RestartPolicy(backoff_s=0.1),
+                      on_exit=lambda c: dead.append(c.pid))
+    try:
+        first = child.pid
+        os.kill(first, signal.SIGKILL)
+        assert sup.watch(poll_seconds=0.02, until=lambda: child.restarts == 1) is None
+        os.kill(child.pid, signal.SIGKILL)
+        second = child.pid
+        assert sup.watch(poll_seconds=0.02, until=lambda: child.restarts == 2) is None
+    finally:
+        sup.stop()
+    assert dead == [first, second]
