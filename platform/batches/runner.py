@@ -202,8 +202,8 @@ class BatchRunner:
         return dict(user=self.user, source="batch", endpoint=line.url, model=gen.model,
                     request_id=line.engine_request_id, prompt_tokens=usage.get("prompt_tokens", 0),
                     completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
-                    ttft_ms=metrics.get("ttft_ms"), latency_ms=outcome.latency_ms, status_code=outcome.status_code,
-                    error_code=outcome.error_code or "")
+                    ttft_ms=submitted_ttft_ms(metrics), engine_ttft_ms=metrics.get("ttft_ms"),
+                    latency_ms=outcome.latency_ms, status_code=outcome.status_code, error_code=outcome.error_code or "")
 
     # ------------------------------------------------------------ endings
 
@@ -263,6 +263,15 @@ class BatchRunner:
         if self.dirty and now - self.last_push >= conf.get("BATCH_PROGRESS_INTERVAL"):
             progress.push(self.batch_id)
             self.dirty, self.last_push = False, now
+
+
+def submitted_ttft_ms(metrics: dict) -> float | None:
+    """A line's TTFT from its submission (its "arrival"): the wait in the queue plus the engine's TTFT.
+
+    The runner polls coarsely, so it cannot see the first token arrive; the worker's own times can."""
+    if metrics.get("queue_ms") is None or metrics.get("ttft_ms") is None:
+        return None
+    return metrics["queue_ms"] + metrics["ttft_ms"]
 
 
 def run_batch(batch_id: int) -> str:

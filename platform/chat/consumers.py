@@ -121,6 +121,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         return message
 
     async def _start(self, begin) -> None:
+        arrived_at = time.time()  # TTFT and latency count from here, as the user waits
         if self._busy():
             await self.send_error(ServiceError("An answer is still being generated; stop it first.", code="busy"))
             return
@@ -130,9 +131,8 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await self.send_error(error)
             return
         await self.send_json(await database_sync_to_async(selectors.reply_started_payload)(reply))
-        submitted_at = time.time()
         follower = streaming.Follower(reply.message_id, reply.request_id, reply.model, self.send_json, owner=True,
-                                      submitted_at=submitted_at)
+                                      arrived_at=arrived_at)
         try:
             await engine.aclient().submit(model=reply.model, prompt_token_ids=reply.prompt_token_ids,
                                           sampling_params=reply.sampling_params, priority_class="interactive",

@@ -177,7 +177,8 @@ class Outcome:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
-    ttft_ms: float | None = None
+    ttft_ms: float | None = None  # from the websocket frame's arrival (usage.models.UsageRecord)
+    engine_ttft_ms: float | None = None  # from the worker's acceptance (the finish event's metrics)
     latency_ms: float | None = None
 
     @property
@@ -217,7 +218,8 @@ def finish_reply(message_id: int, outcome: Outcome) -> Message | None:
         usage.record_usage(
             user=message.conversation.user, source="playground", endpoint="playground", model=message.model,
             request_id=message.request_id, prompt_tokens=prompt_tokens, completion_tokens=outcome.completion_tokens,
-            cached_tokens=outcome.cached_tokens, ttft_ms=outcome.ttft_ms, latency_ms=outcome.latency_ms,
+            cached_tokens=outcome.cached_tokens, ttft_ms=outcome.ttft_ms, engine_ttft_ms=outcome.engine_ttft_ms,
+            latency_ms=outcome.latency_ms,
             status_code=500 if outcome.error else 200, error_code=outcome.error_code)
     if message.reservation:
         quotas.settle(Reservation.from_dict(message.reservation), prompt_tokens, outcome.completion_tokens)

@@ -47,13 +47,13 @@ class Follower:
     """Reads a reply's events; `send` is swapped to a no-op when the socket goes away."""
 
     def __init__(self, message_id: int, request_id: str, model: str, send: Send | None, *, owner: bool,
-                 submitted_at: float | None = None):
+                 arrived_at: float | None = None):
         self.message_id = message_id
         self.request_id = request_id
         self.model = model
         self.send = send
         self.owner = owner
-        self.submitted_at = submitted_at or time.time()
+        self.arrived_at = arrived_at or time.time()  # when the frame asking for this reply arrived
         self.text: list[str] = []
         self.completion_tokens = 0
         self.first_token_at: float | None = None
@@ -92,6 +92,7 @@ class Follower:
             self.outcome.prompt_tokens = usage.get("prompt_tokens")
             self.outcome.completion_tokens = usage.get("completion_tokens", self.completion_tokens)
             self.outcome.cached_tokens = usage.get("cached_tokens") or 0
+            self.outcome.engine_ttft_ms = (event.get("metrics") or {}).get("ttft_ms")
         elif kind == "error":
             self.outcome.error = event.get("message") or "The engine failed."
             self.outcome.error_code = event.get("code", "engine_error")
@@ -128,9 +129,9 @@ class Follower:
             await self._wait_for_owner()
         self.outcome.content = "".join(self.text)
         if self.owner and self.first_token_at is not None:
-            self.outcome.ttft_ms = round((self.first_token_at - self.submitted_at) * 1000, 1)
+            self.outcome.ttft_ms = round((self.first_token_at - self.arrived_at) * 1000, 1)
         if self.owner:
-            self.outcome.latency_ms = round((time.time() - self.submitted_at) * 1000, 1)
+            self.outcome.latency_ms = round((time.time() - self.arrived_at) * 1000, 1)
         await database_sync_to_async(services.finish_reply)(self.message_id, self.outcome)
         payload = await database_sync_to_async(_payload)(self.message_id)
         if payload is not None:

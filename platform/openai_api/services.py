@@ -60,7 +60,8 @@ class Generation:
     reservation: object = None
     headers: dict = field(default_factory=dict)
     # outcome
-    ttft_ms: float | None = None
+    ttft_ms: float | None = None  # from the HTTP request's arrival (usage.models.UsageRecord)
+    engine_ttft_ms: float | None = None  # from the worker's acceptance (the finish event's metrics)
     completion_tokens: int = 0
     usage: dict | None = None
     status_code: int = 200
@@ -336,6 +337,7 @@ async def events(gen: Generation):
                     gen.ttft_ms = (time.perf_counter() - gen.started) * 1000
             elif kind == "finish":
                 gen.usage, terminal = event.get("usage"), True
+                gen.engine_ttft_ms = (event.get("metrics") or {}).get("ttft_ms")
             elif kind == "error":
                 failure, terminal = EngineFailure.from_event(event), True
                 gen.status_code, gen.error_code = failure.status, failure.code
@@ -373,7 +375,8 @@ def settle_and_record(gen: Generation, usage: dict, latency_ms: float) -> None:
         user=gen.user, api_key=gen.api_key, source="api", endpoint=ENDPOINTS[gen.endpoint], model=gen.model,
         request_id=gen.request_id, prompt_tokens=usage.get("prompt_tokens", gen.prompt_tokens),
         completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
-        ttft_ms=gen.ttft_ms, latency_ms=latency_ms, status_code=gen.status_code, error_code=gen.error_code)
+        ttft_ms=gen.ttft_ms, engine_ttft_ms=gen.engine_ttft_ms, latency_ms=latency_ms, status_code=gen.status_code,
+        error_code=gen.error_code)
 
 
 # ---------------------------------------------------------------- the whole request

@@ -1,4 +1,10 @@
-"""One row per generation request from any entry point (playground, /v1 API, batch lines)."""
+"""One row per generation request from any entry point (playground, /v1 API, batch lines).
+
+Two TTFTs, each with one definition for every entry point: ttft_ms runs from the request's
+arrival at Tessera (the HTTP request, the websocket frame, the batch line's submission) to its
+first token, as its client sees it (the dashboard charts this one); engine_ttft_ms runs from the
+engine worker's acceptance of the request to its first token (docs/protocol.md, finish metrics).
+"""
 from django.conf import settings
 from django.db import models
 
@@ -19,7 +25,9 @@ class UsageRecord(models.Model):
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
-    ttft_ms = models.FloatField(null=True, blank=True)
+    ttft_ms = models.FloatField(null=True, blank=True, help_text="time to first token from the request's arrival (ms)")
+    engine_ttft_ms = models.FloatField(null=True, blank=True,
+                                       help_text="time to first token from the engine worker's acceptance (ms)")
     latency_ms = models.FloatField(null=True, blank=True)
     status_code = models.PositiveSmallIntegerField(default=200)
     error_code = models.CharField(max_length=64, blank=True)

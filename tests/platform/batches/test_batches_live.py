@@ -115,6 +115,9 @@ def test_200_line_batch_every_line_once_and_equal_to_one_by_one_requests(client,
 
     sources = dict(stack.sql("SELECT source, COUNT(*) FROM usage_usagerecord GROUP BY source"))
     assert sources.get("batch") == 200  # one usage row per line, source "batch"
+    # both TTFTs: from the line's submission (queue + engine) and from the worker's acceptance (inside it)
+    ttfts = stack.sql("SELECT ttft_ms, engine_ttft_ms FROM usage_usagerecord WHERE source = 'batch'")
+    assert all(0 < engine <= submitted for submitted, engine in ttfts), ttfts[:5]
 
 
 def test_celery_worker_killed_mid_batch_restarts_and_every_line_runs_once(client, stack):

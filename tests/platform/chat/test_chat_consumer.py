@@ -110,6 +110,7 @@ def test_a_message_streams_token_by_token_and_is_saved(user, worker):
     assert message.content and message.finish_reason in ("stop", "length")
     record = UsageRecord.objects.get(request_id=message.request_id)
     assert (record.source, record.completion_tokens) == ("playground", message.completion_tokens)
+    assert 0 < record.engine_ttft_ms <= record.ttft_ms == message.ttft_ms, "from the worker's acceptance, inside"
     usage = quota_selectors.quota_status(user).usage
     assert usage.concurrent == 0
     assert usage.tokens_today == message.prompt_tokens + message.completion_tokens  # settled to actual use

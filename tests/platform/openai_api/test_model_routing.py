@@ -86,9 +86,11 @@ def test_each_model_answers_only_its_own_requests_and_aliases_reach_their_model(
         assert body["model"] == asked
         assert _claimed_by(r, body["id"]) == workers[served_by].worker.worker_id
         assert body["choices"][0]["text"] == expected[served_by].text, asked
-    rows = UsageRecord.objects.order_by("created_at").values_list("model", "completion_tokens")
-    assert list(rows) == [("tiny-a", MAX_TOKENS), ("tiny-b", MAX_TOKENS), ("tiny-a-alias", MAX_TOKENS),
-                          ("tiny-b", MAX_TOKENS)]
+    rows = UsageRecord.objects.order_by("created_at")
+    assert [(r.model, r.completion_tokens) for r in rows] == [
+        ("tiny-a", MAX_TOKENS), ("tiny-b", MAX_TOKENS), ("tiny-a-alias", MAX_TOKENS), ("tiny-b", MAX_TOKENS)]
+    # both TTFTs are stored: from the HTTP request's arrival, and from the worker's acceptance (inside it)
+    assert all(0 < r.engine_ttft_ms <= r.ttft_ms for r in rows), [(r.engine_ttft_ms, r.ttft_ms) for r in rows]
 
 
 def test_a_model_no_live_worker_serves_is_a_404_never_another_models_answer(two_models):
