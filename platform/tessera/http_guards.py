@@ -13,12 +13,14 @@ import json
 import re
 
 from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 
 MACHINE_PATHS = ("/health", "/metrics")
 API_PREFIX = "/v1/"
 MAX_JSON_DEPTH = 64  # tool schemas and content parts nest a handful of levels; 64 is ample
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class BadInput(Exception):
@@ -101,8 +103,6 @@ def check_body(request) -> None:
 
 def read_body(request) -> bytes:
     """request.body, or 413 when it is over DATA_UPLOAD_MAX_MEMORY_SIZE (also for chunked bodies)."""
-    from django.core.exceptions import RequestDataTooBig
-
     limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
     try:
         body = request.body
@@ -136,8 +136,21 @@ def loads(text: str | bytes):
         value = json.loads(text)
     except RecursionError:
         raise _too_deep() from None
-    _check_tree(value)
+    if _may_be_unsafe(text):
+        _check_tree(value)
     return value
+
+
+def _may_be_unsafe(text: str | bytes) -> bool:
+    """Cheap scans of the raw text that rule out the tree walk for almost every body (a 2.4 MB prompt
+    took 18 ms walked, on the event loop): a lone surrogate needs a \\uD800-\\uDFFF escape (or, in a str,
+    the character itself), and depth past the limit needs more brackets than the limit."""
+    raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        return True
+    if b"\\u" in raw and _SURROGATE_ESCAPE.search(raw):
+        return True
+    return isinstance(text, str) and _SURROGATE.search(text) is not None
 
 
 def _check_tree(value) -> None:
