@@ -181,3 +181,24 @@ def test_a_query_string_that_is_not_utf8_is_400_with_the_envelope():
 
 def test_an_unknown_method_name_is_405_with_the_envelope(auth):
     _refused(call("BREW", "/v1/models", headers=auth), 405, "method_not_allowed")
+
+
+@pytest.mark.parametrize("text, code", [
+    ('"\\ud800"', "invalid_unicode"), ('{"k": ["\\uDFFF"]}', "invalid_unicode"), ('["\ud800"]', "invalid_unicode"),
+    ("[" * 65 + "]" * 65, "json_too_deep"), ("[" * 100_000 + "]" * 100_000, "json_too_deep"),
+    ('{"\\udc00": 1}', "invalid_unicode"), ('"\\\\ud800"', None), ('"\\ud83d\\ude00"', None),
+    ("[" * 64 + "]" * 64, None), ('{"a": "' + "[" * 100 + '"}', None),
+])
+def test_loads_refuses_exactly_lone_surrogates_and_deep_nesting(text, code):
+    if code is None:
+        assert http_guards.loads(text) == json.loads(text)
+    else:
+        with pytest.raises(http_guards.UnsafeJSON) as refused:
+            http_guards.loads(text)
+        assert refused.value.code == code
+
+
+@pytest.mark.parametrize("text", ['"\\ud800"', '{"k": ["\\uDFFF"]}', "[" * 65 + "]" * 65])
+def test_loads_refuses_the_same_in_bytes(text):
+    with pytest.raises(http_guards.UnsafeJSON):
+        http_guards.loads(text.encode())
