@@ -48,3 +48,21 @@ def test_redis_down_is_a_503_envelope_and_the_web_tier_recovers(server):
     models = httpx.get(server.url("/v1/models"), headers={"Authorization": f"Bearer {api_key}"}, timeout=30)
     assert models.status_code == 200 and models.json()["object"] == "list"
     assert "tessera_http_requests_total" in httpx.get(server.url("/metrics"), timeout=30).text
+
+
+@pytest.mark.xfail(strict=True, reason="known 500, reported: POST /v1/batches enqueues its Celery task on commit; "
+                                       "kombu's OperationalError reaches openai_api.errors.drf_exception_handler (500), "
+                                       "after the batch row was committed (a retry makes a second batch)")
+def test_redis_down_creating_a_batch_is_a_503(server):
+    import json
+
+    api_key = server.start()
+    auth = {"Authorization": f"Bearer {api_key}"}
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+    uploaded = httpx.post(server.url("/v1/files"), headers=auth, data={"purpose": "batch"},
+                          files={"file": ("in.jsonl", json.dumps(line).encode())}).json()
+    server.stop_redis()
+    response = httpx.post(server.url("/v1/batches"), headers=auth, timeout=30, json={
+        "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "redis_unavailable", response.text
