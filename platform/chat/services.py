@@ -104,7 +104,8 @@ def _apply_settings(conversation: Conversation, settings: dict) -> dict:
 
 def _begin_reply(user, conversation: Conversation, user_message: Message, params: dict) -> Reply:
     """Reserve quota and create the streaming assistant message (inside the caller's transaction)."""
-    ids = prompting.prompt_token_ids(conversation.system_prompt, selectors.branch_turns(user_message))
+    ids = prompting.prompt_token_ids(conversation.model, conversation.system_prompt,
+                                     selectors.branch_turns(user_message))
     reservation = quotas.reserve(user, conversation.model, len(ids), params["max_tokens"], source="playground")
     try:  # if saving fails, the reservation must not leak: settle it with nothing used
         assistant = Message.objects.create(

@@ -178,3 +178,35 @@ def test_only_served_models_can_be_chosen(user, chat_settings):
     with pytest.raises(services.ChatError, match="not being served"):
         services.send_message(user, "hello", {**PANEL, "model": "gpt-9"})
     assert not Conversation.objects.exists()
+
+
+def test_a_conversation_is_tokenized_for_the_model_that_will_run_it(user, chat_settings, tiny_model_dir, tmp_path):
+    """Requests are routed by model, so the prompt must use that model's own chat template."""
+    import shutil
+
+    import redis
+
+    from inference import protocol
+    from openai_api import tokenization
+
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    template = other / "chat_template.jinja"
+    template.write_text("OTHER " + template.read_text())
+    r = redis.Redis.from_url(chat_settings.REDIS_URL)
+    beat = protocol.Heartbeat(worker_id="chat-other", model="other", served_model_names=["other", "other-alias"],
+                              config={"model_path": str(other)})
+    r.hset(protocol.heartbeat_key("chat-other"), mapping=beat.fields())
+    r.expire(protocol.heartbeat_key("chat-other"), 30)
+    r.sadd(protocol.WORKERS_SET, "chat-other")
+    try:
+        reply = services.send_message(user, "Hello", {"model": "other-alias", "params": {"max_tokens": 4}})
+        ours = services.send_message(user, "Hello", {"model": "tiny", "params": {"max_tokens": 4}})
+    finally:
+        r.delete(protocol.heartbeat_key("chat-other"))
+        r.srem(protocol.WORKERS_SET, "chat-other")
+    messages = [{"role": "user", "content": "Hello"}]
+    assert reply.model == "other-alias"
+    assert reply.prompt_token_ids == tokenization.chat_prompt_ids(str(other), messages)
+    assert ours.prompt_token_ids == tokenization.chat_prompt_ids(tiny_model_dir, messages)
+    assert reply.prompt_token_ids != ours.prompt_token_ids, "the two templates must differ for this to mean anything"
