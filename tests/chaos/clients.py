@@ -20,6 +20,7 @@ class Outcome:
     """How one client's answer ended: 'finished', 'error' (an error event in the stream) or 'cut'
     (the connection broke without one); `at` is time.monotonic() when it ended."""
 
+    kind: str = ""  # "sse" or "websocket"
     started: threading.Event = field(default_factory=threading.Event)  # the first text arrived
     ended: str = ""
     detail: str = ""
@@ -36,7 +37,7 @@ def openai_client(base_url: str, api_key: str, timeout: float = 60) -> openai.Op
 
 
 def sse_stream(base_url: str, api_key: str, model: str, max_tokens: int) -> Outcome:
-    outcome = Outcome()
+    outcome = Outcome("sse")
 
     def run():
         try:
@@ -58,7 +59,7 @@ def sse_stream(base_url: str, api_key: str, model: str, max_tokens: int) -> Outc
 
 def ws_chat(base_url: str, username: str, password: str, max_tokens: int) -> Outcome:
     """A playground answer over /ws/chat/; 'error' is an error frame or a done frame whose message failed."""
-    outcome = Outcome()
+    outcome = Outcome("websocket")
 
     async def chat():
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:

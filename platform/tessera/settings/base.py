@@ -105,12 +105,16 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Redis carries the engine protocol, the channel layer, quotas and the Celery broker.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
-CHANNEL_LAYERS = {
-    "default": {
-        "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL]},
-    }
-}
+
+def channel_layers(redis_url: str) -> dict:
+    """The layer waits up to 5 s in BZPOPMIN, and redis-py >= 8 also gives up on a socket read after
+    5 s by default: a reply a little late (a busy machine) crashed the websocket consumer, so its
+    reads get a longer timeout."""
+    return {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                        "CONFIG": {"hosts": [{"address": redis_url, "socket_timeout": 30}]}}}
+
+
+CHANNEL_LAYERS = channel_layers(REDIS_URL)
 
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = None

@@ -9,7 +9,5 @@ SECRET_KEY = "test-secret-key"
 ALLOWED_HOSTS = ["*"]
 
 REDIS_URL = embedded_redis.ensure_test_redis()
-CHANNEL_LAYERS = {
-    "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
-}
+CHANNEL_LAYERS = channel_layers(REDIS_URL)  # noqa: F405
 CELERY_BROKER_URL = REDIS_URL
