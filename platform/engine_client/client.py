@@ -413,6 +413,9 @@ class StreamHub:
                 self.wake_sent = False  # whoever follows after this query is built has to wake the XREAD
                 query = {key: "%d-%d" % min(f.last_id for f in followers.values())
                          for key, followers in self.by_key.items()}
+                for followers in self.by_key.values():
+                    for f in followers.values():
+                        f.in_query = True
                 query[self.wake_key] = self.wake_id
                 self._deliver(await self.r.xread(query, block=POLL_MS, count=256))
                 await self._tick_quiet()
@@ -430,6 +433,8 @@ class StreamHub:
                 self.wake_id = _text(items[-1][0])
                 continue
             for inbox, f in self.by_key.get(key, {}).items():
+                if not f.in_query:  # joined during this XREAD, maybe behind its start: the next one reads its gap
+                    continue
                 mine = [(entry_id, fields) for entry_id, fields in items if _id_tuple(_text(entry_id)) > f.last_id]
                 if mine:
                     inbox.put_nowait(_unpack([(raw_key, mine)])[1])
@@ -451,6 +456,7 @@ class StreamHub:
 class _Follower:
     last_id: tuple[int, int]
     seen: float  # when it last got events or a tick
+    in_query: bool = False  # the XREAD in flight started at or before last_id for this follower
 
 
 @dataclass

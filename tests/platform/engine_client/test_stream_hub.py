@@ -124,3 +124,22 @@ def test_a_burst_of_followers_wakes_the_blocked_reader_once_and_all_are_served(r
     assert all([e["type"] for e in events] == ["delta", "finish"] for events in results)
     assert wakes <= 2, f"{wakes} wakes for 20 followers"
     assert waited < 0.5, f"the burst waited {waited:.2f}s"
+
+
+def test_a_follower_that_joins_behind_the_xread_in_flight_still_gets_every_entry(r):
+    """A reconnecting tab follows a stream from its start while the hub's XREAD for that stream is in
+    flight from a later id; the reply to that XREAD must not make the newcomer skip the entries before."""
+    async def run():
+        write(r, "rejoin", {**DELTA, "text": "a"})
+        owner = await engine.aclient().hub.follow(protocol.output_stream("rejoin"), "0-0")
+        assert [e["text"] for e in await owner.get()] == ["a"]
+        await asyncio.sleep(0.1)  # the reader now blocks in XREAD from a's id
+        write(r, "rejoin", {**DELTA, "text": "b"})  # that XREAD returns; the loop has not seen the reply yet
+        replay = asyncio.create_task(collect("rejoin"))  # joins from 0-0 before the reply is handled
+        await asyncio.sleep(0.1)
+        write(r, "rejoin", FINISH)
+        engine.aclient().hub.unfollow(protocol.output_stream("rejoin"), owner)
+        return await replay
+
+    events = asyncio.run(run())
+    assert [e.get("text") for e in events] == ["a", "b", None]
