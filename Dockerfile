@@ -17,7 +17,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONPATH=/app:/app/platform \
     DJANGO_SETTINGS_MODULE=tessera.settings.prod \
-    TESSERA_VAR_DIR=/app/var
+    TESSERA_VAR_DIR=/app/var \
+    TESSERA_CACHE_DIR=/app/var/cache
 WORKDIR /app
 
 # gcc: kernels/native_cpu.py compiles the CPU decode-attention kernel on first use (without a

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+logger = logging.getLogger("inference")
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -171,7 +174,10 @@ def load_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(str(cached))
     file = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
-    _save_atomically(tokenizer, cached)
+    try:
+        _save_atomically(tokenizer, cached)
+    except OSError as exc:  # a read-only home: correct, only slower at the next start
+        logger.warning("could not cache the GGUF tokenizer in %s (%s); set TESSERA_CACHE_DIR", cached, exc)
     return tokenizer
 
 

@@ -222,6 +222,14 @@ def test_tokenizer_and_chat_template_from_metadata_are_cached_per_file(tmp_path)
         assert tok.eos_token_id == reference.eos_token_id
 
 
+def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama")
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",))
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "not-a-dir"))
+    assert load_tokenizer(str(file)).encode("hello") == load_tokenizer(str(hf_dir)).encode("hello")
+
+
 # ---- generation defaults --------------------------------------------------------------------------
 
 def resolved(engine, params: SamplingParams) -> SamplingParams:
