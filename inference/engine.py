@@ -21,6 +21,7 @@ from inference.request import Request, RequestStatus
 from inference.sampler import Sampler, top_logprobs
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from inference.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("inference")
 
@@ -52,6 +53,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.metrics)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._idle_since_arrival: float | None = None
         logger.info("engine ready: %s", self.memory)
@@ -64,6 +66,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op with one); also runs at interpreter exit."""
+        self.structured.shutdown()
         self.executor.shutdown()
 
     def _plan_memory(self) -> dict:
@@ -125,9 +128,11 @@ class LLMEngine:
         request = Request(request_id, text, token_ids, params, priority, arrival_time)
         request.detok = self._detokenizer(request)
         self.requests[request_id] = request
-        if not self.scheduler.has_unfinished():
+        if not self.has_unfinished_requests():
             self._idle_since_arrival = time.monotonic()
-        self.scheduler.add_request(request)
+        # with structured outputs: scheduled once its grammar is compiled, which runs off this thread
+        if params.structured_outputs is None or self.structured.hold(request):
+            self.scheduler.add_request(request)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -160,12 +165,13 @@ class LLMEngine:
             request = self.requests.pop(rid, None)
             if request is None:
                 continue
+            self.structured.discard(request)
             for seq in request.group:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.structured.pending)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -182,13 +188,29 @@ class LLMEngine:
         """
         if self._should_wait_for_more_arrivals():
             return []
+        failed_grammars = self._release_compiled()
         plan = self.scheduler.schedule()
+        for request, exc in failed_grammars:
+            self.scheduler.fail(request, "structured outputs", exc, plan)
+        if plan.is_empty and not plan.finished:
+            self.structured.wait(timeout=0.05)  # nothing to run until a grammar is ready: no busy loop
         updated = self._run(plan) if not plan.is_empty else []
         touched = {r.request_id: r for r in plan.finished}
         touched.update((seq.request_id, seq.group[0]) for seq in updated)
         self._observe_kv_fill()
         roots = list(touched.values())
         return [self._output(root) for root in roots if not final_only or self._group_finished(root)]
+
+    def _release_compiled(self) -> list[tuple[Request, BaseException]]:
+        """Requests whose grammar compiled join the scheduler; those that could not come back to fail."""
+        failed = []
+        for request in self.structured.release_ready():
+            exc = request.grammar.exception()
+            if exc is None:
+                self.scheduler.add_request(request)
+            else:
+                failed.append((request, exc))
+        return failed
 
     def _should_wait_for_more_arrivals(self) -> bool:
         """scheduler_delay_ms: an idle engine may wait briefly to batch a burst of arrivals."""
@@ -235,6 +257,8 @@ class LLMEngine:
         group = parent.fork()
         for child in group[1:]:
             child.detok = self._detokenizer(child)
+            if child.grammar is not None:
+                child.matcher = self.structured.new_matcher(child)
         return group
 
     def _sample_isolated(self, logits: torch.Tensor, seqs: list[Request], plan: SchedulerOutput):

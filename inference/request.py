@@ -60,6 +60,8 @@ class Request:
         self.cumulative_logprob = 0.0
         self.group: list[Request] = [self]
         self.detok = None  # set by the engine (IncrementalDetokenizer)
+        self.grammar = None  # structured outputs: a Future of the compiled grammar, and this sequence's matcher
+        self.matcher = None
 
     @staticmethod
     def _make_generator(seed: int | None) -> torch.Generator | None:
@@ -114,6 +116,7 @@ class Request:
             child.num_cached_tokens = self.num_cached_tokens
             child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
             child.prompt_logprobs = self.prompt_logprobs
+            child.grammar = self.grammar  # the engine gives each child a fresh matcher (no token yet)
             child.group = self.group
             self.group.append(child)
         return self.group

@@ -1,6 +1,7 @@
 """One batched sampling pass per step; every row keeps its own parameters and seeded generator.
 
-Order (as in vLLM): raw logprobs -> min_tokens masking -> penalties -> greedy argmax, or
+Order (as in vLLM): raw logprobs -> min_tokens masking -> penalties -> grammar masks (structured
+outputs: the tokens each row's matcher allows) -> greedy argmax, or
 temperature -> top-k / top-p / min-p -> sample. Sampling draws q ~ Exp(1) per row with that
 row's generator and takes argmax(p / q), which is an exact sample from p and reproducible per
 request whatever else is in the batch.
@@ -17,16 +18,19 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self._masker = None  # TokenMasker, made for the first row with a grammar
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         # min_tokens masking and penalties write in place: into a private copy, never the caller's
         # logits (a row-by-row retry after a failure must see them unchanged); else no copy at all.
-        writes = any(s.params.uses_penalties or s.num_output_tokens < s.params.min_tokens for s in seqs)
+        writes = any(s.params.uses_penalties or s.num_output_tokens < s.params.min_tokens or s.matcher is not None
+                     for s in seqs)
         logits = logits.to(torch.float32, copy=writes)
         raw_logprobs = self._raw_logprobs(logits, seqs)
         self._mask_min_tokens(logits, seqs)
         self._apply_penalties(logits, seqs)
+        self._mask_grammars(logits, seqs)
         tokens = self._pick(logits, seqs)
         token_list = tokens.tolist()
         return token_list, self._logprob_entries(raw_logprobs, token_list, seqs)
@@ -38,7 +42,8 @@ class Sampler:
 
     def _mask_min_tokens(self, logits, seqs):
         for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.params.min_tokens:
+            # a grammar decides where its structure may end (banning EOS there would ban every token)
+            if seq.num_output_tokens < seq.params.min_tokens and seq.matcher is None:
                 banned = seq.params.stop_token_ids + ([] if seq.params.ignore_eos else self.eos_token_ids)
                 # an id beyond the vocabulary can never be sampled anyway; indexing it would fail the whole batch
                 banned = [t for t in banned if t < logits.shape[1]]
@@ -59,6 +64,16 @@ class Sampler:
                 outputs = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
                 counts = torch.bincount(outputs, minlength=logits.shape[1]).to(logits.dtype)
                 logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _mask_grammars(self, logits, seqs):
+        matchers = [s.matcher for s in seqs]
+        if all(m is None for m in matchers):
+            return
+        if self._masker is None:
+            from inference.structured_output import TokenMasker
+
+            self._masker = TokenMasker(logits.shape[1])
+        self._masker.apply(logits, matchers)
 
     def _pick(self, logits, seqs) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)

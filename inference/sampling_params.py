@@ -4,8 +4,11 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from inference.structured_output import KINDS, StructuredOutputs
+
 # Fields a request may leave to the model: its generation_config.json (or GGUF metadata) decides,
 # and these fallbacks (vLLM's) apply when the model says nothing.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 MODEL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
@@ -39,6 +42,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's structured outputs: one of json (a schema), json_object, regex, choice, grammar (EBNF)
+    structured_outputs: StructuredOutputs | dict | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     model_default_fields: frozenset[str] = field(init=False, repr=False)
 
@@ -50,6 +55,7 @@ class SamplingParams:
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
         if self.top_k == 0:
             self.top_k = -1
+        self.structured_outputs = _as_structured_outputs(self.structured_outputs)
         self._validate()
 
     def _validate(self):
@@ -82,7 +88,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # vLLM's epsilon: dividing logits by a temperature of 1e-100 overflows them to +-inf (NaN probs)
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:
@@ -109,6 +116,20 @@ class SamplingParams:
         if seed is not None and seed >= 2**64:  # wrap as torch.Generator does (2**64 + k seeds like k)
             seed -= 2**64
         return replace(self, n=1, seed=seed)
+
+
+def _as_structured_outputs(value) -> StructuredOutputs | None:
+    """A dict (how the protocol carries it) becomes StructuredOutputs; a bad one names the field."""
+    if value is None or isinstance(value, StructuredOutputs):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"SamplingParams.structured_outputs must be an object, got {value!r}")
+    try:
+        return StructuredOutputs(**value)
+    except TypeError:
+        raise ValueError(f"SamplingParams.structured_outputs takes only {', '.join(KINDS)}; got {sorted(value)}") from None
+    except ValueError as exc:
+        raise ValueError(f"SamplingParams.{exc}") from None
 
 
 def _as_list(value, name: str) -> list:

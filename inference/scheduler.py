@@ -273,6 +273,8 @@ class Scheduler:
 
     def _append(self, item: SampledToken, now: float) -> None:
         seq, token = item.seq, item.token
+        if seq.matcher is not None and not seq.matcher.is_terminated() and not seq.matcher.accept_token(token):
+            raise ValueError(f"token {token} breaks the request's structured_outputs grammar")
         seq.append_token(token)
         self.metrics.generation_tokens_total += 1
         if seq.metrics.first_token_time is None:
@@ -294,6 +296,10 @@ class Scheduler:
 
     def _stop_status(self, seq: Request, token: int, stop_string: str | None) -> RequestStatus | None:
         params = seq.params
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            # the grammar ended on an end-of-turn token: the answer is complete (min_tokens and
+            # ignore_eos cannot hold a finished structure open; the sampler lets it end)
+            return RequestStatus.FINISHED_STOPPED
         may_stop = seq.num_output_tokens >= params.min_tokens
         if may_stop and token in params.stop_token_ids:
             seq.stop_reason = token

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-
-import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -36,7 +34,7 @@ class StructuredOutputs:
     grammar: str | None = None
 
     def __post_init__(self):
-        if self.choice is not None:
+        if isinstance(self.choice, list):  # a str is not a list of choices (tuple("yes") would be 3)
             object.__setattr__(self, "choice", tuple(self.choice))
         chosen = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(chosen) != 1:
@@ -50,7 +48,9 @@ class StructuredOutputs:
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        choice = self.choice
+        if choice is not None and (not isinstance(choice, tuple) or not choice
+                                   or not all(isinstance(c, str) and c for c in choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
 
     @property
@@ -128,7 +128,7 @@ class TokenMasker:
         self.vocab_size = vocab_size
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
-    def apply(self, logits: torch.Tensor, matchers: list) -> None:
+    def apply(self, logits, matchers: list) -> None:
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
             return
@@ -138,3 +138,56 @@ class TokenMasker:
             matchers[row].fill_next_token_bitmask(self._bitmask, row)
         self._xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]].to(logits.device),
                                               vocab_size=self.vocab_size, indices=rows)
+
+
+class StructuredOutputManager:
+    """The engine's side: a request with structured outputs waits here until its grammar compiled.
+
+    The compiler (and xgrammar's vocabulary scan, ~0.1 s) is built on first use, so engines that
+    never see a grammar never pay for it.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self._compiler_args = (tokenizer, vocab_size, list(stop_token_ids))
+        self._compiler: GrammarCompiler | None = None
+        self.pending: list = []  # Requests whose grammar (a Future on request.grammar) is compiling
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(*self._compiler_args)
+        return self._compiler
+
+    def hold(self, request) -> bool:
+        """Start compiling; True when the grammar was already compiled (the request may run now)."""
+        request.grammar = self.compiler.submit(request.params.structured_outputs)
+        if request.grammar.done() and request.grammar.exception() is None:
+            request.matcher = self.new_matcher(request)
+            return True
+        self.pending.append(request)
+        return False
+
+    def release_ready(self) -> list:
+        """Requests whose compile ended; those that compiled have their matcher, the others an exception."""
+        ready = [r for r in self.pending if r.grammar.done()]
+        self.pending = [r for r in self.pending if not r.grammar.done()]
+        for request in ready:
+            if request.grammar.exception() is None:
+                request.matcher = self.new_matcher(request)
+        return ready
+
+    def new_matcher(self, seq):
+        return self.compiler.matcher(seq.grammar.result())
+
+    def wait(self, timeout: float) -> None:
+        """Block until a pending compile ends (or timeout): an engine with nothing else to do."""
+        if self.pending:
+            wait([r.grammar for r in self.pending], timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def discard(self, request) -> None:
+        if request in self.pending:
+            self.pending.remove(request)
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()

@@ -309,3 +309,9 @@ def test_the_callers_logits_are_never_written():
             make_seq(min_tokens=4, stop_token_ids=[2], temperature=0.0)]
     Sampler(VOCAB, [EOS])(logits, seqs)
     assert torch.equal(logits, before)
+
+
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    """1e-100 would overflow logits / temperature to -inf everywhere (all-negative logits) -> NaN."""
+    logits = torch.tensor([[-3.0, -1.0, -2.0, -5.0, -4.0, -6.0, -7.0, -8.0]])
+    assert sample_support(logits, rows=50, temperature=1e-100) == {1}

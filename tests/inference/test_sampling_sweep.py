@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inference import LLM, SamplingParams
+from inference.structured_output import StructuredOutputs
 
 PROMPT = [5, 6, 7, 8, 5, 6]
 
@@ -21,6 +22,9 @@ floats = lambda lo, hi: st.floats(lo, hi, allow_nan=False, allow_subnormal=False
 optional = lambda strategy: st.none() | strategy  # noqa: E731
 maybe_default = lambda default, strategy: st.just(default) | strategy  # noqa: E731
 
+GRAMMARS = [  # few: the engine fixture compiles each once, so every request with one runs at once
+    {"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}},
+    {"json_object": True}, {"regex": "[a-c]{1,3}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "x" | "y"'}]
 stop_text = st.text(alphabet="abcdefghij .,\n", min_size=1, max_size=4)
 FIELDS = {
     "n": st.integers(1, 4),
@@ -41,6 +45,7 @@ FIELDS = {
     "prompt_logprobs": optional(st.integers(0, 20)),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
+    "structured_outputs": optional(st.sampled_from(GRAMMARS)),
 }
 
 
@@ -67,7 +72,10 @@ def sampling_params(draw) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return LLM(model=tiny_model_dir, dtype="float32", device="cpu", max_model_len=64, seed=0).llm_engine
+    engine = LLM(model=tiny_model_dir, dtype="float32", device="cpu", max_model_len=64, seed=0).llm_engine
+    for spec in GRAMMARS:
+        engine.structured.compiler.compile(StructuredOutputs(**spec))
+    return engine
 
 
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
