@@ -5,6 +5,7 @@ quota reservation / settlement happens in exactly one place (reserve_quota() / _
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -359,10 +360,18 @@ async def _finish(gen: Generation) -> None:
     usage = gen.usage or {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
                           "cached_tokens": 0}
     latency_ms = (time.perf_counter() - gen.started) * 1000
+    # A client that hangs up right after its last chunk cancels this task; the settlement runs on
+    # regardless (shielded, referenced until done), or its concurrency slot stays held for the lease.
+    settling = asyncio.ensure_future(bookkeeping(settle_and_record)(gen, usage, latency_ms))
+    _settling.add(settling)
+    settling.add_done_callback(_settling.discard)
     try:
-        await bookkeeping(settle_and_record)(gen, usage, latency_ms)
+        await asyncio.shield(settling)
     except Exception:  # bookkeeping must never turn a delivered answer into a 500
         log.exception("settling request %s failed", gen.request_id)
+
+
+_settling: set[asyncio.Task] = set()
 
 
 def settle_and_record(gen: Generation, usage: dict, latency_ms: float) -> None:

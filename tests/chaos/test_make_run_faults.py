@@ -68,7 +68,7 @@ def serving_again(stack, login, timeout: float = 180) -> float:
 def test_engine_worker_kill_with_streams_in_flight(stack, login, chaos_report):
     """engine worker `kill -9` with 3 SSE streams and 1 websocket answer in flight"""
     clients = [sse_stream(stack.base_url, login["api_key"], login["model"], 900) for _ in range(N_SSE)]
-    clients.append(ws_chat(stack.base_url, "admin", login["password"], 900))
+    clients.append(ws_chat(stack.base_url, "admin", login["password"], 800))
     for client in clients:
         assert client.started.wait(60), (client.ended, client.detail)
     engine = stack.pid("manage.py engine")
@@ -88,7 +88,8 @@ def test_engine_worker_kill_with_streams_in_flight(stack, login, chaos_report):
     r = redis.Redis.from_url(stack.redis_url())
     deadline = time.monotonic() + 30
     while held := {key: r.zrange(key, 0, -1) for key in r.scan_iter(match="*:conc") if r.zcard(key)}:
-        assert time.monotonic() < deadline, f"reservations still held: {held}"
+        assert time.monotonic() < deadline, ("reservations still held", held, [
+            r.hgetall(f"quota:res:{rid.decode()}") for rids in held.values() for rid in rids])
         time.sleep(0.1)
     released_at = time.monotonic()
 
