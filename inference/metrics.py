@@ -1,4 +1,8 @@
-"""Engine metrics in vLLM's names and meanings (under the tessera: prefix when exported)."""
+"""Engine metrics in vLLM's names and meanings.
+
+The worker publishes snapshot() in its heartbeat; the web tier's /metrics exports it under vLLM's
+`vllm:` names (platform/openai_api/metrics.py, docs/metrics.md).
+"""
 from __future__ import annotations
 
 import bisect
@@ -21,7 +25,18 @@ class Histogram:
         self.count += 1
 
     def to_dict(self) -> dict:
+        """Per-bucket counts (the last one above every bound), not cumulative: cumulative() makes those."""
         return {"buckets": list(self.buckets), "counts": list(self.counts), "sum": self.total, "count": self.count}
+
+
+def cumulative(histogram: dict) -> list[tuple[float, int]]:
+    """(upper bound, observations <= it) of a to_dict() histogram, ending with (inf, count): Prometheus' le buckets."""
+    bounds = [*histogram["buckets"], float("inf")]
+    running, pairs = 0, []
+    for bound, count in zip(bounds, histogram["counts"]):
+        running += count
+        pairs.append((bound, running))
+    return pairs
 
 
 @dataclass
@@ -31,6 +46,7 @@ class EngineMetrics:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     requests_finished_total: int = 0
+    finished_reasons: dict[str, int] = field(default_factory=dict)  # vLLM's request_success_total
     time_to_first_token_seconds: Histogram = field(default_factory=Histogram)
     time_per_output_token_seconds: Histogram = field(default_factory=Histogram)
     e2e_request_latency_seconds: Histogram = field(default_factory=Histogram)
@@ -38,8 +54,9 @@ class EngineMetrics:
     peak_allocated_slots: int = 0
     real_tokens_at_peak: int = 0
 
-    def observe_finished(self, metrics, num_output_tokens: int) -> None:
+    def observe_finished(self, metrics, num_output_tokens: int, finished_reason: str) -> None:
         self.requests_finished_total += 1
+        self.finished_reasons[finished_reason] = self.finished_reasons.get(finished_reason, 0) + 1
         if metrics.finished_time is not None:
             self.e2e_request_latency_seconds.observe(metrics.finished_time - metrics.arrival_time)
         if metrics.first_token_time is not None and num_output_tokens > 1 and metrics.finished_time:
@@ -60,4 +77,11 @@ class EngineMetrics:
             "time_per_output_token_seconds": self.time_per_output_token_seconds.to_dict(),
             "e2e_request_latency_seconds": self.e2e_request_latency_seconds.to_dict(),
             "request_queue_time_seconds": self.request_queue_time_seconds.to_dict(),
+        }
+
+    def snapshot(self) -> dict:
+        """What the heartbeat adds to get_stats(), JSON-able; taken on the engine's thread, so counts and sums agree."""
+        return {
+            "request_success_total": dict(self.finished_reasons),
+            "histograms": self.histograms(),
         }

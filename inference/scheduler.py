@@ -285,7 +285,7 @@ class Scheduler:
         status = self._stop_status(seq, token, item.stop_string)
         if status is not None:
             self.finish(seq, status)
-            self.metrics.observe_finished(seq.metrics, seq.num_output_tokens)
+            self.metrics.observe_finished(seq.metrics, seq.num_output_tokens, status.value)
 
     def _observe_first_token(self, seq: Request, now: float) -> None:
         seq.metrics.first_token_time = now

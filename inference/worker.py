@@ -458,6 +458,9 @@ class EngineWorker:
         stats.update(self.counters)
         stats.update({"inflight": len(self.states), "step_ms": round(self._step_ms, 3),
                       "last_step_at": time.time(), "draining": self._draining})
+        metrics = getattr(self.engine, "metrics", None)
+        if metrics is not None:  # histograms for /metrics, copied here: the engine's thread updates them
+            stats["engine_metrics"] = metrics.snapshot()
         self._snapshot = stats
         block_map = getattr(self.engine, "block_map", None)
         if block_map is not None:

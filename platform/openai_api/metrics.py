@@ -1,18 +1,28 @@
-"""Prometheus text exposition: engine gauges from every worker's heartbeat plus /v1 HTTP counters.
+"""GET /metrics, rendered by prometheus-client: vLLM's engine metrics (`vllm:*`, label model_name and
+worker) and tessera's engine gauges from every worker's heartbeat, plus the /v1 HTTP counters.
 
-HTTP counters live in Redis (not per process) so every web replica reports the same totals.
-Other apps add lines by appending a callable to EXTRA_COLLECTORS (each returns a list of lines).
+Every web replica reads the same Redis: the engine series are the same on all of them, and the HTTP
+counters are kept in Redis per replica (label replica), so one replica's scrape holds everything
+(docs/metrics.md: scrape one replica, or dedupe). Other apps add lines by appending a callable to
+EXTRA_COLLECTORS (each returns a list of lines).
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
+import socket
 import time
 from collections.abc import Callable
 
 from django.urls import Resolver404, resolve
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                    SummaryMetricFamily)
+from prometheus_client.utils import floatToGoString
 
 from engine_client import client as engine
+from inference.metrics import cumulative
 from tessera import http_guards
 
 log = logging.getLogger("tessera.api")
@@ -22,6 +32,30 @@ HTTP_SECONDS_KEY = "tessera:http:seconds"
 EXTRA_COLLECTORS: list[Callable[[], list[str]]] = []
 GAUGES_NAMED_TOTAL = {"tessera_engine_blocks_total"}  # a size, not a running count
 COUNT_FAILURE_LOG_INTERVAL_S = 60.0
+# This web replica's name in the HTTP counters (the compose service's container host name by default).
+REPLICA = os.environ.get("TESSERA_REPLICA") or socket.gethostname()
+
+# The heartbeat's names -> vLLM's (the names vLLM 0.x's Grafana dashboard reads) and vLLM's help texts.
+VLLM_HISTOGRAMS = {
+    "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."),
+    "time_per_output_token_seconds": ("vllm:time_per_output_token_seconds",
+                                      "Histogram of time per output token in seconds."),
+    "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",
+                                    "Histogram of end to end request latency in seconds."),
+    "request_queue_time_seconds": ("vllm:request_queue_time_seconds",
+                                   "Histogram of time spent in WAITING phase for request."),
+}
+VLLM_GAUGES = {
+    "num_running": ("vllm:num_requests_running", "Number of requests in model execution batches."),
+    "num_waiting": ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+}
+VLLM_COUNTERS = {
+    "prompt_tokens_total": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens_total": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+}
+VLLM_LABELS = ["model_name", "worker"]
 
 
 def _route(request) -> str:
@@ -37,8 +71,8 @@ def _route(request) -> str:
 
 def _count_ops(pipe, request, status: int, seconds: float):
     route, method = _route(request), http_guards.metric_method(request.method)
-    pipe.hincrby(HTTP_REQUESTS_KEY, f"{route}|{method}|{status}", 1)
-    pipe.hincrbyfloat(HTTP_SECONDS_KEY, f"{route}|{method}", seconds)
+    pipe.hincrby(HTTP_REQUESTS_KEY, f"{REPLICA}|{route}|{method}|{status}", 1)
+    pipe.hincrbyfloat(HTTP_SECONDS_KEY, f"{REPLICA}|{route}|{method}", seconds)
     return pipe
 
 
@@ -68,54 +102,108 @@ def _log_count_failure(exc: Exception) -> None:
         log.warning("could not count a /v1 request for /metrics: %r", exc)
 
 
-def _label(value) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
-
-
 def _metric_name(name: str) -> str:
     return "tessera_engine_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
 
 
-def engine_lines(workers: list[dict]) -> list[str]:
-    lines = [
-        "# HELP tessera_engine_up 1 for every engine worker with a fresh heartbeat.",
-        "# TYPE tessera_engine_up gauge",
-    ]
-    series: dict[str, list[str]] = {}
-    for worker in workers:
-        labels = f'worker="{_label(worker["worker_id"])}",model="{_label(worker.get("model", ""))}"'
-        lines.append(f"tessera_engine_up{{{labels}}} 1")
-        for name, value in sorted((worker.get("stats") or {}).items()):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            series.setdefault(_metric_name(name), []).append(f"{_metric_name(name)}{{{labels}}} {value}")
-    lines.append(f"tessera_engine_workers {len(workers)}")
-    for name, samples in sorted(series.items()):
-        kind = "counter" if name.endswith("_total") and name not in GAUGES_NAMED_TOTAL else "gauge"
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(samples)
-    return lines
+class HeartbeatCollector:
+    """The engine families of the given heartbeats (protocol.Heartbeat.as_dict()), one series per worker."""
+
+    def __init__(self, workers: list[dict]):
+        self.workers = workers
+
+    def collect(self):
+        yield from self._vllm_families()
+        yield from self._tessera_families()
+
+    def _vllm_families(self):
+        histograms = {key: HistogramMetricFamily(name, doc, labels=VLLM_LABELS)
+                      for key, (name, doc) in VLLM_HISTOGRAMS.items()}
+        gauges = {key: GaugeMetricFamily(name, doc, labels=VLLM_LABELS) for key, (name, doc) in VLLM_GAUGES.items()}
+        counters = {key: CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+                    for key, (name, doc) in VLLM_COUNTERS.items()}
+        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+                                      labels=[*VLLM_LABELS, "finished_reason"])
+        for worker in self.workers:
+            labels = [worker.get("model", ""), worker["worker_id"]]
+            stats = worker.get("stats") or {}
+            for key, family in [*gauges.items(), *counters.items()]:
+                if _is_number(stats.get(key)):
+                    family.add_metric(labels, stats[key])
+            engine_metrics = stats.get("engine_metrics") or {}  # absent from workers older than it
+            for reason, count in sorted((engine_metrics.get("request_success_total") or {}).items()):
+                success.add_metric([*labels, reason], count)
+            for key, histogram in (engine_metrics.get("histograms") or {}).items():
+                if key in histograms:
+                    buckets = [(floatToGoString(bound), count) for bound, count in cumulative(histogram)]
+                    histograms[key].add_metric(labels, buckets, histogram["sum"])
+        yield from histograms.values()
+        yield from gauges.values()
+        yield from counters.values()
+        yield success
+
+    def _tessera_families(self):
+        up = GaugeMetricFamily("tessera_engine_up", "1 for every engine worker with a fresh heartbeat.",
+                               labels=["worker", "model"])
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+        for worker in self.workers:
+            labels = [worker["worker_id"], worker.get("model", "")]
+            up.add_metric(labels, 1)
+            for key, value in sorted((worker.get("stats") or {}).items()):
+                if _is_number(value):
+                    name = _metric_name(key)
+                    if name not in families:
+                        kind = (CounterMetricFamily if name.endswith("_total") and name not in GAUGES_NAMED_TOTAL
+                                else GaugeMetricFamily)
+                        families[name] = kind(name, f"The heartbeat's {key}.", labels=["worker", "model"])
+                    families[name].add_metric(labels, value)
+        yield up
+        yield GaugeMetricFamily("tessera_engine_workers", "Engine workers with a fresh heartbeat.",
+                                value=len(self.workers))
+        yield from (families[name] for name in sorted(families))
 
 
-def http_lines() -> list[str]:
-    r = engine.redis_client()
-    counts = {k.decode(): int(v) for k, v in r.hgetall(HTTP_REQUESTS_KEY).items()}
-    seconds = {k.decode(): float(v) for k, v in r.hgetall(HTTP_SECONDS_KEY).items()}
-    lines = ["# HELP tessera_http_requests_total /v1 HTTP requests by route, method and status.",
-             "# TYPE tessera_http_requests_total counter"]
-    for key, count in sorted(counts.items()):
-        route, method, status = key.split("|")
-        lines.append(f'tessera_http_requests_total{{route="{_label(route)}",method="{method}",status="{status}"}} {count}')
-    lines += ["# HELP tessera_http_request_seconds_sum Time spent answering /v1 requests (to the first byte for streams).",
-              "# TYPE tessera_http_request_seconds_sum counter"]
-    for key, total in sorted(seconds.items()):
-        route, method = key.split("|")
-        lines.append(f'tessera_http_request_seconds_sum{{route="{_label(route)}",method="{method}"}} {total:.6f}')
-    return lines
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class HttpCollector:
+    """The /v1 HTTP counters of every web replica, as counted in Redis."""
+
+    def __init__(self, r):
+        self.r = r
+
+    def collect(self):
+        requests, seconds = self._read()
+        total = CounterMetricFamily("tessera_http_requests", "/v1 HTTP requests by route, method and status.",
+                                    labels=["route", "method", "status", "replica"])
+        answered = SummaryMetricFamily("tessera_http_request_seconds",
+                                       "Time spent answering /v1 requests (to the first byte for streams).",
+                                       labels=["route", "method", "replica"])
+        counts_by_route: dict[tuple[str, str, str], int] = {}
+        for (replica, route, method, status), count in sorted(requests.items()):
+            total.add_metric([route, method, status, replica], count)
+            counts_by_route[(route, method, replica)] = counts_by_route.get((route, method, replica), 0) + count
+        for (replica, route, method), spent in sorted(seconds.items()):
+            answered.add_metric([route, method, replica], counts_by_route.get((route, method, replica), 0), spent)
+        yield total
+        yield answered
+
+    def _read(self) -> tuple[dict, dict]:
+        pipe = self.r.pipeline(transaction=True)  # counts and seconds of the same moment
+        raw_requests, raw_seconds = pipe.hgetall(HTTP_REQUESTS_KEY).hgetall(HTTP_SECONDS_KEY).execute()
+        requests = {tuple(k.decode().split("|")): int(v) for k, v in raw_requests.items()}
+        seconds = {tuple(k.decode().split("|")): float(v) for k, v in raw_seconds.items()}
+        # fields without a replica are from before it was counted: left out, never mislabelled
+        return ({k: v for k, v in requests.items() if len(k) == 4},
+                {k: v for k, v in seconds.items() if len(k) == 3})
 
 
 def render() -> str:
-    lines = engine_lines(engine.workers()) + http_lines()
+    registry = CollectorRegistry(auto_describe=False)  # one per scrape: no process-global state
+    registry.register(HeartbeatCollector(engine.workers()))
+    registry.register(HttpCollector(engine.redis_client()))
+    lines = [generate_latest(registry).decode().rstrip("\n")]
     for collect in EXTRA_COLLECTORS:
         lines.extend(collect())
     return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from inference import LLM, SamplingParams
 
@@ -174,6 +175,8 @@ def test_health_and_prometheus_metrics(live_stack):
     assert health["status"] == "ok" and len(health["workers"]) == 1
     text = httpx.get(live_stack.base_url + "/metrics").text
     assert "tessera_engine_up{" in text and "tessera_engine_kv_usage{" in text
-    assert 'tessera_http_requests_total{route="/v1/completions",method="POST",status="200"}' in text
+    completions = {"route": "/v1/completions", "method": "POST", "status": "200"}.items()
+    assert any(s.name == "tessera_http_requests_total" and completions <= s.labels.items()
+               for family in text_string_to_metric_families(text) for s in family.samples)
     for line in text.splitlines():
         assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2, line
