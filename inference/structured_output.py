@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -68,6 +69,37 @@ class StructuredOutputs:
         return {self.kind: list(value) if self.kind == "choice" else value}
 
 
+def build_grammar(spec: StructuredOutputs):
+    """The spec as an xgrammar Grammar (parsed, not yet compiled against a vocabulary)."""
+    from xgrammar import Grammar
+
+    if spec.kind in ("json", "json_object"):
+        schema = spec.json if spec.kind == "json" else {"type": "object"}
+        # Compact JSON: "any whitespace" lets a small model pad with spaces until max_tokens.
+        return Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema), any_whitespace=False)
+    if spec.kind == "regex":
+        return Grammar.from_regex(spec.regex)
+    if spec.kind == "choice":
+        return Grammar.from_regex("(" + "|".join(re.escape(choice) for choice in spec.choice) + ")")
+    return Grammar.from_ebnf(spec.grammar)
+
+
+def check_syntax(spec: StructuredOutputs) -> None:
+    """ValueError naming the kind when the spec does not parse: cheap (under a millisecond, no
+    vocabulary), so the web tier answers a bad schema with a 400 before anything is queued."""
+    with _naming_the_problem(spec):
+        build_grammar(spec)
+
+
+@contextmanager
+def _naming_the_problem(spec: StructuredOutputs):
+    try:
+        yield
+    except Exception as exc:  # xgrammar raises RuntimeError with "[time] file.cc:line: message"
+        message = re.sub(r"^\[[\d:]+\] \S+: ", "", str(exc))
+        raise ValueError(f"structured_outputs.{spec.kind} could not be compiled: {message}") from None
+
+
 class GrammarCompiler:
     """Compiles specs off the caller's thread and caches the result (or the error) per spec."""
 
@@ -92,24 +124,8 @@ class GrammarCompiler:
         return self.submit(spec).result()
 
     def _compile(self, spec: StructuredOutputs):
-        try:
-            return self._compile_kind(spec)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError with its parser's message
-            raise ValueError(f"structured_outputs.{spec.kind} could not be compiled: {exc}") from None
-
-    def _compile_kind(self, spec: StructuredOutputs):
-        c = self._compiler
-        if spec.kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            # Compact JSON: "any whitespace" lets a small model pad with spaces until max_tokens.
-            return c.compile_json_schema(schema, any_whitespace=False)
-        if spec.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind == "regex":
-            return c.compile_regex(spec.regex)
-        if spec.kind == "choice":
-            return c.compile_regex("(" + "|".join(re.escape(choice) for choice in spec.choice) + ")")
-        return c.compile_grammar(spec.grammar)
+        with _naming_the_problem(spec):
+            return self._compiler.compile_grammar(build_grammar(spec))
 
     def matcher(self, compiled):
         return self._xgr.GrammarMatcher(compiled)

@@ -67,6 +67,28 @@ class StreamOptionsSerializer(serializers.Serializer):
     include_usage = serializers.BooleanField(required=False, default=False)
 
 
+class JSONSchemaFormatSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=64)
+    description = serializers.CharField(required=False, allow_blank=True)
+    schema = serializers.JSONField(required=False, allow_null=True, help_text="a JSON schema object")
+    strict = serializers.BooleanField(required=False, allow_null=True)
+
+    def validate_schema(self, value):
+        if value is not None and not isinstance(value, dict):
+            raise serializers.ValidationError("must be a JSON schema object")
+        return value
+
+
+class ResponseFormatSerializer(serializers.Serializer):
+    type = serializers.ChoiceField(choices=["text", "json_object", "json_schema"])
+    json_schema = JSONSchemaFormatSerializer(required=False)
+
+    def validate(self, data):
+        if data["type"] == "json_schema" and "json_schema" not in data:
+            raise serializers.ValidationError({"json_schema": "is required when type is json_schema"})
+        return data
+
+
 class SamplingSerializer(serializers.Serializer):
     """Fields shared by both endpoints (OpenAI's plus vLLM's extras)."""
 
@@ -93,6 +115,17 @@ class SamplingSerializer(serializers.Serializer):
     include_stop_str_in_output = serializers.BooleanField(required=False, default=False)
     priority = serializers.IntegerField(required=False, default=0, min_value=0, max_value=999,
                                         help_text="order inside the API priority class (lower runs first)")
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / guided_* (at most one)
+    response_format = ResponseFormatSerializer(required=False, allow_null=True)
+    structured_outputs = serializers.DictField(required=False, allow_null=True,
+                                               help_text="vLLM's: one of json, json_object, regex, choice, grammar")
+    guided_json = serializers.JSONField(required=False, allow_null=True, help_text="a JSON schema the output follows")
+    # trim_whitespace=False: DRF strips strings by default, and a leading space is part of a pattern
+    guided_regex = serializers.CharField(required=False, allow_null=True, trim_whitespace=False)
+    guided_choice = serializers.ListField(child=serializers.CharField(trim_whitespace=False), required=False,
+                                          allow_null=True, allow_empty=False)
+    guided_grammar = serializers.CharField(required=False, allow_null=True, trim_whitespace=False,
+                                           help_text="EBNF (xgrammar's dialect)")
 
 
 class ChatCompletionRequestSerializer(SamplingSerializer):

@@ -204,7 +204,44 @@ def sampling_params(data: dict, max_tokens: int, logprobs: int | None) -> dict:
         params["stop"] = data["stop"]
     if logprobs is not None:
         params["logprobs"] = logprobs
+    structured = structured_outputs(data)
+    if structured is not None:
+        params["structured_outputs"] = structured
     return params
+
+
+GUIDED_KINDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(data: dict) -> dict | None:
+    """OpenAI's response_format or vLLM's structured_outputs / guided_* as the engine's spec; 400 for two."""
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED_KINDS) if data.get(name) is not None]
+    if data.get("response_format", {}) and data["response_format"]["type"] == "text":
+        given.remove("response_format")
+    if len(given) > 1:
+        raise InvalidRequest(f"give at most one of {', '.join(given)}", param=given[1])
+    if not given:
+        return None
+    source, value = given[0], data[given[0]]
+    spec = response_format_spec(value) if source == "response_format" else (
+        value if source == "structured_outputs" else {GUIDED_KINDS[source]: value})
+    check_structured_outputs(spec, source)
+    return spec
+
+
+def response_format_spec(value: dict) -> dict:
+    schema = (value.get("json_schema") or {}).get("schema")
+    return {"json": schema} if value["type"] == "json_schema" and schema is not None else {"json_object": True}
+
+
+def check_structured_outputs(spec: dict, source: str) -> None:
+    """A spec the grammar library cannot parse is a 400 naming the field it came from (sub-millisecond)."""
+    from inference.structured_output import StructuredOutputs, check_syntax
+
+    try:
+        check_syntax(StructuredOutputs(**spec))
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest(str(exc).strip(), param=source) from None
 
 
 def check_sampling_params(params: dict) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from inference.gguf_files import bundled_model
 from inference.loader import load_tokenizer
-from inference.structured_output import GrammarCompiler, StructuredOutputs, TokenMasker
+from inference.structured_output import GrammarCompiler, StructuredOutputs, TokenMasker, check_syntax
 
 # Bounded, so a random walk ends. (Not maxLength: xgrammar 0.2.8 lets raw control characters into
 # length-bounded strings; the serving layer has no reason to care, but this test would.)
@@ -103,8 +103,10 @@ def test_a_spec_compiles_once(compiler):
     (StructuredOutputs(json='{"type": "object", "properties": 5}'), "json"),
 ])
 def test_what_cannot_compile_is_a_value_error_naming_the_kind(compiler, spec, problem):
-    with pytest.raises(ValueError, match=f"structured_outputs.{problem} could not be compiled"):
+    with pytest.raises(ValueError, match=f"structured_outputs.{problem} could not be compiled: [^[]"):
         compiler.compile(spec)
+    with pytest.raises(ValueError, match=f"structured_outputs.{problem} could not be compiled: [^[]"):
+        check_syntax(spec)  # the web tier's check, without a vocabulary
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"regex": ""},
