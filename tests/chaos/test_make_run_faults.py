@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from tests.chaos.clients import openai_client, sse_stream, ws_chat
-from tests.platform import redis_keys
+from inference import protocol as redis_keys
 from tests.platform.run_stack import RunStack, make_run_env
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]

@@ -1,25 +1,6 @@
-"""The engine protocol's Redis keys as docs/protocol.md names them, for tests that watch a live stack
-from outside (through Redis, as any client would) without importing the code under test."""
-from __future__ import annotations
+"""The engine protocol's Redis keys, for tests that watch a live stack from outside through Redis.
 
-import json
-
-PREFIX = "tessera:engine"
-WORKERS_SET = f"{PREFIX}:workers"
-TERMINAL_EVENTS = ("finish", "error")
-
-
-def output_stream(request_id: str) -> str:
-    return f"{PREFIX}:out:{request_id}"
-
-
-def aborted_key(request_id: str) -> str:
-    return f"{PREFIX}:aborted:{request_id}"
-
-
-def heartbeat_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}"
-
-
-def decode(raw) -> object:
-    return json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+They come from inference.protocol itself (torch-free): the protocol has one definition.
+"""
+from inference.protocol import (PREFIX, TERMINAL_EVENTS, WORKERS_SET, aborted_key, decode,  # noqa: F401
+                                heartbeat_key, output_stream)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.platform import redis_keys as protocol
+from inference import protocol
 from tests.inference.worker_helpers import wait_for
 from tests.platform.browser_output import save_screenshot as shot
 from tests.platform.live_stack import LiveStack

@@ -24,7 +24,7 @@ import redis
 
 from tessera import embedded_redis
 from tessera.embedded_redis import free_port
-from tests.platform import redis_keys
+from inference import protocol as redis_keys
 from tests.platform.browser_output import save_screenshot
 
 from dashboard_testing import clear_heartbeat, fake_heartbeat
