@@ -32,3 +32,13 @@ def slow_llm(model_dir: str, step_delay_s: float = STEP_DELAY_S) -> LLM:
 
 def start_worker(llm: LLM, redis_url: str) -> ThreadedWorker:
     return ThreadedWorker(llm.llm_engine, redis_url, model_name="tiny").start()
+
+
+def session_cookie(user) -> bytes:
+    """The Cookie header of a logged-in session for `user` (websocket tests authenticate with it)."""
+    from django.conf import settings
+    from django.test import Client
+
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()

@@ -1,7 +1,11 @@
 import uuid
 
 import pytest
+import redis
+from django.conf import settings as django_settings
 from django.contrib.auth import get_user_model
+
+from chat_live_engine import clear_engine_keys, start_worker, wait_for
 
 
 @pytest.fixture
@@ -34,3 +38,17 @@ def chat_settings(settings, tiny_model_dir):
     return settings
 
 
+
+
+@pytest.fixture
+def worker(llm, chat_settings):
+    """A worker thread serving the module's own `llm` fixture over the test Redis."""
+    from engine_client import client as engine_client
+
+    client = redis.Redis.from_url(django_settings.REDIS_URL)
+    clear_engine_keys(client)
+    running = start_worker(llm, django_settings.REDIS_URL)
+    wait_for(lambda: engine_client.client().health()["ok"])
+    yield running
+    running.stop()
+    clear_engine_keys(client)

@@ -3,18 +3,16 @@ import asyncio
 import time
 
 import pytest
-import redis
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.testing import WebsocketCommunicator
 from django.conf import settings
-from django.test import Client
 
 from chat.models import Conversation, Message
 from engine_client import client as engine_client
 from quotas import selectors as quota_selectors
 from usage.models import UsageRecord
 
-from chat_live_engine import clear_engine_keys, slow_llm, start_worker, wait_for
+from chat_live_engine import session_cookie, slow_llm, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SETTINGS = {"model": "tiny", "system_prompt": "", "params": {"temperature": 0, "max_tokens": 12}}
@@ -24,23 +22,6 @@ LONG = {"model": "tiny", "params": {"temperature": 0, "max_tokens": 400}}
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     return slow_llm(tiny_model_dir)
-
-
-@pytest.fixture
-def worker(llm, chat_settings):
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    clear_engine_keys(client)
-    running = start_worker(llm, settings.REDIS_URL)
-    wait_for(lambda: engine_client.client().health()["ok"])
-    yield running
-    running.stop()
-    clear_engine_keys(client)
-
-
-def session_cookie(user) -> bytes:
-    client = Client()
-    client.force_login(user)
-    return f"sessionid={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
 
 
 def application():

@@ -6,13 +6,10 @@ real worker; a penalty used to fail the engine step and every answer in flight w
 import time
 
 import pytest
-import redis
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.testing import WebsocketCommunicator
-from django.conf import settings
-from django.test import Client
 
-from chat_live_engine import clear_engine_keys, slow_llm, start_worker, wait_for
+from chat_live_engine import session_cookie, slow_llm
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PLAIN = {"temperature": 0, "max_tokens": 16, "repetition_penalty": 1.0, "presence_penalty": 0.0,
@@ -23,25 +20,6 @@ PENALIZED = {**PLAIN, "repetition_penalty": 1.6, "presence_penalty": 1.5, "frequ
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
     return slow_llm(tiny_model_dir, step_delay_s=0.0)
-
-
-@pytest.fixture
-def worker(llm, chat_settings):
-    from engine_client import client as engine_client
-
-    client = redis.Redis.from_url(settings.REDIS_URL)
-    clear_engine_keys(client)
-    running = start_worker(llm, settings.REDIS_URL)
-    wait_for(lambda: engine_client.client().health()["ok"])
-    yield running
-    running.stop()
-    clear_engine_keys(client)
-
-
-def session_cookie(user) -> bytes:
-    client = Client()
-    client.force_login(user)
-    return f"sessionid={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
 
 
 async def answer(user, params: dict) -> dict:
