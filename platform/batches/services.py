@@ -14,7 +14,9 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from errors import Conflict, InvalidRequest
+import redis
+
+from errors import Conflict, InvalidRequest, ServiceError
 
 from . import conf, progress, selectors
 from .tasks import run_batch as run_batch_task
@@ -83,8 +85,21 @@ def create_batch(user, *, input_file_id, endpoint, completion_window, metadata=N
     batch = Batch.objects.create(user=user, input_file=file, input_file_public_id=file.public_id,
                                  endpoint=endpoint, completion_window=completion_window, metadata=metadata,
                                  expires_at=now + timedelta(seconds=windows[completion_window]))
-    _enqueue_on_commit(validate_batch_task, batch.pk)
+    _enqueue_or_undo(validate_batch_task, batch)
     return batch
+
+
+def _enqueue_or_undo(task, batch: Batch) -> None:
+    """Enqueue the batch's first task (sent at once: the row is committed); without a broker, delete
+    the row and answer 503, so the caller's retry cannot leave a second batch behind."""
+    from kombu.exceptions import OperationalError
+
+    try:
+        _enqueue_on_commit(task, batch.pk)
+    except (OperationalError, redis.RedisError) as exc:
+        Batch.objects.filter(pk=batch.pk).delete()
+        raise ServiceError(f"A backing service (Redis) is unavailable; try again shortly. ({exc})",
+                           status=503, code="redis_unavailable") from None
 
 
 def check_metadata(metadata) -> None:

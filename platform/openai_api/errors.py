@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import logging
 
+import redis
+from django.core.exceptions import BadRequest, SuspiciousOperation
 from django.http import JsonResponse
 from rest_framework import exceptions as drf_exceptions
 from rest_framework.views import exception_handler as drf_default_handler
@@ -40,6 +42,10 @@ def drf_exception_handler(exc, context):
     """DRF views (files, batches) answer in the same envelope; unexpected errors become a 500 envelope."""
     if isinstance(exc, ServiceError):
         return _drf_response(error_body(exc), exc.status, exc.headers)
+    if isinstance(exc, (SuspiciousOperation, BadRequest, redis.RedisError)):
+        # Too many form fields / files (raised inside DRF's parsers), a body too big, Redis down:
+        # re-raised to the /v1 middleware, which answers them for every view (400 / 413 / 503).
+        return None
     response = drf_default_handler(exc, context)
     if response is None:
         log.exception("unhandled API error", exc_info=exc)

@@ -204,9 +204,6 @@ def test_loads_refuses_the_same_in_bytes(text):
         http_guards.loads(text.encode())
 
 
-@pytest.mark.xfail(strict=True, reason="known 500, reported: Django's TooManyFieldsSent / TooManyFilesSent "
-                                       "(SuspiciousOperation) raised inside DRF's parsers reach "
-                                       "openai_api.errors.drf_exception_handler, which answers 500")
 @pytest.mark.parametrize("request_kwargs", [
     {"data": {f"f{i}": "x" for i in range(1200)}, "files": {"file": ("a.jsonl", b"{}")}},
     {"files": [("file", (f"a{i}.jsonl", b"{}")) for i in range(120)]},
