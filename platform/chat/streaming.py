@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 
 from engine_client import client as engine
 
@@ -132,10 +133,27 @@ class Follower:
             self.outcome.ttft_ms = round((self.first_token_at - self.arrived_at) * 1000, 1)
         if self.owner:
             self.outcome.latency_ms = round((time.time() - self.arrived_at) * 1000, 1)
-        await database_sync_to_async(services.finish_reply)(self.message_id, self.outcome)
+        try:
+            await self._save_final()
+        except Exception as exc:  # the socket must still hear how the answer ended
+            log.exception("saving reply %s failed", self.message_id)
+            await self._emit({"type": "error", "code": "save_failed", "message": f"Could not save the answer: {exc}"})
+            return
         payload = await database_sync_to_async(_payload)(self.message_id)
         if payload is not None:
             await self._emit({"type": "done", "message": payload})
+
+    async def _save_final(self, attempts: int = 3) -> None:
+        """finish_reply, retried: a transient database error must not leave the reply "streaming"."""
+        for attempt in range(attempts):
+            try:
+                await database_sync_to_async(services.finish_reply)(self.message_id, self.outcome)
+                return
+            except DatabaseError:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("saving reply %s failed; retrying", self.message_id, exc_info=True)
+                await asyncio.sleep(0.2 * (attempt + 1))
 
 
     async def _wait_for_owner(self, timeout_s: float = 3.0) -> None:

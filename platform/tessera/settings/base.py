@@ -81,6 +81,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # with WAL, synchronous=NORMAL is still crash-safe while a commit skips its fsync.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
         "init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
+    # IMMEDIATE: a transaction that reads before it writes (finish_reply) takes the write lock at
+    # BEGIN and waits its turn; a deferred one failed at once with "database is locked" when another
+    # thread committed between its read and its write (the playground reply left "streaming").
+    DATABASES["default"]["OPTIONS"].setdefault("transaction_mode", "IMMEDIATE")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
