@@ -121,6 +121,7 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text too)."""
         params = (sampling_params or SamplingParams()).with_model_defaults(self.model_config.generation_defaults)
+        params = params.bind_tokenizer(self.tokenizer, self.model_config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)

@@ -1,7 +1,7 @@
 """One batched sampling pass per step; every row keeps its own parameters and seeded generator.
 
-Order (as in vLLM): raw logprobs -> min_tokens masking -> penalties -> grammar masks (structured
-outputs: the tokens each row's matcher allows) -> greedy argmax, or
+Order (as in vLLM): raw logprobs -> min_tokens masking -> penalties -> logit_bias, allowed_token_ids
+and bad_words -> grammar masks (structured outputs: the tokens each row's matcher allows) -> greedy argmax, or
 temperature -> top-k / top-p / min-p -> sample. Sampling draws q ~ Exp(1) per row with that
 row's generator and takes argmax(p / q), which is an exact sample from p and reproducible per
 request whatever else is in the batch.
@@ -24,12 +24,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         # min_tokens masking and penalties write in place: into a private copy, never the caller's
         # logits (a row-by-row retry after a failure must see them unchanged); else no copy at all.
-        writes = any(s.params.uses_penalties or s.num_output_tokens < s.params.min_tokens or s.matcher is not None
-                     for s in seqs)
+        writes = any(s.params.uses_penalties or s.params.restricts_tokens or s.num_output_tokens < s.params.min_tokens
+                     or s.matcher is not None for s in seqs)
         logits = logits.to(torch.float32, copy=writes)
         raw_logprobs = self._raw_logprobs(logits, seqs)
         self._mask_min_tokens(logits, seqs)
         self._apply_penalties(logits, seqs)
+        self._restrict_tokens(logits, seqs)
         self._mask_grammars(logits, seqs)
         tokens = self._pick(logits, seqs)
         token_list = tokens.tolist()
@@ -64,6 +65,24 @@ class Sampler:
                 outputs = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
                 counts = torch.bincount(outputs, minlength=logits.shape[1]).to(logits.dtype)
                 logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+    def _restrict_tokens(self, logits, seqs):
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            if not params.restricts_tokens:
+                continue
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+                logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                                                 device=logits.device)
+            if params.allowed_token_ids is not None:
+                allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
+                kept = logits[row, allowed]
+                logits[row] = float("-inf")
+                logits[row, allowed] = kept
+            banned = banned_bad_word_tokens(params.bad_words_token_ids, seq.output_token_ids)
+            if banned:
+                logits[row, banned] = float("-inf")
 
     def _mask_grammars(self, logits, seqs):
         matchers = [s.matcher for s in seqs]
@@ -127,6 +146,16 @@ class Sampler:
                 continue
             entries[row] = top_logprobs(raw_logprobs[row], tokens[row], k)
         return entries
+
+
+def banned_bad_word_tokens(sequences: list[list[int]], output: list[int]) -> list[int]:
+    """The last token of every bad word whose other tokens the output has just produced (vLLM's rule)."""
+    banned = []
+    for ids in sequences:
+        prefix = ids[:-1]
+        if len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix:
+            banned.append(ids[-1])
+    return banned
 
 
 def top_logprobs(row_logprobs: torch.Tensor, chosen: int, k: int) -> dict[int, Logprob]:

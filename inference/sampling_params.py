@@ -44,6 +44,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # vLLM's structured outputs: one of json (a schema), json_object, regex, choice, grammar (EBNF)
     structured_outputs: StructuredOutputs | dict | None = None
+    # OpenAI's logit_bias ({token id: bias in [-100, 100]}, added to the logits before sampling),
+    # vLLM's allowed_token_ids (every other token is masked) and bad_words (never completed)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token sequences (each word with and without a leading space), set by
+    # bind_tokenizer when the engine accepts the request; the sampler bans their last tokens
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
     stop_strings: list[str] = field(init=False, repr=False)
     model_default_fields: frozenset[str] = field(init=False, repr=False)
 
@@ -56,6 +64,10 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.structured_outputs = _as_structured_outputs(self.structured_outputs)
+        self.logit_bias = _as_logit_bias(self.logit_bias)
+        self.bad_words = _as_list(self.bad_words, "bad_words")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list(self.allowed_token_ids, "allowed_token_ids")
         self._validate()
 
     def _validate(self):
@@ -75,6 +87,13 @@ class SamplingParams:
             ("prompt_logprobs", lambda: self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
             ("stop", lambda: all(isinstance(s, str) and s for s in self.stop_strings), "must be a non-empty string or a list of them"),
             ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be a list of token ids"),
+            ("logit_bias", lambda: all(-100 <= b <= 100 for b in self.logit_bias.values()),
+             "biases must be in [-100, 100]"),
+            ("allowed_token_ids", lambda: self.allowed_token_ids is None or (
+                self.allowed_token_ids and all(_is_token_id(t) for t in self.allowed_token_ids)),
+             "must be a non-empty list of token ids"),
+            ("bad_words", lambda: all(isinstance(w, str) and w.strip() for w in self.bad_words),
+             "must be a list of non-empty strings"),
             ("seed", lambda: self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
              "must be an integer in [-2**63, 2**64) (what torch.Generator takes)"),
         ]
@@ -85,6 +104,24 @@ class SamplingParams:
                 ok = False
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words: the sampler edits this row's logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    def bind_tokenizer(self, tokenizer, vocab_size: int) -> "SamplingParams":
+        """Check token ids against the vocabulary and tokenize bad_words (the engine calls this once)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or [])):
+            out_of_range = [t for t in ids if t >= vocab_size]
+            if out_of_range:
+                raise ValueError(f"SamplingParams.{name} has token ids outside the vocabulary [0, {vocab_size}): "
+                                 f"{out_of_range[:5]}")
+        if not self.bad_words or self.bad_words_token_ids:
+            return self
+        bound = copy.copy(self)
+        bound.bad_words_token_ids = bad_words_token_ids(tokenizer, self.bad_words)
+        return bound
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +167,36 @@ def _as_structured_outputs(value) -> StructuredOutputs | None:
         raise ValueError(f"SamplingParams.structured_outputs takes only {', '.join(KINDS)}; got {sorted(value)}") from None
     except ValueError as exc:
         raise ValueError(f"SamplingParams.{exc}") from None
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each word's token sequences, as vLLM makes them: the word alone and after a space (mid-text)."""
+    sequences = []
+    for word in words:
+        for variant in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(variant, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _as_logit_bias(value) -> dict[int, float]:
+    """{token id: bias}; JSON's string keys ("50256") become ints. A bad entry names the field."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"SamplingParams.logit_bias must be an object of token id -> bias, got {value!r}")
+    bias = {}
+    for key, amount in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not _is_token_id(token) or isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got {key!r}: {amount!r}")
+        bias[token] = float(amount)
+    return bias
 
 
 def _as_list(value, name: str) -> list:
