@@ -137,7 +137,8 @@ class KVCacheManager:
 
     def get_computed_blocks(self, seq) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of a new sequence (always leaving one token to compute)."""
-        if not self.enable_prefix_caching or seq.num_computed_tokens > 0:
+        # Prompt logprobs need every prompt position's logits: a hit would skip computing them.
+        if not self.enable_prefix_caching or seq.num_computed_tokens > 0 or seq.params.prompt_logprobs is not None:
             return [], 0
         hits: list[KVBlock] = []
         parent = None
