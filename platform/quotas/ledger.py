@@ -11,12 +11,18 @@ No Django imports: the multi-process tests drive this module directly.
 from __future__ import annotations
 
 import calendar
+import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 
+import redis
+
 from .limits import PlanLimits
+
+log = logging.getLogger(__name__)
 
 UNLIMITED = -1
 DAY_TTL_S = 2 * 86400
@@ -161,6 +167,7 @@ class QuotaLedger:
         self._reserve = redis_client.register_script(RESERVE_LUA)
         self._settle = redis_client.register_script(SETTLE_LUA)
         self._renew = redis_client.register_script(RENEW_LUA)
+        self._unsettled: deque[tuple[Reservation, int]] = deque()  # settlements Redis was away for (thread-safe)
 
     def user_keys(self, user_id: int, now: datetime | None = None) -> dict[str, str]:
         now = now or datetime.now(timezone.utc)
@@ -171,6 +178,7 @@ class QuotaLedger:
     def reserve(self, user_id: int, limits: PlanLimits, tokens: int, *, model: str = "", source: str = "",
                 prompt_tokens: int = 0, max_tokens: int = 0) -> Reservation | Refusal:
         """Admit one request and reserve `tokens`, or say which limit refused it and when to retry."""
+        self.retry_unsettled()  # slots of requests that ended during an outage come back first
         now = datetime.now(timezone.utc)
         keys = self.user_keys(user_id, now)
         rid = uuid.uuid4().hex
@@ -190,12 +198,42 @@ class QuotaLedger:
                            conc_key=keys["conc"], day_key=keys["day"], month_key=keys["month"], res_key=res_key)
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> bool:
-        """Charge the actual tokens instead of the reserved ones and free the slot; False if already settled."""
+        """Charge the actual tokens instead of the reserved ones and free the slot; False if already settled.
+
+        Redis unreachable: the settlement waits in this process and is applied before its next ledger
+        call (settle, reserve, renew), so the slot comes back as soon as Redis does, not when its lease ends.
+        """
+        self.retry_unsettled()
+        try:
+            return self._settle_now(reservation, actual_tokens)
+        except redis.RedisError:
+            self._unsettled.append((reservation, int(actual_tokens)))
+            log.warning("settling reservation %s failed; retrying once Redis answers", reservation.id, exc_info=True)
+            return False
+
+    def retry_unsettled(self) -> int:
+        """Apply the settlements that failed while Redis was away; how many were applied."""
+        applied = 0
+        while self._unsettled:
+            try:
+                reservation, tokens = self._unsettled.popleft()
+            except IndexError:  # another thread took the last one
+                break
+            try:
+                self._settle_now(reservation, tokens)  # idempotent: one applied before the reply was lost gives 0
+            except redis.RedisError:
+                self._unsettled.appendleft((reservation, tokens))  # still away: the next call tries again
+                break
+            applied += 1
+        return applied
+
+    def _settle_now(self, reservation: Reservation, actual_tokens: int) -> bool:
         keys = [reservation.res_key, reservation.conc_key, reservation.day_key, reservation.month_key]
         return bool(self._settle(keys=keys, args=[max(0, int(actual_tokens)), reservation.id]))
 
     def renew(self, reservation: Reservation) -> bool:
         """Keep the concurrency slot of a still-running request; False once settled or expired."""
+        self.retry_unsettled()
         return bool(self._renew(keys=[reservation.conc_key], args=[reservation.id, self.lease_ms]))
 
     def usage(self, user_id: int) -> Usage:

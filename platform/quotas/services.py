@@ -1,8 +1,9 @@
 """Writes: admit a request against the user's plan (reserve), charge what it really used (settle).
 
 Every entry point (playground, /v1, batches) calls reserve() before queueing work and settle()
-when the work ends for any reason (finished, aborted, stream cut). settle() is idempotent, and a
-reservation that is never settled still frees its concurrency slot when its lease expires.
+when the work ends for any reason (finished, aborted, stream cut). settle() is idempotent; one that
+Redis was away for is applied as soon as Redis answers again (before this process's next admission),
+and a reservation that is never settled still frees its concurrency slot when its lease expires.
 """
 from __future__ import annotations
 
