@@ -21,6 +21,10 @@ ABORT_CHANNEL = f"{PREFIX}:abort"
 WORKERS_SET = f"{PREFIX}:workers"
 REQUEST_STREAM_MAXLEN = 100_000
 OUTPUT_TTL_S = 3600
+# A web process refreshes its follower lease every FOLLOWER_LEASE_REFRESH_S while it follows streams;
+# a worker aborts the requests of a lease that lapsed (the web process died mid-stream).
+FOLLOWER_LEASE_TTL_S = 3.0
+FOLLOWER_LEASE_REFRESH_S = 1.0
 
 # Priority classes (lower runs first in the engine); a request's own priority orders it inside its class.
 PRIORITY_CLASSES = {"interactive": 0, "api": 1, "batch": 2}
@@ -45,6 +49,10 @@ def output_stream(request_id: str) -> str:
 
 def aborted_key(request_id: str) -> str:
     return f"{PREFIX}:aborted:{request_id}"
+
+
+def follower_lease_key(follower: str) -> str:
+    return f"{PREFIX}:follower:{follower}"
 
 
 def heartbeat_key(worker_id: str) -> str:
@@ -93,11 +101,13 @@ class EngineRequest:
     user: str | None = None
     submitted_at: float = 0.0
     deadline: float | None = None
+    follower: str | None = None  # the lease id of the web process following it (None: nobody to outlive)
 
     @classmethod
     def build(cls, *, model: str, prompt_token_ids=None, prompt: str | None = None,
               sampling_params: dict | None = None, priority_class: str = "api", priority: int = 0, user=None,
-              request_id: str | None = None, queue_timeout: float | None = None) -> "EngineRequest":
+              request_id: str | None = None, queue_timeout: float | None = None,
+              follower: str | None = None) -> "EngineRequest":
         """Validate the arguments (ValueError) and stamp the submission time."""
         if (prompt_token_ids is None) == (prompt is None):
             raise ValueError("give exactly one of prompt_token_ids or prompt")
@@ -109,7 +119,7 @@ class EngineRequest:
                    sampling_params=dict(sampling_params or {}),
                    priority=engine_priority(priority_class, priority), priority_class=priority_class,
                    user=None if user is None else str(user), submitted_at=now,
-                   deadline=now + queue_timeout if queue_timeout else None)
+                   deadline=now + queue_timeout if queue_timeout else None, follower=follower)
 
     @property
     def stream(self) -> str:

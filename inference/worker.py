@@ -66,6 +66,7 @@ class RequestState:
     cached_tokens: int = 0
     num_preemptions: int = 0
     ttl_set_at: float = 0.0  # monotonic time of the output stream's last EXPIRE
+    follower: str | None = None  # the web process's lease (protocol.follower_lease_key); None: not leased
 
     def __post_init__(self):
         self.sent_len = [0] * self.n
@@ -106,6 +107,7 @@ class EngineWorker:
         self._snapshot_at = 0.0
         self._block_map = None
         self._last_reap = 0.0
+        self._last_lease_check = 0.0
         self._step_ms = 0.0
         self._pubsub = None
         self._heartbeat_thread: threading.Thread | None = None
@@ -187,6 +189,9 @@ class EngineWorker:
         if not self._draining:
             self.read_requests(block_ms=None if busy else self.config.idle_block_ms)
         self.apply_aborts()
+        if time.monotonic() - self._last_lease_check >= self.config.heartbeat_interval:
+            self._last_lease_check = time.monotonic()
+            self.abort_unfollowed()
         if self.engine.has_unfinished_requests():
             self.step()
         self._take_snapshot()
@@ -240,6 +245,7 @@ class EngineWorker:
         state = RequestState(request.request_id, entry_id, n=params.n, stream=stream, want_logprobs=params.logprobs,
                              submitted_at=request.submitted_at or None)
         state.prompt_tokens = self._prompt_len(request)
+        state.follower = request.follower
         self.states[request.request_id] = state
         self._emit(pipe, request.request_id, [p.accepted_event(self.worker_id, state.prompt_tokens)], state)
 
@@ -283,6 +289,19 @@ class EngineWorker:
             request_id = _text(message["data"])
             if request_id in self.states:
                 self.abort(request_id)
+
+    def abort_unfollowed(self) -> None:
+        """Abort the requests whose web process stopped following them (its follower lease lapsed)."""
+        followers = sorted({state.follower for state in self.states.values() if state.follower})
+        if not followers:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for follower in followers:
+            pipe.exists(p.follower_lease_key(follower))
+        gone = {follower for follower, alive in zip(followers, pipe.execute()) if not alive}
+        for request_id in [rid for rid, state in self.states.items() if state.follower in gone]:
+            log.warning("aborting %s: its web process stopped following it", request_id)
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort in the engine (frees its blocks now) and end the stream with finish_reason 'abort'."""

@@ -1,0 +1,107 @@
+"""The follower lease: requests the async client submits carry its lease, which its StreamHub keeps
+while it follows any stream; a worker aborts (and frees) the requests of a lease that lapsed, i.e.
+of a web process that died mid-stream. The sync client's (batch) requests carry none."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import redis
+from django.conf import settings
+
+from engine_client import client as engine
+from inference import protocol
+from inference.worker import EngineWorker, WorkerConfig
+from tests.inference.worker_helpers import MODEL, llm, r  # noqa: F401 (fixtures)
+from tests.platform.engine_client.test_stream_hub import FINISH, write
+
+PROMPT = [1, 5, 9, 13]
+LONG = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+
+
+def stepped_worker(llm) -> EngineWorker:
+    """A worker driven by hand (no thread), so each test decides when it reads and checks leases."""
+    worker = EngineWorker(llm.llm_engine, redis.Redis.from_url(settings.REDIS_URL), WorkerConfig(model_name=MODEL))
+    worker.setup()
+    return worker
+
+
+def terminal(r, request_id: str) -> dict | None:
+    for _, fields in r.xrange(protocol.output_stream(request_id)):
+        for event in protocol.decode(fields[b"events"]):
+            if event["type"] in protocol.TERMINAL_EVENTS:
+                return event
+    return None
+
+
+def test_async_submissions_carry_the_clients_lease_and_batch_ones_none(r):
+    async def submit():
+        client = engine.aclient()
+        return client.follower, await client.submit(model=MODEL, prompt_token_ids=PROMPT)
+
+    follower, _ = asyncio.run(submit())
+    engine.client().submit(model=MODEL, prompt_token_ids=PROMPT)
+    leased, batch = [protocol.decode(f[b"data"]) for _, f in r.xrange(protocol.request_stream(MODEL))]
+    assert leased["follower"] == follower and batch["follower"] is None
+    assert 0 < r.pttl(protocol.follower_lease_key(follower)) <= protocol.FOLLOWER_LEASE_TTL_S * 1000
+
+
+def test_the_worker_aborts_only_requests_whose_follower_lease_lapsed_and_frees_their_blocks(llm, r):
+    worker = stepped_worker(llm)
+    try:
+        r.set(protocol.follower_lease_key("alive"), "1", ex=60)
+        orphan = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)
+        followed = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)
+        batch = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)
+        _set_follower(r, orphan, "died")  # its web process's lease is gone
+        _set_follower(r, followed, "alive")
+        worker.read_requests(block_ms=1000)
+        worker.step()
+        assert set(worker.states) == {orphan, followed, batch}
+        free_before = llm.llm_engine.kv.pool.num_free
+
+        worker.abort_unfollowed()
+
+        assert terminal(r, orphan)["finish_reasons"] == ["abort"]
+        assert set(worker.states) == {followed, batch}  # a live lease and no lease (batch) keep running
+        assert terminal(r, followed) is None and terminal(r, batch) is None
+        assert llm.llm_engine.kv.pool.num_free > free_before
+    finally:
+        llm.llm_engine.abort_request(list(worker.states))
+        worker.shutdown()
+
+
+def test_the_hub_keeps_the_lease_while_it_follows_and_lets_it_lapse_after(r, monkeypatch):
+    monkeypatch.setattr(protocol, "FOLLOWER_LEASE_TTL_S", 1.0)
+    monkeypatch.setattr(protocol, "FOLLOWER_LEASE_REFRESH_S", 0.1)
+
+    async def run():
+        client = engine.aclient()
+        key = protocol.follower_lease_key(client.follower)
+        rid = await client.submit(model="nobody-serves-this", prompt_token_ids=PROMPT)
+        following = asyncio.create_task(_collect(client, rid))
+        await asyncio.sleep(2.5)  # 2.5 lease lifetimes
+        alive_while_following = await client.r.exists(key)
+        write(r, rid, FINISH)
+        await following
+        await asyncio.sleep(1.5)
+        return alive_while_following, await client.r.exists(key)
+
+    alive_while_following, alive_after = asyncio.run(run())
+    assert alive_while_following and not alive_after
+
+
+async def _collect(client, rid):
+    return [e async for e in client.stream(rid, model="nobody-serves-this", no_worker_grace=60, timeout=30)]
+
+
+def _set_follower(r, request_id: str, follower: str) -> None:
+    """Rewrite a queued request's lease id (as a web process with that lease would have submitted it)."""
+    stream = protocol.request_stream(MODEL)
+    for entry_id, fields in r.xrange(stream):
+        data = protocol.decode(fields[b"data"])
+        if data["request_id"] == request_id:
+            r.xdel(stream, entry_id)
+            data["follower"] = follower
+            r.xadd(stream, {"data": protocol.encode(data)})
+            time.sleep(0.002)  # distinct entry ids keep the submission order readable
