@@ -163,6 +163,11 @@ class DeltaEvent(TypedDict, total=False):
     logprobs: list[LogprobEntry]
 
 
+class PromptLogprobsEvent(TypedDict):
+    type: Literal["prompt_logprobs"]
+    logprobs: list[LogprobEntry]  # one per prompt token; the first has logprob None and no top (nothing predicts it)
+
+
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
@@ -182,7 +187,7 @@ class ErrorEvent(TypedDict):
     message: str
 
 
-Event = AcceptedEvent | DeltaEvent | FinishEvent | ErrorEvent
+Event = AcceptedEvent | DeltaEvent | PromptLogprobsEvent | FinishEvent | ErrorEvent
 
 
 def accepted_event(worker_id: str, prompt_tokens: int) -> AcceptedEvent:
@@ -192,6 +197,10 @@ def accepted_event(worker_id: str, prompt_tokens: int) -> AcceptedEvent:
 def delta_event(index: int, text: str, token_ids: list[int], finish_reason, stop_reason) -> DeltaEvent:
     return {"type": "delta", "index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
+
+
+def prompt_logprobs_event(logprobs: list[LogprobEntry]) -> PromptLogprobsEvent:
+    return {"type": "prompt_logprobs", "logprobs": logprobs}
 
 
 def finish_event(finish_reasons: list, usage: Usage, metrics: dict) -> FinishEvent:

@@ -56,6 +56,8 @@ class RequestState:
     stream: str = ""  # the request stream it came from (where it is XACKed)
     prompt_tokens: int = 0
     want_logprobs: int | None = None
+    want_prompt_logprobs: int | None = None
+    prompt_logprobs_sent: bool = False
     submitted_at: float | None = None
     received_at: float = field(default_factory=time.time)
     first_token_at: float | None = None
@@ -243,7 +245,7 @@ class EngineWorker:
             error = p.error_event("invalid_request", str(exc))
             return self._end_early(pipe, stream, entry_id, request.request_id, error)
         state = RequestState(request.request_id, entry_id, n=params.n, stream=stream, want_logprobs=params.logprobs,
-                             submitted_at=request.submitted_at or None)
+                             want_prompt_logprobs=params.prompt_logprobs, submitted_at=request.submitted_at or None)
         state.prompt_tokens = self._prompt_len(request)
         state.follower = request.follower
         self.states[request.request_id] = state
@@ -349,6 +351,8 @@ class EngineWorker:
         if not output.finished and not self._delta_due(state, output.outputs):
             return
         events = [e for c in output.outputs if (e := self._delta(state, c)) is not None]
+        if (prompt_event := self._prompt_logprobs(state, output)) is not None:
+            events.insert(0, prompt_event)
         if output.finished:
             self.states.pop(state.request_id, None)
             events.append(p.finish_event(state.finish_reasons, state.usage(), state.metrics()))
@@ -386,20 +390,31 @@ class EngineWorker:
         return event
 
     def _logprobs(self, completion, start: int, end: int, top_n: int) -> list[dict]:
-        entries = []
-        for pos in range(start, min(end, len(completion.logprobs))):
-            token_id = completion.token_ids[pos]
-            candidates = completion.logprobs[pos] or {}
-            chosen = candidates.get(token_id)
-            ranked = sorted(candidates.items(), key=lambda kv: kv[1].rank)[:top_n]
-            entries.append({
-                "token_id": token_id,
-                "token": self._token_text(token_id, chosen),
-                "logprob": chosen.logprob if chosen is not None else None,
-                "top": [{"token_id": tid, "token": self._token_text(tid, lp), "logprob": lp.logprob}
-                        for tid, lp in ranked],
-            })
-        return entries
+        return [self._logprob_entry(completion.token_ids[pos], completion.logprobs[pos], top_n)
+                for pos in range(start, min(end, len(completion.logprobs)))]
+
+    def _prompt_logprobs(self, state: RequestState, output) -> dict | None:
+        """The prompt's logprobs, once, as soon as the engine has them for every prompt token."""
+        entries, prompt = output.prompt_logprobs, output.prompt_token_ids
+        if state.want_prompt_logprobs is None or state.prompt_logprobs_sent or entries is None:
+            return None
+        if len(entries) < len(prompt):
+            return None
+        state.prompt_logprobs_sent = True
+        first = {"token_id": prompt[0], "token": self._token_text(prompt[0], None), "logprob": None, "top": []}
+        return p.prompt_logprobs_event([first] + [self._logprob_entry(token_id, candidates, state.want_prompt_logprobs)
+                                                  for token_id, candidates in zip(prompt[1:], entries[1:])])
+
+    def _logprob_entry(self, token_id: int, candidates, top_n: int) -> dict:
+        candidates = candidates or {}
+        chosen = candidates.get(token_id)
+        ranked = sorted(candidates.items(), key=lambda kv: kv[1].rank)[:top_n]
+        return {
+            "token_id": token_id,
+            "token": self._token_text(token_id, chosen),
+            "logprob": chosen.logprob if chosen is not None else None,
+            "top": [{"token_id": tid, "token": self._token_text(tid, lp), "logprob": lp.logprob} for tid, lp in ranked],
+        }
 
     def _token_text(self, token_id: int, logprob) -> str:
         if logprob is not None and logprob.decoded_token is not None:

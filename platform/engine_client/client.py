@@ -129,7 +129,8 @@ def _health(live: LiveWorkers) -> dict:
 # ---------------------------------------------------------------- collecting a whole result
 
 def new_result() -> dict:
-    return {"choices": {}, "usage": None, "metrics": None, "error": None, "finish_reasons": None}
+    return {"choices": {}, "usage": None, "metrics": None, "error": None, "finish_reasons": None,
+            "prompt_logprobs": None}
 
 
 def fold(result: dict, event: dict) -> dict:
@@ -143,6 +144,8 @@ def fold(result: dict, event: dict) -> dict:
         if event.get("finish_reason"):
             choice["finish_reason"] = event["finish_reason"]
             choice["stop_reason"] = event.get("stop_reason")
+    elif kind == "prompt_logprobs":
+        result["prompt_logprobs"] = event["logprobs"]
     elif kind == "finish":
         result["usage"] = event.get("usage")
         result["metrics"] = event.get("metrics")

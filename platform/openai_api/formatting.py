@@ -34,8 +34,10 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
         offsets.append(offset)
         tokens.append(e["token"])
         offset += len(e["token"])
+    # An echoed prompt's first token has no logprob: OpenAI writes null for it and its top_logprobs.
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top"]} for e in entries],
+            "top_logprobs": [None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top"]}
+                             for e in entries],
             "text_offset": offsets}
 
 
@@ -57,13 +59,28 @@ def chat_response(gen, result: dict) -> dict:
 
 
 def completion_response(gen, result: dict) -> dict:
-    choices = [{
-        "index": c["index"], "text": c["text"],
-        "logprobs": completion_logprobs(c["logprobs"]) if gen.logprobs is not None else None,
-        "finish_reason": c["finish_reason"],
-    } for c in result["choices"]]
-    return {**_head(gen, "text_completion"), "choices": choices, "usage": usage_body(result["usage"]),
+    prompt_entries = (result.get("prompt_logprobs") or []) if gen.echo else []
+    choices = []
+    for c in result["choices"]:
+        text, entries = _generated(gen, c["text"], c["logprobs"])
+        choices.append({
+            "index": c["index"], "text": (gen.prompt_text if gen.echo else "") + text,
+            "logprobs": completion_logprobs(prompt_entries + entries) if gen.logprobs is not None else None,
+            "finish_reason": c["finish_reason"],
+        })
+    return {**_head(gen, "text_completion"), "choices": choices, "usage": usage_body(completion_usage(gen, result["usage"])),
             "system_fingerprint": None}
+
+
+def _generated(gen, text: str, entries: list[dict]) -> tuple[str, list[dict]]:
+    """What a choice shows of the generated tokens: nothing for max_tokens 0 (the engine made one)."""
+    return ("", []) if gen.echo_only else (text, entries or [])
+
+
+def completion_usage(gen, usage: dict | None) -> dict | None:
+    if not gen.echo_only or usage is None:
+        return usage
+    return {**usage, "completion_tokens": 0}
 
 
 # ---------------------------------------------------------------- streamed chunks
@@ -85,9 +102,10 @@ class ChunkWriter:
         return sse(body)
 
     def start(self) -> list[bytes]:
-        """Chat streams open with one role chunk per choice (as OpenAI's do)."""
+        """Chat streams open with one role chunk per choice (as OpenAI's do); echo streams with the prompt."""
         if not self.chat:
-            return []
+            # with logprobs the echo waits for the prompt_logprobs event, which carries them
+            return self._echo([]) if self.gen.echo and self.gen.logprobs is None else []
         chunks = []
         for index in range(self.gen.n):
             self.role_sent.add(index)
@@ -98,6 +116,8 @@ class ChunkWriter:
     def delta(self, event: dict) -> list[bytes]:
         index, text = event["index"], event.get("text", "")
         logprobs = event.get("logprobs") if self.gen.logprobs is not None else None
+        if not self.chat:
+            text, logprobs = _generated(self.gen, text, logprobs)
         finish = event.get("finish_reason")
         out = []
         if text or logprobs:
@@ -105,6 +125,15 @@ class ChunkWriter:
         if finish:
             out.append(self._finish_chunk(index, finish))
         return out
+
+    def prompt_logprobs(self, event: dict) -> list[bytes]:
+        return self._echo(event["logprobs"]) if self.gen.echo and self.gen.logprobs is not None else []
+
+    def _echo(self, prompt_entries: list[dict]) -> list[bytes]:
+        chunks = [self._content_chunk(index, self.gen.prompt_text, prompt_entries) for index in range(self.gen.n)]
+        if prompt_entries:  # text_offset counts token strings (as vLLM's), and the BOS has one the text lacks
+            self.offsets = dict.fromkeys(range(self.gen.n), sum(len(e["token"]) for e in prompt_entries))
+        return chunks
 
     def _content_chunk(self, index: int, text: str, logprobs) -> bytes:
         if self.chat:
@@ -128,5 +157,6 @@ class ChunkWriter:
             if index not in finished and reason:
                 out.append(self._finish_chunk(index, reason))
         if self.gen.include_usage:
-            out.append(self._chunk([], usage=usage_body(event.get("usage"))))
+            usage = event.get("usage") if self.chat else completion_usage(self.gen, event.get("usage"))
+            out.append(self._chunk([], usage=usage_body(usage)))
         return out

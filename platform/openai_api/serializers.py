@@ -143,20 +143,43 @@ class ChatCompletionRequestSerializer(SamplingSerializer):
 
 class CompletionRequestSerializer(SamplingSerializer):
     prompt = PromptField(help_text="a string or a list of token ids")
-    logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=5)
-    echo = serializers.BooleanField(required=False, default=False)
+    # 0 is allowed with echo: the prompt's own logprobs, nothing generated (lm-eval's loglikelihood)
+    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=5,
+                                        help_text="with echo, also the prompt tokens' logprobs")
+    echo = serializers.BooleanField(required=False, default=False, help_text="prepend the prompt to each choice")
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     suffix = serializers.CharField(required=False, allow_null=True)
 
-    def validate_echo(self, value):
-        if value:
-            raise serializers.ValidationError("echo is not supported")
-        return value
+    def validate(self, data):
+        if data.get("max_tokens") == 0 and not data.get("echo"):
+            raise serializers.ValidationError({"max_tokens": "0 is only allowed with echo"})
+        return data
 
     def validate_suffix(self, value):
         if value:
             raise serializers.ValidationError("suffix is not supported")
         return value
+
+
+class TokenizeRequestSerializer(serializers.Serializer):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered with the model's template."""
+
+    model = serializers.CharField(required=False, allow_null=True, help_text="default: the configured model")
+    prompt = serializers.CharField(required=False, trim_whitespace=False, allow_blank=True)
+    messages = MessageSerializer(many=True, required=False, allow_empty=False)
+    add_special_tokens = serializers.BooleanField(required=False, default=True)
+    return_token_strs = serializers.BooleanField(required=False, default=False)
+
+    def validate(self, data):
+        if ("prompt" in data) == ("messages" in data):
+            raise serializers.ValidationError({"prompt": "give exactly one of prompt or messages"})
+        return data
+
+
+class DetokenizeRequestSerializer(serializers.Serializer):
+    model = serializers.CharField(required=False, allow_null=True, help_text="default: the configured model")
+    tokens = serializers.ListField(child=serializers.IntegerField(min_value=0))
 
 
 # ---------------------------------------------------------------- responses (documentation)
@@ -261,3 +284,24 @@ class HealthSerializer(serializers.Serializer):
     engine = serializers.BooleanField()
     redis = serializers.BooleanField()
     workers = serializers.ListField(child=serializers.CharField())
+
+
+class TokenizeSerializer(serializers.Serializer):
+    count = serializers.IntegerField()
+    max_model_len = serializers.IntegerField(allow_null=True)
+    tokens = serializers.ListField(child=serializers.IntegerField())
+    token_strs = serializers.ListField(child=serializers.CharField(), allow_null=True)
+
+
+class DetokenizeSerializer(serializers.Serializer):
+    prompt = serializers.CharField()
+
+
+class TokenizerInfoSerializer(serializers.Serializer):
+    tokenizer_class = serializers.CharField()
+    bos_token = serializers.CharField(allow_null=True)
+    eos_token = serializers.CharField(allow_null=True)
+    pad_token = serializers.CharField(allow_null=True)
+    unk_token = serializers.CharField(allow_null=True)
+    model_max_length = serializers.IntegerField(allow_null=True)
+    chat_template = serializers.CharField(allow_null=True)

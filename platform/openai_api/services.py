@@ -30,7 +30,8 @@ from usage.services import record_usage
 
 from . import formatting, tokenization
 from .errors import error_response, sse_error
-from .serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
+from .serializers import (ChatCompletionRequestSerializer, CompletionRequestSerializer, DetokenizeRequestSerializer,
+                          TokenizeRequestSerializer)
 
 log = logging.getLogger("tessera.api")
 
@@ -57,6 +58,9 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None
+    echo: bool = False  # completions: each choice starts with the prompt (and its logprobs)
+    echo_only: bool = False  # completions max_tokens 0 with echo: the prompt alone, nothing generated
+    prompt_text: str = ""
     priority: int = 0
     reservation: object = None
     headers: dict = field(default_factory=dict)
@@ -204,6 +208,8 @@ def sampling_params(data: dict, max_tokens: int, logprobs: int | None) -> dict:
         params["stop"] = data["stop"]
     if logprobs is not None:
         params["logprobs"] = logprobs
+        if data.get("echo"):  # completions echo: the prompt's logprobs too (vLLM's prompt_logprobs)
+            params["prompt_logprobs"] = logprobs
     structured = structured_outputs(data)
     if structured is not None:
         params["structured_outputs"] = structured
@@ -344,7 +350,12 @@ def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | Non
     else:
         gen.prompt_token_ids = tokenization.text_prompt_ids(path, prompt)
     gen.logprobs = data.get("logprobs")
-    return data.get("max_tokens"), "prompt"
+    gen.echo = data.get("echo", False)
+    if gen.echo:
+        gen.prompt_text = prompt if isinstance(prompt, str) else tokenization.decode(path, gen.prompt_token_ids)
+    # The engine always generates at least one token; with max_tokens 0 the answer leaves it out.
+    gen.echo_only = data.get("max_tokens") == 0
+    return (1 if gen.echo_only else data.get("max_tokens")), "prompt"
 
 
 # ---------------------------------------------------------------- admission, streaming, settlement
@@ -425,6 +436,54 @@ def settle_and_record(gen: Generation, usage: dict, latency_ms: float) -> None:
         error_code=gen.error_code)
 
 
+# ---------------------------------------------------------------- vLLM's tokenizer routes
+
+async def tokenizer_model(name: str | None) -> tuple[str, int | None]:
+    """(tokenizer path, max_model_len) of a served model; the configured model when none is named.
+
+    The web tier holds the tokenizers itself, so these routes work while no engine worker is up.
+    """
+    models = await served_models()
+    name = name or configured_model_name()
+    if name in models:
+        return models[name].get("model_path") or settings.MODEL, models[name].get("max_model_len")
+    if name == configured_model_name():
+        return settings.MODEL, None
+    raise NotFound(f"The model '{name}' does not exist or no engine worker is serving it.", param="model",
+                   code="model_not_found")
+
+
+def tokenize_body(data: dict, path: str, max_model_len: int | None) -> dict:
+    ids, strs = tokenization.tokenize(path, data)
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize_body(data: dict, path: str) -> dict:
+    vocab = len(tokenization.tokenizer_for(path))
+    bad = next((i for i, t in enumerate(data["tokens"]) if t >= vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"token id {data['tokens'][bad]} is outside the vocabulary (size {vocab}).",
+                             param=f"tokens[{bad}]")
+    return {"prompt": tokenization.decode(path, data["tokens"])}
+
+
+async def handle_tokenizer_route(request, route: str):
+    """POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; lm-eval probes them)."""
+    try:
+        await bookkeeping(authenticate)(request, Generation(endpoint=route))
+        data = {}
+        if route != "tokenizer_info":
+            serializer = TokenizeRequestSerializer if route == "tokenize" else DetokenizeRequestSerializer
+            data = validate(serializer, parse_json(request))
+        path, max_model_len = await tokenizer_model(data.get("model"))
+        work = {"tokenize": lambda: tokenize_body(data, path, max_model_len),
+                "detokenize": lambda: detokenize_body(data, path),
+                "tokenizer_info": lambda: tokenization.tokenizer_info(path)}[route]
+        return JsonResponse(await sync_to_async(work, thread_sensitive=False)())
+    except ServiceError as error:
+        return error_response(error)
+
+
 # ---------------------------------------------------------------- the whole request
 
 async def handle_generation(request, endpoint: str):
@@ -490,6 +549,9 @@ async def _sse(gen: Generation, first: dict, stream):
                 if event.get("finish_reason"):
                     finished.add(event["index"])
                 for chunk in writer.delta(event):
+                    yield chunk
+            elif event["type"] == "prompt_logprobs":
+                for chunk in writer.prompt_logprobs(event):
                     yield chunk
             elif event["type"] == "finish":
                 for chunk in writer.finish(event, finished):

@@ -30,3 +30,27 @@ def chat_prompt_ids(path: str, messages: list[dict]) -> list[int]:
 
 def text_prompt_ids(path: str, prompt: str) -> list[int]:
     return list(tokenizer_for(path).encode(prompt))
+
+
+def decode(path: str, token_ids: list[int]) -> str:
+    return tokenizer_for(path).decode(token_ids)
+
+
+def tokenize(path: str, data: dict) -> tuple[list[int], list[str] | None]:
+    """vLLM's /tokenize: the prompt's (or the rendered messages') ids, and their token strings if asked."""
+    tok = tokenizer_for(path)
+    if "messages" in data:
+        ids = chat_prompt_ids(path, [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]])
+    else:
+        ids = list(tok.encode(data["prompt"], add_special_tokens=data["add_special_tokens"]))
+    return ids, (tok.convert_ids_to_tokens(ids) if data["return_token_strs"] else None)
+
+
+def tokenizer_info(path: str) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template."""
+    tok = tokenizer_for(path)
+    template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+            "model_max_length": tok.model_max_length if tok.model_max_length < 10**9 else None,
+            "chat_template": template}

@@ -9,6 +9,10 @@ urlpatterns = [
     path("v1/models", views.ModelListView.as_view(), name="v1-models"),
     path("v1/models/<path:model>", views.ModelDetailView.as_view(), name="v1-model"),
     path("v1/openapi.json", SpectacularJSONAPIView.as_view(), name="v1-openapi"),
+    # vLLM serves its tokenizer routes at the root, not under /v1 (lm-eval probes them there)
+    path("tokenize", views.TokenizeView.as_view(), name="tokenize"),
+    path("detokenize", views.DetokenizeView.as_view(), name="detokenize"),
+    path("tokenizer_info", views.TokenizerInfoView.as_view(), name="tokenizer-info"),
     path("health", views.HealthView.as_view(), name="health"),
     path("metrics", views.MetricsView.as_view(), name="metrics"),
 ]

@@ -18,8 +18,9 @@ from errors import NotFound, ServiceError
 from . import metrics, services
 from .errors import error_response
 from .serializers import (ChatCompletionRequestSerializer, ChatCompletionSerializer, CompletionRequestSerializer,
-                          CompletionSerializer, ErrorSerializer, HealthSerializer, ModelListSerializer,
-                          ModelSerializer)
+                          CompletionSerializer, DetokenizeRequestSerializer, DetokenizeSerializer, ErrorSerializer,
+                          HealthSerializer, ModelListSerializer, ModelSerializer, TokenizeRequestSerializer,
+                          TokenizerInfoSerializer, TokenizeSerializer)
 
 ERRORS = {status: OpenApiResponse(ErrorSerializer, description=why) for status, why in {
     400: "invalid parameter (error.param names it), malformed JSON, prompt longer than the context",
@@ -90,6 +91,27 @@ class ModelDetailView(AsyncAPIView):
             return error_response(NotFound(f"The model '{model}' does not exist.", param="model",
                                            code="model_not_found"))
         return JsonResponse(services.model_card(model, models[model]))
+
+
+class TokenizeView(AsyncAPIView):
+    @extend_schema(operation_id="tokenize", request=TokenizeRequestSerializer,
+                   responses={200: TokenizeSerializer, **ERRORS}, description="vLLM's /tokenize.")
+    async def post(self, request):
+        return await services.handle_tokenizer_route(request, "tokenize")
+
+
+class DetokenizeView(AsyncAPIView):
+    @extend_schema(operation_id="detokenize", request=DetokenizeRequestSerializer,
+                   responses={200: DetokenizeSerializer, **ERRORS}, description="vLLM's /detokenize.")
+    async def post(self, request):
+        return await services.handle_tokenizer_route(request, "detokenize")
+
+
+class TokenizerInfoView(AsyncAPIView):
+    @extend_schema(operation_id="tokenizerInfo", responses={200: TokenizerInfoSerializer, 401: ERRORS[401]},
+                   description="vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template.")
+    async def get(self, request):
+        return await services.handle_tokenizer_route(request, "tokenizer_info")
 
 
 class HealthView(AsyncAPIView):

@@ -15,7 +15,7 @@ import re
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 
-MACHINE_PATHS = ("/health", "/metrics")
+MACHINE_PATHS = ("/health", "/metrics", "/tokenize", "/detokenize", "/tokenizer_info")
 API_PREFIX = "/v1/"
 MAX_JSON_DEPTH = 64  # tool schemas and content parts nest a handful of levels; 64 is ample
 KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
