@@ -297,13 +297,14 @@ class AsyncEngineClient:
     """Non-blocking client (ASGI views, Channels consumers): one per event loop.
 
     Its streams share the loop's StreamHub: one XREAD per engine step for all of them. Its requests
-    carry its follower lease, which the hub keeps while it follows any stream: when this process
-    dies the lease lapses and the worker aborts them (the sync client's batch requests have none).
+    carry its follower lease, refreshed while its event loop runs: when this process dies the lease
+    lapses and the worker aborts them (the sync client's batch requests carry none).
     """
 
     def __init__(self, r: aioredis.Redis):
         self.r = r
         self.follower = uuid.uuid4().hex
+        self.leaser: asyncio.Task | None = None
         self.hub = StreamHub(self)
 
     async def submit(self, **kwargs) -> str:
@@ -311,13 +312,27 @@ class AsyncEngineClient:
         request = p.EngineRequest.build(follower=self.follower, **kwargs)
         args, opts = _xadd_args(request)
         pipe = self.r.pipeline(transaction=False)
-        self.lease_ops(pipe)  # a worker may accept it before the hub's first refresh
+        self._lease_ops(pipe)
         pipe.xadd(*args, **opts)
         await pipe.execute()
+        if self.leaser is None or self.leaser.done():
+            self.leaser = asyncio.get_running_loop().create_task(self._keep_lease())
         return request.request_id
 
-    def lease_ops(self, pipe) -> None:
+    def _lease_ops(self, pipe) -> None:
         pipe.set(p.follower_lease_key(self.follower), "1", px=int(p.FOLLOWER_LEASE_TTL_S * 1000))
+
+    async def _keep_lease(self) -> None:
+        """Refresh the follower lease for as long as this event loop runs (its own task, so a
+        blocked XREAD or a busy stream never delays it)."""
+        while True:
+            await asyncio.sleep(p.FOLLOWER_LEASE_REFRESH_S)
+            try:
+                pipe = self.r.pipeline(transaction=False)
+                self._lease_ops(pipe)
+                await pipe.execute()
+            except redis.RedisError:  # Redis away: followers hear it from the hub; refresh when it is back
+                pass
 
     async def abort(self, request_id: str) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -398,14 +413,11 @@ class StreamHub:
         self.wake_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
         self.by_key: dict[str, dict[asyncio.Queue, _Follower]] = {}
         self.reader: asyncio.Task | None = None
-        self.leaser: asyncio.Task | None = None
         self.wake_sent = False  # one wake per blocked XREAD: a burst of followers must not re-read n times
 
     async def follow(self, key: str, last_id: str) -> asyncio.Queue:
         inbox: asyncio.Queue = asyncio.Queue()
         self.by_key.setdefault(key, {})[inbox] = _Follower(_id_tuple(last_id), time.monotonic())
-        if self.leaser is None or self.leaser.done():
-            self.leaser = asyncio.get_running_loop().create_task(self._keep_lease())
         if self.reader is None or self.reader.done():
             self.reader = asyncio.get_running_loop().create_task(self._read())
         elif not self.wake_sent:
@@ -439,17 +451,6 @@ class StreamHub:
                 for inbox in followers:
                     inbox.put_nowait(exc)
             self.by_key.clear()
-
-    async def _keep_lease(self) -> None:
-        """Refresh the follower lease while anything is followed (its own task: XREAD blocks up to POLL_MS)."""
-        while self.by_key:
-            try:
-                pipe = self.r.pipeline(transaction=False)
-                self.engine.lease_ops(pipe)
-                await pipe.execute()
-            except redis.RedisError:  # Redis away: the followers hear it from the reader
-                pass
-            await asyncio.sleep(p.FOLLOWER_LEASE_REFRESH_S)
 
     def _deliver(self, reply) -> None:
         now = time.monotonic()
