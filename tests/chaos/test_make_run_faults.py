@@ -65,6 +65,7 @@ def serving_again(stack, login, timeout: float = 180) -> float:
             time.sleep(0.2)
 
 
+@pytest.mark.chaos_fast  # also in `make test`: one stack start and one kill, about 30 s
 def test_engine_worker_kill_with_streams_in_flight(stack, login, chaos_report):
     """engine worker `kill -9` with 3 SSE streams and 1 websocket answer in flight"""
     clients = [sse_stream(stack.base_url, login["api_key"], login["model"], 900) for _ in range(N_SSE)]
