@@ -9,6 +9,22 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 ROLES = ["system", "developer", "user", "assistant", "tool"]
+SEED_RANGE = (-2**63, 2**64 - 1)  # what the engine's torch.Generator takes: 64 bits
+TOP_K_MAX = 1_000_000  # documented bound; the request's model also bounds it by its vocabulary
+
+# Known OpenAI request fields we cannot honour: a 400 naming them (a silently ignored one would
+# change the answer the client expects).
+UNSUPPORTED_PARAMS = {
+    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
+    "parallel_tool_calls": "tool calling is not supported yet", "functions": "function calling is not supported",
+    "function_call": "function calling is not supported", "audio": "audio output is not supported",
+    "modalities": "only text output is supported", "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported", "reasoning_effort": "this model does not reason",
+    "verbosity": "verbosity is not supported",
+}
+# a value that asks for nothing: tools [], tool_choice "none", modalities ["text"]
+UNSUPPORTED_NEUTRAL = {"tools": [[]], "tool_choice": ["none"], "modalities": [["text"]]}
+# Anything else a serializer does not declare (metadata, store, service_tier, prompt_cache_key...) is logged.
 
 
 @extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]})
@@ -26,55 +42,62 @@ class StringOrListField(serializers.Field):
         return value
 
 
-MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
-TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-
-
-@extend_schema_field({"oneOf": [{"type": "string"}, TOKEN_IDS,
-                                {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                                {"type": "array", "items": TOKEN_IDS, "minItems": 1}]})
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]})
 class PromptField(serializers.Field):
-    """prompt: a string, a list of token ids, or a batch: a list of strings or of token-id lists.
-
-    Always validated as a list of prompts (each a string or a list of token ids)."""
+    """prompt: a string, a list of token ids, or a one-element list of either."""
 
     def to_internal_value(self, data):
-        if _is_prompt(data):
-            return [data]
-        if isinstance(data, list) and data and all(_is_prompt(p) for p in data) and len({type(p) for p in data}) == 1:
-            if len(data) > MAX_PROMPTS:
-                raise serializers.ValidationError(f"at most {MAX_PROMPTS} prompts per request")
+        if isinstance(data, list) and len(data) == 1 and isinstance(data[0], (str, list)):
+            data = data[0]
+        if isinstance(data, str) and data:
             return data
-        raise serializers.ValidationError("must be a non-empty string, a list of token ids, or a list of "
-                                          "non-empty strings or of token-id lists (not both)")
+        if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data):
+            return data
+        if isinstance(data, list) and len(data) > 1 and all(isinstance(p, (str, list)) for p in data):
+            raise serializers.ValidationError("only one prompt per request is supported; send one request per prompt")
+        raise serializers.ValidationError("must be a non-empty string or a list of token ids")
 
     def to_representation(self, value):
         return value
 
 
-def _is_prompt(data) -> bool:
-    if isinstance(data, str):
-        return bool(data)
-    return (isinstance(data, list) and bool(data)
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data))
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
 
 
-class MessageSerializer(serializers.Serializer):
-    role = serializers.ChoiceField(choices=ROLES)
-    content = serializers.JSONField(required=False, allow_null=True)
-    name = serializers.CharField(required=False)
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}], "nullable": True})
+class ContentField(serializers.JSONField):
+    """messages[].content: a string or a list of text parts (joined with newlines, as vLLM does)."""
 
-    def validate_content(self, value):
-        if value is None or isinstance(value, str):
-            return value or ""
-        if isinstance(value, list):
+    def to_internal_value(self, data):
+        if data is None or isinstance(data, str):
+            return data or ""
+        if isinstance(data, list):
             parts = []
-            for part in value:
+            for part in data:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise serializers.ValidationError("only text content parts are supported")
                 parts.append(part["text"])
-            return "".join(parts)
+            return "\n".join(parts)
         raise serializers.ValidationError("must be a string or a list of text parts")
+
+
+class MessageSerializer(serializers.Serializer):
+    role = serializers.ChoiceField(choices=ROLES, help_text="developer is rendered as system")
+    content = ContentField(required=False, allow_null=True)
+    name = serializers.CharField(required=False)
+    tool_call_id = serializers.CharField(required=False, help_text="required for role tool")
+    tool_calls = serializers.JSONField(required=False, allow_null=True, help_text="not supported yet: must be empty")
+
+    def validate_tool_calls(self, value):
+        if value:
+            raise serializers.ValidationError("tool calling is not supported yet")
+        return value
+
+    def validate(self, data):
+        if data["role"] == "tool" and not data.get("tool_call_id"):
+            raise serializers.ValidationError({"tool_call_id": "is required for a tool message"})
+        return data
 
 
 class StreamOptionsSerializer(serializers.Serializer):
@@ -107,24 +130,34 @@ class SamplingSerializer(serializers.Serializer):
     """Fields shared by both endpoints (OpenAI's plus vLLM's extras)."""
 
     model = serializers.CharField()
-    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1,
+                                          help_text="default: the rest of the context on chat, 16 on completions")
     temperature = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=2)
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=1)
     n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=16)
     stream = serializers.BooleanField(required=False, default=False)
     stream_options = StreamOptionsSerializer(required=False, allow_null=True)
     stop = StringOrListField(required=False, allow_null=True)
-    seed = serializers.IntegerField(required=False, allow_null=True)
+    seed = serializers.IntegerField(required=False, allow_null=True, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1])
     presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2, max_value=2)
     frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2, max_value=2)
-    user = serializers.CharField(required=False, allow_blank=True, allow_null=True)
+    user = serializers.CharField(required=False, allow_blank=True, allow_null=True, max_length=256,
+                                 help_text="recorded on the request's usage row")
+    logit_bias = serializers.DictField(child=serializers.FloatField(min_value=-100, max_value=100), required=False,
+                                       allow_null=True, help_text="token id -> bias added to its logit, in [-100, 100]")
     # vLLM's extra sampling parameters
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=-1)
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=-1, max_value=TOP_K_MAX,
+                                     help_text="-1 or 0: off; at most the vocabulary size")
     min_p = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=1)
     repetition_penalty = serializers.FloatField(required=False, allow_null=True, min_value=0.01)
     min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     ignore_eos = serializers.BooleanField(required=False, default=False)
     stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, allow_null=True)
+    allowed_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
+                                              allow_null=True, allow_empty=False,
+                                              help_text="only these tokens may be generated")
+    bad_words = serializers.ListField(child=serializers.CharField(), required=False, allow_null=True,
+                                      help_text="words that are never completed")
     skip_special_tokens = serializers.BooleanField(required=False, default=True)
     include_stop_str_in_output = serializers.BooleanField(required=False, default=False)
     priority = serializers.IntegerField(required=False, default=0, min_value=0, max_value=999,
@@ -141,23 +174,26 @@ class SamplingSerializer(serializers.Serializer):
     guided_grammar = serializers.CharField(required=False, allow_null=True, trim_whitespace=False,
                                            help_text="EBNF (xgrammar's dialect)")
 
+    def validate_stream_options(self, value):
+        if value is not None and self.initial_data.get("stream") is not True:
+            raise serializers.ValidationError("is only allowed when stream is true")
+        return value
+
+    def validate_logit_bias(self, value):
+        if value and not all(key.isdigit() for key in value):
+            raise serializers.ValidationError("keys must be token ids")
+        return value and {int(key): bias for key, bias in value.items()}
+
 
 class ChatCompletionRequestSerializer(SamplingSerializer):
     messages = MessageSerializer(many=True, allow_empty=False)
     max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     logprobs = serializers.BooleanField(required=False, default=False)
     top_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20)
-    tools = serializers.JSONField(required=False, allow_null=True, help_text="not supported: must be empty")
-
-    def validate_tools(self, value):
-        if value:
-            raise serializers.ValidationError("tool calling is not supported")
-        return value
 
 
 class CompletionRequestSerializer(SamplingSerializer):
-    prompt = PromptField(help_text="a string or a list of token ids; a list of either is a batch (one choice per "
-                                   "prompt per n, indexed prompt * n + i)")
+    prompt = PromptField(help_text="a string or a list of token ids")
     # 0 is allowed with echo: the prompt's own logprobs, nothing generated (lm-eval's loglikelihood)
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=5,

@@ -18,6 +18,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 from django.http import JsonResponse, StreamingHttpResponse
+from rest_framework import serializers
 
 from accounts.authentication import bearer_token
 from accounts.services import authenticate_api_key
@@ -30,6 +31,7 @@ from usage.services import record_usage
 
 from . import formatting, tokenization
 from .errors import error_response, sse_error
+from .serializers import UNSUPPORTED_NEUTRAL, UNSUPPORTED_PARAMS
 from .serializers import (ChatCompletionRequestSerializer, CompletionRequestSerializer, DetokenizeRequestSerializer,
                           TokenizeRequestSerializer)
 
@@ -60,9 +62,9 @@ class Generation:
     logprobs: int | None = None
     echo: bool = False  # completions: each choice starts with the prompt (and its logprobs)
     echo_only: bool = False  # completions max_tokens 0 with echo: the prompt alone, nothing generated
-    prompt_texts: list[str] = field(default_factory=list)  # echo: each prompt's text
-    prompts: list[list[int]] = field(default_factory=list)  # completions: every prompt of a batched request
+    prompt_text: str = ""
     priority: int = 0
+    end_user: str = ""  # the request's OpenAI `user` field, recorded on its usage row
     reservation: object = None
     headers: dict = field(default_factory=dict)
     # outcome
@@ -75,27 +77,8 @@ class Generation:
     finished: bool = False
 
     @property
-    def all_prompts(self) -> list[list[int]]:
-        return self.prompts or [self.prompt_token_ids]
-
-    @property
     def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.all_prompts)
-
-    @property
-    def longest_prompt_tokens(self) -> int:
-        return max(len(p) for p in self.all_prompts)
-
-    @property
-    def num_choices(self) -> int:
-        return len(self.all_prompts) * self.n
-
-    @property
-    def engine_request_ids(self) -> list[str]:
-        """One engine request per prompt; a single prompt's is the response id itself."""
-        if len(self.all_prompts) == 1:
-            return [self.request_id]
-        return [f"{self.request_id}-{i}" for i in range(len(self.all_prompts))]
+        return len(self.prompt_token_ids)
 
 
 # ---------------------------------------------------------------- the bookkeeping thread
@@ -189,10 +172,51 @@ def parse_json(request) -> dict:
 
 def validate(serializer_cls, body: dict) -> dict:
     serializer = serializer_cls(data=body)
+    check_known_params(body, serializer.fields)
+    check_json_types(serializer, body)
     if serializer.is_valid():
         return serializer.validated_data
     param, message = _first_error(serializer.errors)
     raise InvalidRequest(f"Invalid value for '{param}': {message}", param=param)
+
+
+JSON_TYPES = [  # DRF coerces "8" to 8, "0.5" to 0.5, "true" to True and 5 to "5"; a JSON API must not
+    (serializers.BooleanField, (bool,), "a boolean"),
+    (serializers.IntegerField, (int,), "an integer"),
+    (serializers.FloatField, (int, float), "a number"),
+    (serializers.CharField, (str,), "a string"),
+]
+
+
+def check_json_types(field, value, path: str = "") -> None:
+    """400 naming the field for a JSON value of the wrong type, anywhere in the body."""
+    if value is None:
+        return
+    if isinstance(field, (serializers.ListSerializer, serializers.ListField)):
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            check_json_types(field.child, item, f"{path}[{i}]")
+    elif isinstance(field, serializers.Serializer):
+        for name, sub in field.fields.items():
+            if isinstance(value, dict) and name in value:
+                check_json_types(sub, value[name], f"{path}.{name}" if path else name)
+    elif isinstance(field, serializers.DictField):
+        for key, item in (value.items() if isinstance(value, dict) else []):
+            check_json_types(field.child, item, f"{path}.{key}")
+    else:
+        for kind, types, name in JSON_TYPES:
+            if isinstance(field, kind) and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+                raise InvalidRequest(f"Invalid type for '{path}': expected {name}, got {type(value).__name__} "
+                                     f"{json.dumps(value)[:40]}.", param=path, code="invalid_type")
+
+
+def check_known_params(body: dict, fields) -> None:
+    """400 for an OpenAI parameter we cannot honour; log (as vLLM does) the harmless and unknown ones."""
+    for name, why in UNSUPPORTED_PARAMS.items():
+        if body.get(name) is not None and body[name] not in UNSUPPORTED_NEUTRAL.get(name, []):
+            raise InvalidRequest(f"'{name}' is not supported: {why}.", param=name, code="unsupported_parameter")
+    ignored = sorted(set(body) - set(fields) - set(UNSUPPORTED_PARAMS))
+    if ignored:
+        log.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
 def _first_error(errors, prefix="") -> tuple[str, str]:
@@ -218,7 +242,8 @@ def _first_error(errors, prefix="") -> tuple[str, str]:
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                   "include_stop_str_in_output")
+                   "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
 
 
 def sampling_params(data: dict, max_tokens: int, logprobs: int | None) -> dict:
@@ -284,20 +309,20 @@ def check_sampling_params(params: dict) -> None:
 
 def context_check(gen: Generation, requested_max: int | None, max_model_len: int | None, prompt_param: str,
                   default_cap: int | None = None) -> int:
-    """The max_tokens to use; 400 when prompt + completion cannot fit the model's context (each prompt's).
+    """The max_tokens to use; 400 when prompt + completion cannot fit the model's context.
 
     Without max_tokens a request may use the rest of the context, but no more than default_cap
     (the plan's per-request cap split over n choices), so omitting it never trips the plan.
     """
     if max_model_len is None:
         return requested_max or min(16, default_cap or 16)
-    if gen.longest_prompt_tokens >= max_model_len or (requested_max and gen.longest_prompt_tokens + requested_max > max_model_len):
-        asked = gen.longest_prompt_tokens + (requested_max or 0)
+    if gen.prompt_tokens >= max_model_len or (requested_max and gen.prompt_tokens + requested_max > max_model_len):
+        asked = gen.prompt_tokens + (requested_max or 0)
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                             f"requested {asked} tokens ({gen.longest_prompt_tokens} in the {prompt_param}, "
+                             f"requested {asked} tokens ({gen.prompt_tokens} in the {prompt_param}, "
                              f"{requested_max or 0} in the completion). Please reduce the length.",
                              param=prompt_param, code="context_length_exceeded")
-    return requested_max or min(max_model_len - gen.longest_prompt_tokens, default_cap or max_model_len)
+    return requested_max or min(max_model_len - gen.prompt_tokens, default_cap or max_model_len)
 
 
 def default_max_tokens_cap(plan, n: int) -> int | None:
@@ -314,7 +339,7 @@ def admit(request, gen: Generation) -> None:
     authenticate(request, gen)
     body = parse_json(request)
     data = validate(ChatCompletionRequestSerializer if gen.endpoint == "chat" else CompletionRequestSerializer, body)
-    gen.model, gen.stream = data["model"], data["stream"]
+    gen.model, gen.stream, gen.end_user = data["model"], data["stream"], data.get("user") or ""
     gen.include_usage = bool(gen.stream and (data.get("stream_options") or {}).get("include_usage"))
     gen.n, gen.priority = data.get("n") or 1, data.get("priority") or 0
     info = resolve_model(gen.model)
@@ -325,6 +350,18 @@ def admit(request, gen: Generation) -> None:
     gen.sampling_params = sampling_params(data, gen.max_tokens, gen.logprobs)
     check_sampling_params(gen.sampling_params)
     reserve_quota(gen, plan)
+
+
+def check_token_ids(data: dict, vocab_size: int) -> None:
+    """Token ids (and top_k) beyond the served tokenizer's vocabulary are a 400 naming the field."""
+    if (data.get("top_k") or 0) > vocab_size:
+        raise InvalidRequest(f"top_k must be at most the vocabulary size ({vocab_size}), or -1 for all tokens.",
+                             param="top_k")
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        outside = [t for t in (data.get(name) or []) if t >= vocab_size]
+        if outside:
+            raise InvalidRequest(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}",
+                                 param=name)
 
 
 def resolve_model(name: str) -> dict:
@@ -347,15 +384,20 @@ def resolve_model(name: str) -> dict:
 
 def apply_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
     """Tokenize the prompt and set logprobs (shared with the batch runner, which builds the same
-    requests). Returns (requested max_tokens, the prompt's param name)."""
-    return (chat_prompt if gen.endpoint == "chat" else completion_prompt)(gen, data, path)
+    requests), and check token ids against its vocabulary. Returns (requested max_tokens, the prompt's param name)."""
+    requested, prompt_param = (chat_prompt if gen.endpoint == "chat" else completion_prompt)(gen, data, path)
+    check_token_ids(data, len(tokenization.tokenizer_for(path)))
+    if requested is None and gen.endpoint == "completions":
+        requested = COMPLETIONS_DEFAULT_MAX_TOKENS
+    return requested, prompt_param
 
 
 def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
     """Render the messages with the model's chat template."""
     if data.get("top_logprobs") is not None and not data.get("logprobs"):
         raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
-    messages = [{"role": m["role"], "content": m.get("content") or ""} for m in data["messages"]]
+    messages = [{"role": m["role"], "content": m.get("content") or "", **({"name": m["name"]} if "name" in m else {})}
+                for m in data["messages"]]
     gen.prompt_token_ids = tokenization.chat_prompt_ids(path, messages)
     gen.logprobs = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
     return data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
@@ -364,14 +406,15 @@ def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str
 def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
     if data.get("best_of") not in (None, gen.n):
         raise InvalidRequest("best_of must equal n (or be omitted).", param="best_of")
-    prompts = data["prompt"]
-    gen.prompts = [list(p) if isinstance(p, list) else tokenization.text_prompt_ids(path, p) for p in prompts]
-    gen.prompt_token_ids = gen.prompts[0]
+    prompt = data["prompt"]
+    if isinstance(prompt, list):
+        gen.prompt_token_ids = list(prompt)
+    else:
+        gen.prompt_token_ids = tokenization.text_prompt_ids(path, prompt)
     gen.logprobs = data.get("logprobs")
     gen.echo = data.get("echo", False)
     if gen.echo:
-        gen.prompt_texts = [p if isinstance(p, str) else tokenization.decode(path, ids)
-                            for p, ids in zip(prompts, gen.prompts)]
+        gen.prompt_text = prompt if isinstance(prompt, str) else tokenization.decode(path, gen.prompt_token_ids)
     # The engine always generates at least one token; with max_tokens 0 the answer leaves it out.
     gen.echo_only = data.get("max_tokens") == 0
     return (1 if gen.echo_only else data.get("max_tokens")), "prompt"
@@ -382,7 +425,7 @@ def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | Non
 def reserve_quota(gen: Generation, plan) -> None:
     """The only place /v1 calls quotas.reserve; the same plan feeds the x-ratelimit headers."""
     try:
-        gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.num_choices, "api",
+        gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.n, "api",
                                          plan=plan)
     except quotas.PlanViolation as exc:
         if exc.code == "max_tokens_exceeded" and gen.n > 1:
@@ -396,7 +439,8 @@ async def events(gen: Generation):
     terminal = False
     last_renew = time.monotonic()
     try:
-        async for event in engine_events(gen):
+        async for event in engine.aclient().stream(gen.request_id, model=gen.model,
+                                                   timeout=getattr(settings, "API_REQUEST_TIMEOUT", 3600)):
             kind = event["type"]
             if kind == "delta" and event.get("token_ids"):
                 gen.completion_tokens += len(event["token_ids"])
@@ -415,47 +459,8 @@ async def events(gen: Generation):
     finally:
         if not terminal:  # the client went away mid-stream: free the engine's blocks now
             gen.status_code, gen.error_code = 499, "client_disconnected"
-            await abort_all(gen)
+            await engine.aclient().abort(gen.request_id)
         await _finish(gen)
-
-
-async def engine_events(gen: Generation):
-    """The events of the request's engine requests, one per prompt, read in prompt order (they run
-    side by side in the engine) as one request's: choice i of prompt p is index p * n + i, and one
-    finish closes them all with the usage summed. An error aborts the prompts still running."""
-    client, timeout = engine.aclient(), getattr(settings, "API_REQUEST_TIMEOUT", 3600)
-    if len(gen.engine_request_ids) == 1:
-        async for event in client.stream(gen.request_id, model=gen.model, timeout=timeout):
-            yield event
-        return
-    reasons, usage, metrics = [], protocol.empty_usage(), {}
-    for prompt_index, request_id in enumerate(gen.engine_request_ids):
-        async for event in client.stream(request_id, model=gen.model, timeout=timeout):
-            if event["type"] == "error":
-                await abort_all(gen)
-                yield event
-                return
-            if event["type"] == "finish":
-                reasons.extend(event.get("finish_reasons") or [None] * gen.n)
-                for name in usage:
-                    usage[name] += (event.get("usage") or {}).get(name, 0)
-                metrics = metrics or event.get("metrics") or {}
-                continue
-            yield _for_prompt(event, prompt_index, gen.n)
-    yield protocol.finish_event(reasons, usage, metrics)
-
-
-def _for_prompt(event: dict, prompt_index: int, n: int) -> dict:
-    if event["type"] == "delta":
-        return {**event, "index": prompt_index * n + event["index"]}
-    if event["type"] == "prompt_logprobs":
-        return {**event, "prompt_index": prompt_index}
-    return event
-
-
-async def abort_all(gen: Generation) -> None:
-    for request_id in gen.engine_request_ids:
-        await engine.aclient().abort(request_id)
 
 
 async def _finish(gen: Generation) -> None:
@@ -490,7 +495,7 @@ def settle_and_record(gen: Generation, usage: dict, latency_ms: float) -> None:
         request_id=gen.request_id, prompt_tokens=usage.get("prompt_tokens", gen.prompt_tokens),
         completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
         ttft_ms=gen.ttft_ms, engine_ttft_ms=gen.engine_ttft_ms, latency_ms=latency_ms, status_code=gen.status_code,
-        error_code=gen.error_code)
+        error_code=gen.error_code, end_user=gen.end_user)
 
 
 # ---------------------------------------------------------------- vLLM's tokenizer routes
@@ -549,10 +554,9 @@ async def handle_generation(request, endpoint: str):
     gen.request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + protocol.new_request_id()
     try:
         await bookkeeping(admit)(request, gen)
-        for request_id, prompt in zip(gen.engine_request_ids, gen.all_prompts):
-            await engine.aclient().submit(model=gen.model, prompt_token_ids=prompt,
-                                          sampling_params=gen.sampling_params, priority_class="api",
-                                          priority=gen.priority, user=gen.user.pk, request_id=request_id)
+        await engine.aclient().submit(model=gen.model, prompt_token_ids=gen.prompt_token_ids,
+                                      sampling_params=gen.sampling_params, priority_class="api",
+                                      priority=gen.priority, user=gen.user.pk, request_id=gen.request_id)
         if gen.stream:
             return await _streaming_response(gen)
         return await _json_response(gen)
@@ -572,7 +576,7 @@ async def _json_response(gen: Generation):
         engine.fold(result, event)
     if result["error"]:
         raise EngineFailure.from_event(result["error"])
-    engine.finalize(result, gen.num_choices)
+    engine.finalize(result, gen.n)
     body = (formatting.chat_response if gen.endpoint == "chat" else formatting.completion_response)(gen, result)
     response = JsonResponse(body)
     for name, value in gen.headers.items():

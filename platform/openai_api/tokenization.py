@@ -4,6 +4,10 @@ from __future__ import annotations
 import threading
 from functools import lru_cache
 
+from jinja2 import TemplateError
+
+from errors import InvalidRequest
+
 _lock = threading.Lock()
 
 
@@ -21,9 +25,21 @@ def tokenizer_for(path: str):
 
 
 def chat_prompt_ids(path: str, messages: list[dict]) -> list[int]:
-    """Render messages with the model's chat template (generation prompt added) and tokenize."""
+    """Render messages with the model's chat template (generation prompt added) and tokenize.
+
+    OpenAI's developer role is the system role of the models' templates; a template that refuses
+    the conversation (raise_exception on a role) or a tokenizer without one is a 400 on messages.
+    """
     tok = tokenizer_for(path)
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not getattr(tok, "chat_template", None):
+        raise InvalidRequest("This model's tokenizer has no chat template; use /v1/completions with a prompt.",
+                             param="messages", code="no_chat_template")
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise InvalidRequest(f"The model's chat template refused these messages: {exc}", param="messages",
+                             code="chat_template_error") from None
     # The template writes the BOS token itself; adding special tokens again would double it.
     return list(tok.encode(text, add_special_tokens=False))
 

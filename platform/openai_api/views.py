@@ -9,6 +9,7 @@ from __future__ import annotations
 from asgiref.sync import markcoroutinefunction, sync_to_async
 from django.http import HttpResponse, JsonResponse
 from drf_spectacular.utils import OpenApiResponse, extend_schema
+from rest_framework.parsers import JSONParser
 from rest_framework.views import APIView
 
 from accounts.authentication import ApiKeyAuthentication
@@ -35,6 +36,7 @@ class AsyncAPIView(APIView):
 
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = []
+    parser_classes = [JSONParser]  # the schema's request bodies: JSON only (services.parse_json reads them)
 
     @classmethod
     def as_view(cls, **initkwargs):

@@ -31,6 +31,7 @@ class UsageRecord(models.Model):
     latency_ms = models.FloatField(null=True, blank=True)
     status_code = models.PositiveSmallIntegerField(default=200)
     error_code = models.CharField(max_length=64, blank=True)
+    end_user = models.CharField(max_length=256, blank=True, help_text="the request's OpenAI `user` field")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
 
     class Meta:

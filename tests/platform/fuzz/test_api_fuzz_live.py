@@ -52,9 +52,8 @@ def test_no_5xx_against_the_live_stack(live_stack):  # noqa: F811
         fuzz()
 
 
-@pytest.mark.xfail(strict=True, reason="known 500, reported: a role the model's chat template refuses raises "
-                                       "jinja2 TemplateError in openai_api/tokenization.chat_prompt_ids, unmapped")
-@pytest.mark.parametrize("role", ["tool", "developer"])
+# developer is no longer among them: it is rendered as the system role (test_parameters_honoured.py)
+@pytest.mark.parametrize("role", ["tool"])
 def test_a_role_the_chat_template_refuses_is_a_400(live_stack, role):  # noqa: F811
     import httpx
 
