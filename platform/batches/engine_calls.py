@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from django.conf import settings
 
 from engine_client import client as engine
-from errors import EngineFailure, ServiceError
+from errors import EngineFailure, InvalidRequest, ServiceError
 from inference import protocol
 from openai_api import formatting
 from openai_api import services as api
@@ -96,6 +96,8 @@ def build_call(url: str, body: dict, models: dict | None = None) -> api.Generati
     info = (models or served_models()).get(gen.model) or {}
     path = info.get("model_path") or settings.MODEL
     requested, prompt_param = api.apply_prompt(gen, data, path)
+    if len(gen.all_prompts) > 1:  # a line is one engine request; its output line has one id
+        raise InvalidRequest("A batch line takes one prompt; put each prompt on its own line.", param="prompt")
     gen.max_tokens = api.context_check(gen, requested, info.get("max_model_len"), prompt_param)
     gen.sampling_params = api.sampling_params(data, gen.max_tokens, gen.logprobs)
     api.check_sampling_params(gen.sampling_params)

@@ -130,7 +130,7 @@ def _health(live: LiveWorkers) -> dict:
 
 def new_result() -> dict:
     return {"choices": {}, "usage": None, "metrics": None, "error": None, "finish_reasons": None,
-            "prompt_logprobs": None}
+            "prompt_logprobs": {}}
 
 
 def fold(result: dict, event: dict) -> dict:
@@ -145,7 +145,7 @@ def fold(result: dict, event: dict) -> dict:
             choice["finish_reason"] = event["finish_reason"]
             choice["stop_reason"] = event.get("stop_reason")
     elif kind == "prompt_logprobs":
-        result["prompt_logprobs"] = event["logprobs"]
+        result["prompt_logprobs"][event.get("prompt_index", 0)] = event["logprobs"]
     elif kind == "finish":
         result["usage"] = event.get("usage")
         result["metrics"] = event.get("metrics")

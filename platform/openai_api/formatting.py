@@ -59,12 +59,13 @@ def chat_response(gen, result: dict) -> dict:
 
 
 def completion_response(gen, result: dict) -> dict:
-    prompt_entries = (result.get("prompt_logprobs") or []) if gen.echo else []
     choices = []
     for c in result["choices"]:
+        prompt = c["index"] // gen.n  # a batched request's choice p * n + i belongs to prompt p
+        prompt_entries = (result.get("prompt_logprobs") or {}).get(prompt, []) if gen.echo else []
         text, entries = _generated(gen, c["text"], c["logprobs"])
         choices.append({
-            "index": c["index"], "text": (gen.prompt_text if gen.echo else "") + text,
+            "index": c["index"], "text": (gen.prompt_texts[prompt] if gen.echo else "") + text,
             "logprobs": completion_logprobs(prompt_entries + entries) if gen.logprobs is not None else None,
             "finish_reason": c["finish_reason"],
         })
@@ -105,7 +106,9 @@ class ChunkWriter:
         """Chat streams open with one role chunk per choice (as OpenAI's do); echo streams with the prompt."""
         if not self.chat:
             # with logprobs the echo waits for the prompt_logprobs event, which carries them
-            return self._echo([]) if self.gen.echo and self.gen.logprobs is None else []
+            if not self.gen.echo or self.gen.logprobs is not None:
+                return []
+            return [chunk for prompt in range(len(self.gen.prompt_texts)) for chunk in self._echo(prompt, [])]
         chunks = []
         for index in range(self.gen.n):
             self.role_sent.add(index)
@@ -127,12 +130,16 @@ class ChunkWriter:
         return out
 
     def prompt_logprobs(self, event: dict) -> list[bytes]:
-        return self._echo(event["logprobs"]) if self.gen.echo and self.gen.logprobs is not None else []
+        if not self.gen.echo or self.gen.logprobs is None:
+            return []
+        return self._echo(event.get("prompt_index", 0), event["logprobs"])
 
-    def _echo(self, prompt_entries: list[dict]) -> list[bytes]:
-        chunks = [self._content_chunk(index, self.gen.prompt_text, prompt_entries) for index in range(self.gen.n)]
+    def _echo(self, prompt: int, prompt_entries: list[dict]) -> list[bytes]:
+        """The echoed prompt, as the first chunk of each of its n choices."""
+        indices = range(prompt * self.gen.n, (prompt + 1) * self.gen.n)
+        chunks = [self._content_chunk(index, self.gen.prompt_texts[prompt], prompt_entries) for index in indices]
         if prompt_entries:  # text_offset counts token strings (as vLLM's), and the BOS has one the text lacks
-            self.offsets = dict.fromkeys(range(self.gen.n), sum(len(e["token"]) for e in prompt_entries))
+            self.offsets.update(dict.fromkeys(indices, sum(len(e["token"]) for e in prompt_entries)))
         return chunks
 
     def _content_chunk(self, index: int, text: str, logprobs) -> bytes:

@@ -42,23 +42,37 @@ class StringOrListField(serializers.Field):
         return value
 
 
-@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]})
+MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+
+
+@extend_schema_field({"oneOf": [{"type": "string"}, TOKEN_IDS,
+                                {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                {"type": "array", "items": TOKEN_IDS, "minItems": 1}]})
 class PromptField(serializers.Field):
-    """prompt: a string, a list of token ids, or a one-element list of either."""
+    """prompt: a string, a list of token ids, or a batch: a list of strings or of token-id lists.
+
+    Always validated as a list of prompts (each a string or a list of token ids)."""
 
     def to_internal_value(self, data):
-        if isinstance(data, list) and len(data) == 1 and isinstance(data[0], (str, list)):
-            data = data[0]
-        if isinstance(data, str) and data:
+        if _is_prompt(data):
+            return [data]
+        if isinstance(data, list) and data and all(_is_prompt(p) for p in data) and len({type(p) for p in data}) == 1:
+            if len(data) > MAX_PROMPTS:
+                raise serializers.ValidationError(f"at most {MAX_PROMPTS} prompts per request")
             return data
-        if isinstance(data, list) and data and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data):
-            return data
-        if isinstance(data, list) and len(data) > 1 and all(isinstance(p, (str, list)) for p in data):
-            raise serializers.ValidationError("only one prompt per request is supported; send one request per prompt")
-        raise serializers.ValidationError("must be a non-empty string or a list of token ids")
+        raise serializers.ValidationError("must be a non-empty string, a list of token ids, or a list of "
+                                          "non-empty strings or of token-id lists (not both)")
 
     def to_representation(self, value):
         return value
+
+
+def _is_prompt(data) -> bool:
+    if isinstance(data, str):
+        return bool(data)
+    return (isinstance(data, list) and bool(data)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data))
 
 
 TEXT_PART = {"type": "object", "required": ["type", "text"],
@@ -193,7 +207,8 @@ class ChatCompletionRequestSerializer(SamplingSerializer):
 
 
 class CompletionRequestSerializer(SamplingSerializer):
-    prompt = PromptField(help_text="a string or a list of token ids")
+    prompt = PromptField(help_text="a string or a list of token ids; a list of either is a batch (one choice per "
+                                   "prompt per n, indexed prompt * n + i)")
     # 0 is allowed with echo: the prompt's own logprobs, nothing generated (lm-eval's loglikelihood)
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=5,

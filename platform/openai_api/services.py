@@ -62,7 +62,8 @@ class Generation:
     logprobs: int | None = None
     echo: bool = False  # completions: each choice starts with the prompt (and its logprobs)
     echo_only: bool = False  # completions max_tokens 0 with echo: the prompt alone, nothing generated
-    prompt_text: str = ""
+    prompt_texts: list[str] = field(default_factory=list)  # echo: each prompt's text
+    prompts: list[list[int]] = field(default_factory=list)  # completions: every prompt of a batched request
     priority: int = 0
     end_user: str = ""  # the request's OpenAI `user` field, recorded on its usage row
     reservation: object = None
@@ -77,8 +78,27 @@ class Generation:
     finished: bool = False
 
     @property
+    def all_prompts(self) -> list[list[int]]:
+        return self.prompts or [self.prompt_token_ids]
+
+    @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return sum(len(p) for p in self.all_prompts)
+
+    @property
+    def longest_prompt_tokens(self) -> int:
+        return max(len(p) for p in self.all_prompts)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.all_prompts) * self.n
+
+    @property
+    def engine_request_ids(self) -> list[str]:
+        """One engine request per prompt; a single prompt's is the response id itself."""
+        if len(self.all_prompts) == 1:
+            return [self.request_id]
+        return [f"{self.request_id}-{i}" for i in range(len(self.all_prompts))]
 
 
 # ---------------------------------------------------------------- the bookkeeping thread
@@ -309,20 +329,20 @@ def check_sampling_params(params: dict) -> None:
 
 def context_check(gen: Generation, requested_max: int | None, max_model_len: int | None, prompt_param: str,
                   default_cap: int | None = None) -> int:
-    """The max_tokens to use; 400 when prompt + completion cannot fit the model's context.
+    """The max_tokens to use; 400 when prompt + completion cannot fit the model's context (each prompt's).
 
     Without max_tokens a request may use the rest of the context, but no more than default_cap
     (the plan's per-request cap split over n choices), so omitting it never trips the plan.
     """
     if max_model_len is None:
         return requested_max or min(16, default_cap or 16)
-    if gen.prompt_tokens >= max_model_len or (requested_max and gen.prompt_tokens + requested_max > max_model_len):
-        asked = gen.prompt_tokens + (requested_max or 0)
+    if gen.longest_prompt_tokens >= max_model_len or (requested_max and gen.longest_prompt_tokens + requested_max > max_model_len):
+        asked = gen.longest_prompt_tokens + (requested_max or 0)
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                             f"requested {asked} tokens ({gen.prompt_tokens} in the {prompt_param}, "
+                             f"requested {asked} tokens ({gen.longest_prompt_tokens} in the {prompt_param}, "
                              f"{requested_max or 0} in the completion). Please reduce the length.",
                              param=prompt_param, code="context_length_exceeded")
-    return requested_max or min(max_model_len - gen.prompt_tokens, default_cap or max_model_len)
+    return requested_max or min(max_model_len - gen.longest_prompt_tokens, default_cap or max_model_len)
 
 
 def default_max_tokens_cap(plan, n: int) -> int | None:
@@ -406,15 +426,14 @@ def chat_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str
 def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | None, str]:
     if data.get("best_of") not in (None, gen.n):
         raise InvalidRequest("best_of must equal n (or be omitted).", param="best_of")
-    prompt = data["prompt"]
-    if isinstance(prompt, list):
-        gen.prompt_token_ids = list(prompt)
-    else:
-        gen.prompt_token_ids = tokenization.text_prompt_ids(path, prompt)
+    prompts = data["prompt"]
+    gen.prompts = [list(p) if isinstance(p, list) else tokenization.text_prompt_ids(path, p) for p in prompts]
+    gen.prompt_token_ids = gen.prompts[0]
     gen.logprobs = data.get("logprobs")
     gen.echo = data.get("echo", False)
     if gen.echo:
-        gen.prompt_text = prompt if isinstance(prompt, str) else tokenization.decode(path, gen.prompt_token_ids)
+        gen.prompt_texts = [p if isinstance(p, str) else tokenization.decode(path, ids)
+                            for p, ids in zip(prompts, gen.prompts)]
     # The engine always generates at least one token; with max_tokens 0 the answer leaves it out.
     gen.echo_only = data.get("max_tokens") == 0
     return (1 if gen.echo_only else data.get("max_tokens")), "prompt"
@@ -425,7 +444,7 @@ def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | Non
 def reserve_quota(gen: Generation, plan) -> None:
     """The only place /v1 calls quotas.reserve; the same plan feeds the x-ratelimit headers."""
     try:
-        gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.n, "api",
+        gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.num_choices, "api",
                                          plan=plan)
     except quotas.PlanViolation as exc:
         if exc.code == "max_tokens_exceeded" and gen.n > 1:
@@ -439,8 +458,7 @@ async def events(gen: Generation):
     terminal = False
     last_renew = time.monotonic()
     try:
-        async for event in engine.aclient().stream(gen.request_id, model=gen.model,
-                                                   timeout=getattr(settings, "API_REQUEST_TIMEOUT", 3600)):
+        async for event in engine_events(gen):
             kind = event["type"]
             if kind == "delta" and event.get("token_ids"):
                 gen.completion_tokens += len(event["token_ids"])
@@ -459,8 +477,47 @@ async def events(gen: Generation):
     finally:
         if not terminal:  # the client went away mid-stream: free the engine's blocks now
             gen.status_code, gen.error_code = 499, "client_disconnected"
-            await engine.aclient().abort(gen.request_id)
+            await abort_all(gen)
         await _finish(gen)
+
+
+async def engine_events(gen: Generation):
+    """The events of the request's engine requests, one per prompt, read in prompt order (they run
+    side by side in the engine) as one request's: choice i of prompt p is index p * n + i, and one
+    finish closes them all with the usage summed. An error aborts the prompts still running."""
+    client, timeout = engine.aclient(), getattr(settings, "API_REQUEST_TIMEOUT", 3600)
+    if len(gen.engine_request_ids) == 1:
+        async for event in client.stream(gen.request_id, model=gen.model, timeout=timeout):
+            yield event
+        return
+    reasons, usage, metrics = [], protocol.empty_usage(), {}
+    for prompt_index, request_id in enumerate(gen.engine_request_ids):
+        async for event in client.stream(request_id, model=gen.model, timeout=timeout):
+            if event["type"] == "error":
+                await abort_all(gen)
+                yield event
+                return
+            if event["type"] == "finish":
+                reasons.extend(event.get("finish_reasons") or [None] * gen.n)
+                for name in usage:
+                    usage[name] += (event.get("usage") or {}).get(name, 0)
+                metrics = metrics or event.get("metrics") or {}
+                continue
+            yield _for_prompt(event, prompt_index, gen.n)
+    yield protocol.finish_event(reasons, usage, metrics)
+
+
+def _for_prompt(event: dict, prompt_index: int, n: int) -> dict:
+    if event["type"] == "delta":
+        return {**event, "index": prompt_index * n + event["index"]}
+    if event["type"] == "prompt_logprobs":
+        return {**event, "prompt_index": prompt_index}
+    return event
+
+
+async def abort_all(gen: Generation) -> None:
+    for request_id in gen.engine_request_ids:
+        await engine.aclient().abort(request_id)
 
 
 async def _finish(gen: Generation) -> None:
@@ -554,9 +611,10 @@ async def handle_generation(request, endpoint: str):
     gen.request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + protocol.new_request_id()
     try:
         await bookkeeping(admit)(request, gen)
-        await engine.aclient().submit(model=gen.model, prompt_token_ids=gen.prompt_token_ids,
-                                      sampling_params=gen.sampling_params, priority_class="api",
-                                      priority=gen.priority, user=gen.user.pk, request_id=gen.request_id)
+        for request_id, prompt in zip(gen.engine_request_ids, gen.all_prompts):
+            await engine.aclient().submit(model=gen.model, prompt_token_ids=prompt,
+                                          sampling_params=gen.sampling_params, priority_class="api",
+                                          priority=gen.priority, user=gen.user.pk, request_id=request_id)
         if gen.stream:
             return await _streaming_response(gen)
         return await _json_response(gen)
@@ -576,7 +634,7 @@ async def _json_response(gen: Generation):
         engine.fold(result, event)
     if result["error"]:
         raise EngineFailure.from_event(result["error"])
-    engine.finalize(result, gen.n)
+    engine.finalize(result, gen.num_choices)
     body = (formatting.chat_response if gen.endpoint == "chat" else formatting.completion_response)(gen, result)
     response = JsonResponse(body)
     for name, value in gen.headers.items():

@@ -1,5 +1,5 @@
-"""/v1/completions echo with prompt logprobs (against HF transformers), max_tokens 0, streamed echo, and
-vLLM's /tokenize, /detokenize and /tokenizer_info, on the live stack with the official openai client."""
+"""/v1/completions echo with prompt logprobs (against HF transformers), max_tokens 0, streamed echo, batched
+prompts, and vLLM's /tokenize, /detokenize and /tokenizer_info, on the live stack with the official openai client."""
 from __future__ import annotations
 
 import openai
@@ -93,6 +93,77 @@ def test_streamed_echo_opens_with_the_prompt_and_its_logprobs(client, live_stack
     whole = client.completions.create(model=live_stack.model_name, prompt=PROMPT, max_tokens=3, logprobs=1,
                                       echo=True, temperature=0).choices[0].logprobs
     assert chunks[1].choices[0].logprobs.text_offset == whole.text_offset[len(ids):len(ids) + 1]
+
+
+# ---------------------------------------------------------------- batched prompts
+
+BATCH = ["the cat sat on the", "a small bird sang in the tree and", "the dog ran"]
+
+
+def one_by_one(client, live_stack, prompts, **kwargs) -> list:
+    return [client.completions.create(model=live_stack.model_name, prompt=p, **kwargs) for p in prompts]
+
+
+@pytest.mark.parametrize("as_tokens", [False, True])
+def test_a_batch_gives_one_choice_per_prompt_per_n_indexed_as_openai(client, live_stack, hf, as_tokens):
+    prompts = [hf[0].encode(p) for p in BATCH] if as_tokens else BATCH
+    alone = one_by_one(client, live_stack, prompts, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    batch = client.completions.create(model=live_stack.model_name, prompt=prompts, n=2, extra_body={"ignore_eos": True},
+                                      max_tokens=5, temperature=0)
+    assert [c.index for c in batch.choices] == list(range(2 * len(BATCH)))
+    for choice in batch.choices:
+        assert choice.text == alone[choice.index // 2].choices[0].text and choice.finish_reason == "length"
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+
+
+def test_a_batch_of_echoed_prompts_carries_each_prompts_logprobs(client, live_stack, hf):
+    """lm-eval's loglikelihood request, batched: max_tokens 0, echo, logprobs, token prompts."""
+    prompts = [hf[0].encode(p) for p in BATCH]
+    batch = client.completions.create(model=live_stack.model_name, prompt=prompts, max_tokens=0, echo=True,
+                                      logprobs=1)
+    for choice, ids in zip(batch.choices, prompts):
+        assert choice.text == hf[0].decode(ids)
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(hf_prompt_logprobs(hf, ids), abs=1e-3)
+
+
+def test_a_streamed_batch_gives_every_choice_its_text_and_finish(client, live_stack):
+    alone = one_by_one(client, live_stack, BATCH, max_tokens=4, temperature=0)
+    chunks = list(client.completions.create(model=live_stack.model_name, prompt=BATCH, max_tokens=4, temperature=0,
+                                            echo=True, stream=True, stream_options={"include_usage": True}))
+    texts, finished = {}, {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert texts == {i: BATCH[i] + a.choices[0].text for i, a in enumerate(alone)}
+    assert set(finished) == set(range(len(BATCH)))
+    assert chunks[-1].usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], ["ok", ""], ["ok", [1, 2]], [[1, -2]], ["x"] * 257])
+def test_bad_batches_are_400_on_prompt(client, live_stack, prompt):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=live_stack.model_name, prompt=prompt, max_tokens=1)
+    assert caught.value.body["param"] == "prompt"
+
+
+def test_a_batch_is_refused_whole_when_one_prompt_is_too_long(client, live_stack):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=live_stack.model_name, prompt=[[5] * 4, [5] * 600], max_tokens=1)
+    assert caught.value.body["code"] == "context_length_exceeded"
+
+
+def test_a_batch_job_line_takes_one_prompt(tiny_model_dir):
+    from batches.engine_calls import build_call
+    from errors import ServiceError
+
+    models = {"tiny": {"model_path": tiny_model_dir, "max_model_len": 512}}
+    assert build_call("/v1/completions", {"model": "tiny", "prompt": ["one"], "echo": True}, models).prompts != []
+    with pytest.raises(ServiceError) as caught:
+        build_call("/v1/completions", {"model": "tiny", "prompt": ["one", "two"]}, models)
+    assert caught.value.param == "prompt"
 
 
 # ---------------------------------------------------------------- vLLM's tokenizer routes
