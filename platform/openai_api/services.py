@@ -427,6 +427,7 @@ def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | Non
     if data.get("best_of") not in (None, gen.n):
         raise InvalidRequest("best_of must equal n (or be omitted).", param="best_of")
     prompts = data["prompt"]
+    check_prompt_token_ids(prompts, len(tokenization.tokenizer_for(path)))
     gen.prompts = [list(p) if isinstance(p, list) else tokenization.text_prompt_ids(path, p) for p in prompts]
     gen.prompt_token_ids = gen.prompts[0]
     gen.logprobs = data.get("logprobs")
@@ -437,6 +438,14 @@ def completion_prompt(gen: Generation, data: dict, path: str) -> tuple[int | Non
     # The engine always generates at least one token; with max_tokens 0 the answer leaves it out.
     gen.echo_only = data.get("max_tokens") == 0
     return (1 if gen.echo_only else data.get("max_tokens")), "prompt"
+
+
+def check_prompt_token_ids(prompts: list, vocab_size: int) -> None:
+    """A token prompt must stay inside the vocabulary (echo decodes it here; the engine would refuse it)."""
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, list) and max(prompt) >= vocab_size:
+            raise InvalidRequest(f"The prompt has token ids outside the vocabulary [0, {vocab_size}).",
+                                 param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
 
 
 # ---------------------------------------------------------------- admission, streaming, settlement

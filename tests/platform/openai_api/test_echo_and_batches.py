@@ -149,6 +149,13 @@ def test_bad_batches_are_400_on_prompt(client, live_stack, prompt):
     assert caught.value.body["param"] == "prompt"
 
 
+@pytest.mark.parametrize("prompt, param", [([5, 10 ** 12], "prompt"), ([[5, 6], [5, 512]], "prompt[1]")])
+def test_token_prompts_outside_the_vocabulary_are_400(client, live_stack, prompt, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=live_stack.model_name, prompt=prompt, max_tokens=1, echo=True)
+    assert caught.value.body["param"] == param
+
+
 def test_a_batch_is_refused_whole_when_one_prompt_is_too_long(client, live_stack):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=live_stack.model_name, prompt=[[5] * 4, [5] * 600], max_tokens=1)
