@@ -635,6 +635,11 @@ async def handle_generation(request, endpoint: str):
         for name, value in {**gen.headers, **error.headers}.items():
             response[name] = value
         return response
+    except Exception:  # e.g. Redis went away between admission and submit (the middleware answers 503)
+        if gen.reservation is not None:  # settled now (or once Redis is back), not when its lease ends
+            gen.status_code, gen.error_code = 503, "service_unavailable"
+            await _finish(gen)
+        raise
 
 
 async def _json_response(gen: Generation):

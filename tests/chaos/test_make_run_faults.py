@@ -192,11 +192,18 @@ def test_redis_kill_under_load(stack, login, chaos_report):
 
     after = [r for r in results if r[0] > killed_at]
     statuses = Counter(status for _, status, _, _ in after)
-    # No 500, no timeout (0), no cut connection (-1); 429: slots of requests whose settle hit the outage.
+    # No 500, no timeout (0), no cut connection (-1).
     assert set(statuses) <= {200, 429, 503}, statuses
     assert all(envelope for _, status, envelope, _ in after if status != 200)
     assert stack.pid("tessera.asgi:application") == web, "the web tier was restarted"
-    assert redis.Redis.from_url(stack.redis_url()).ping()
+    r = redis.Redis.from_url(stack.redis_url())
+    assert r.ping()
+    # Settlements that failed during the outage were applied once Redis answered (before the next
+    # admission): no concurrency slot waits for its 120 s lease.
+    deadline = time.monotonic() + 10
+    while held := {key: r.zrange(key, 0, -1) for key in r.scan_iter(match="*:conc") if r.zcard(key)}:
+        assert time.monotonic() < deadline, ("reservations still held after the outage", held)
+        time.sleep(0.1)
     chaos_report("the web tier answered 503 in the envelope (no 500, no hang) and recovered without a restart; "
                  "the supervisor restarted Redis",
                  f"{statuses[503]} x 503, {statuses[429]} x 429, {statuses[200]} x 200, 0 x 500; slowest answer "
