@@ -203,3 +203,22 @@ def test_a_tokenizer_without_a_chat_template_is_a_400_that_says_so(tmp_path, tin
     with pytest.raises(InvalidRequest) as caught:
         tokenization.chat_prompt_ids(str(folder), HELLO)
     assert caught.value.param == "messages" and "no chat template" in caught.value.message
+
+
+# ---------------------------------------------------------------- the OpenAPI schema says the same
+
+@pytest.mark.django_db
+def test_the_schema_has_json_bodies_and_typed_message_content():
+    from django.test import Client
+
+    schema = Client().get("/v1/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert set(schema["paths"][path]["post"]["requestBody"]["content"]) == {"application/json"}, path
+    message = schema["components"]["schemas"]["Message"]["properties"]
+    content = message["content"]["oneOf"]
+    assert content[0] == {"type": "string"}
+    assert content[1]["items"]["properties"]["type"]["enum"] == ["text"]
+    assert "tool_call_id" in message
+    request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"logit_bias", "allowed_token_ids", "bad_words"} <= set(request) and "tools" not in request
+    assert request["seed"]["maximum"] == 2**64 - 1
