@@ -316,7 +316,8 @@ class LLMEngine:
         k = request.params.prompt_logprobs
         for i in range(hidden_rows.shape[0]):
             target = first_pos + i + 1  # the row at position p predicts the token at p + 1
-            if target < request.num_prompt_tokens:
+            # a preempted request recomputes its prompt: each position is recorded once
+            if target == len(request.prompt_logprobs) and target < request.num_prompt_tokens:
                 entry = top_logprobs(logprobs[i], request.prompt_token_ids[target], k)
                 self._decode_logprobs(entry)
                 request.prompt_logprobs.append(entry)

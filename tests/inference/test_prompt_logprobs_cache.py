@@ -42,3 +42,24 @@ def test_prompt_logprobs_bypass_a_warm_prefix_cache(llm, hf_logprobs):
             hf_logprobs[position - 1, token].item(), abs=1e-4)
 
     assert run(llm).num_cached_tokens == 3 * BLOCK  # the cache is still there for everyone else
+
+
+def test_prompt_logprobs_survive_a_preemption_mid_prefill(tiny_model_dir, hf_logprobs):
+    """Recompute preemption runs the prompt again: its logprobs are recorded once per position."""
+    llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=128, block_size=BLOCK, num_kv_blocks=8,
+              max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    engine.add_request("low", {"prompt_token_ids": PROMPT},
+                       SamplingParams(temperature=0, max_tokens=30, prompt_logprobs=1, ignore_eos=True), priority=5)
+    engine.step()  # the first 16-token chunk of its prefill
+    engine.add_request("high", {"prompt_token_ids": PROMPT[:40][::-1]},
+                       SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), priority=0)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({out.request_id: out for out in engine.step() if out.finished})
+    assert engine.scheduler.num_preemptions >= 1
+    low = outputs["low"].prompt_logprobs
+    assert len(low) == len(PROMPT)
+    for position in range(1, len(PROMPT)):
+        token = PROMPT[position]
+        assert low[position][token].logprob == pytest.approx(hf_logprobs[position - 1, token].item(), abs=1e-4)
