@@ -192,7 +192,7 @@ def _as_logit_bias(value) -> dict[int, float]:
         raise ValueError(f"SamplingParams.logit_bias must be an object of token id -> bias, got {value!r}")
     bias = {}
     for key, amount in value.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12 else key
         if not _is_token_id(token) or isinstance(amount, bool) or not isinstance(amount, (int, float)):
             raise ValueError(f"SamplingParams.logit_bias must map token ids to numbers, got {key!r}: {amount!r}")
         bias[token] = float(amount)

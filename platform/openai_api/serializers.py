@@ -194,7 +194,7 @@ class SamplingSerializer(serializers.Serializer):
         return value
 
     def validate_logit_bias(self, value):
-        if value and not all(key.isdigit() for key in value):
+        if value and not all(key.isascii() and key.isdigit() and len(key) <= 12 for key in value):
             raise serializers.ValidationError("keys must be token ids")
         return value and {int(key): bias for key, bias in value.items()}
 

@@ -110,6 +110,7 @@ def test_a_bad_word_bans_its_last_token_only_after_its_other_tokens():
 @pytest.mark.parametrize("params, field", [
     ({"logit_bias": {1: 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"²": 1}}, "logit_bias"),
     ({"logit_bias": {-1: 1}}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),

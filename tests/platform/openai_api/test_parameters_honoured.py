@@ -135,6 +135,8 @@ CHAT_REFUSALS = [
     ({"seed": -2**63 - 1}, "seed"),
     ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
     ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {"²": 1}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
     ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [VOCAB + 3]}, "allowed_token_ids"),
