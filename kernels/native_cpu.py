@@ -23,8 +23,11 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 # -ffast-math lets gcc vectorise the dot products and call glibc's vector expf; the kernel never
-# relies on infinities or NaNs (softmax starts from the first score, not -inf).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# relies on infinities or NaNs (softmax starts from the first score, not -inf). Compile only: linked
+# with -ffast-math, gcc 12 adds crtfastmath.o, which turns on flush-to-zero for the whole process
+# that loads the library (every float op of torch, numpy and hypothesis in it, not just this kernel).
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-shared", "-fopenmp"]
 SUPPORTED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -45,19 +48,22 @@ def _cpu_id() -> str:
 
 def _compile(compiler: str) -> Path:
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"decode_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target, then rename: processes that build at once never see half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
+        obj = tmp + ".o"
         try:
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
+            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj], check=True, capture_output=True)
+            subprocess.run([compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True, capture_output=True)
             os.replace(tmp, target)
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for leftover in (tmp, obj):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
     return target
 
 

@@ -4,7 +4,10 @@ Caches come from make_paged_kv: shuffled block ids and NaN in every slot no sequ
 read past a sequence's used length fails. This machine has a C compiler, so a library that does
 not build is a failure here, not a skip.
 """
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,3 +106,14 @@ def test_build_is_cached_per_source_and_cpu(lib, monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         native_cpu.load.cache_clear()
+
+
+def test_loading_the_library_leaves_the_process_float_environment_alone(tmp_path):
+    """A subnormal must survive in a process that loaded the kernel (fast-math's flush-to-zero would
+    flush it, for torch and every other library in the process)."""
+    script = ("from kernels import native_cpu\n"
+              "assert native_cpu.load() is not None\n"
+              "print(2.2250738585072014e-308 / 2 != 0.0)\n")
+    env = {**os.environ, "TESSERA_KERNEL_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
