@@ -69,8 +69,8 @@ def completion_response(gen, result: dict) -> dict:
             "logprobs": completion_logprobs(prompt_entries + entries) if gen.logprobs is not None else None,
             "finish_reason": c["finish_reason"],
         })
-    return {**_head(gen, "text_completion"), "choices": choices, "usage": usage_body(completion_usage(gen, result["usage"])),
-            "system_fingerprint": None}
+    usage = usage_body(completion_usage(gen, result["usage"]))
+    return {**_head(gen, "text_completion"), "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
 def _generated(gen, text: str, entries: list[dict]) -> tuple[str, list[dict]]:

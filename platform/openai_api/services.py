@@ -336,13 +336,14 @@ def context_check(gen: Generation, requested_max: int | None, max_model_len: int
     """
     if max_model_len is None:
         return requested_max or min(16, default_cap or 16)
-    if gen.longest_prompt_tokens >= max_model_len or (requested_max and gen.longest_prompt_tokens + requested_max > max_model_len):
-        asked = gen.longest_prompt_tokens + (requested_max or 0)
+    longest = gen.longest_prompt_tokens  # every prompt of a batch must fit
+    if longest >= max_model_len or (requested_max and longest + requested_max > max_model_len):
+        asked = longest + (requested_max or 0)
         raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                             f"requested {asked} tokens ({gen.longest_prompt_tokens} in the {prompt_param}, "
+                             f"requested {asked} tokens ({longest} in the {prompt_param}, "
                              f"{requested_max or 0} in the completion). Please reduce the length.",
                              param=prompt_param, code="context_length_exceeded")
-    return requested_max or min(max_model_len - gen.longest_prompt_tokens, default_cap or max_model_len)
+    return requested_max or min(max_model_len - longest, default_cap or max_model_len)
 
 
 def default_max_tokens_cap(plan, n: int) -> int | None:
@@ -453,8 +454,8 @@ def check_prompt_token_ids(prompts: list, vocab_size: int) -> None:
 def reserve_quota(gen: Generation, plan) -> None:
     """The only place /v1 calls quotas.reserve; the same plan feeds the x-ratelimit headers."""
     try:
-        gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.num_choices, "api",
-                                         plan=plan)
+        gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.num_choices,
+                                         "api", plan=plan)
     except quotas.PlanViolation as exc:
         if exc.code == "max_tokens_exceeded" and gen.n > 1:
             exc.message += f" With n={gen.n}, n x max_tokens counts against that cap."
