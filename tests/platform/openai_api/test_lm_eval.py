@@ -1,6 +1,7 @@
 """lm-evaluation-harness works unchanged against Tessera: its `local-completions` model (echo + prompt
 logprobs on /v1/completions, the remote tokenizer found through /tokenizer_info and /tokenize) gives the
-same loglikelihoods as its `hf` backend on the same model, on a small local multiple-choice task."""
+same loglikelihoods as its `hf` backend on the same model, on a small local multiple-choice task: the
+tiny random model of the shared live stack, and the real default model (SmolLM2-135M-Instruct GGUF)."""
 from __future__ import annotations
 
 import json
@@ -48,14 +49,18 @@ def loglikelihoods(model: str, model_args: str, task_dir) -> list[float]:
     return [float(resp[0][0]) for sample in samples for resp in sample["resps"]]
 
 
-def test_local_completions_loglikelihoods_equal_the_hf_backend(live_stack, tiny_model_dir, task_dir, monkeypatch):
+def served_loglikelihoods(stack, model_name: str, task_dir, monkeypatch) -> list[float]:
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "1")
-    monkeypatch.setenv("OPENAI_API_KEY", live_stack.api_key)  # what local-completions sends as its bearer key
-    served = loglikelihoods(
+    monkeypatch.setenv("OPENAI_API_KEY", stack.api_key)  # what local-completions sends as its bearer key
+    return loglikelihoods(
         "local-completions",
-        f"model={live_stack.model_name},base_url={live_stack.base_url}/v1/completions,"
-        f"auth_token={live_stack.api_key},num_concurrent=1,max_retries=1,tokenized_requests=True", task_dir)
+        f"model={model_name},base_url={stack.base_url}/v1/completions,"
+        f"auth_token={stack.api_key},num_concurrent=1,max_retries=1,tokenized_requests=True", task_dir)
+
+
+def test_local_completions_loglikelihoods_equal_the_hf_backend(live_stack, tiny_model_dir, task_dir, monkeypatch):
+    served = served_loglikelihoods(live_stack, live_stack.model_name, task_dir, monkeypatch)
     # lm-eval's remote tokenizer (as against vLLM) encodes with add_special_tokens=False; its hf backend
     # would let this tokenizer prepend <|bos|>, so it is told not to: both then score the same tokens.
     reference = loglikelihoods("hf", f"pretrained={tiny_model_dir},dtype=float32,device=cpu,add_bos_token=False",
@@ -63,3 +68,19 @@ def test_local_completions_loglikelihoods_equal_the_hf_backend(live_stack, tiny_
     assert len(served) == len(reference) == sum(len(doc["choices"]) for doc in DOCS)
     assert served == pytest.approx(reference, abs=1e-3)
     assert len(set(round(x, 3) for x in served)) > 1  # real, distinct loglikelihoods, not a constant
+
+
+def test_on_the_real_default_model_too(tmp_path_factory, task_dir, monkeypatch):
+    """SmolLM2's tokenizer adds no BOS, so the hf backend runs with its defaults here."""
+    from inference.gguf_files import bundled_model
+    from tests.platform.live_stack import LiveStack
+
+    env = {"MODEL": "", "SERVED_MODEL_NAME": "", "TESSERA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
+    with LiveStack.start("", tmp_path_factory.mktemp("real-stack"), env=env,
+                         engine_args={"max_model_len": 512, "num_kv_blocks": 64}) as stack:
+        served = served_loglikelihoods(stack, "SmolLM2-135M-Instruct", task_dir, monkeypatch)
+    file = bundled_model()
+    reference = loglikelihoods("hf", f"pretrained={file.parent},gguf_file={file.name},dtype=float32,device=cpu",
+                               task_dir)
+    assert len(served) == len(reference) == sum(len(doc["choices"]) for doc in DOCS)
+    assert served == pytest.approx(reference, abs=1e-3)
