@@ -138,7 +138,7 @@ def test_error_classes_match_openai(client, live_stack):
         client.chat.completions.create(model="gpt-nope", messages=MESSAGES)
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=live_stack.model_name, prompt=list(range(1, 600)), max_tokens=4)
+        client.completions.create(model=live_stack.model_name, prompt=[5] * 600, max_tokens=4)
     assert info.value.body["code"] == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=live_stack.model_name, prompt=[3] * 500, max_tokens=100)
