@@ -62,9 +62,14 @@ def test_requests_per_minute_refusal_is_a_429_with_retry_after_and_usage_is_sett
 
 def test_an_omitted_max_tokens_stays_inside_the_plan_cap(api):
     _user, raw_key = api
-    answer = post(raw_key, ignore_eos=True)
-    assert answer.status_code == 200
-    assert answer.json()["usage"]["completion_tokens"] == PLAN["max_tokens_per_request"]
+    chat = Client().post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                  "ignore_eos": True},
+                         content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {raw_key}")
+    assert chat.status_code == 200  # chat's default is the rest of the context, capped by the plan
+    assert chat.json()["usage"]["completion_tokens"] == PLAN["max_tokens_per_request"]
+    completion = post(raw_key, ignore_eos=True)
+    assert completion.status_code == 200  # /v1/completions defaults to 16, as OpenAI and vLLM do
+    assert completion.json()["usage"]["completion_tokens"] == 16
     too_many = post(raw_key, max_tokens=65)
     assert too_many.status_code == 400 and too_many.json()["error"]["code"] == "max_tokens_exceeded"
 
