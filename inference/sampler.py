@@ -32,6 +32,7 @@ class Sampler:
         self._apply_penalties(logits, seqs)
         self._restrict_tokens(logits, seqs)
         self._mask_grammars(logits, seqs)
+        self._check_some_token_is_allowed(logits, seqs)
         tokens = self._pick(logits, seqs)
         token_list = tokens.tolist()
         return token_list, self._logprob_entries(raw_logprobs, token_list, seqs)
@@ -93,6 +94,16 @@ class Sampler:
 
             self._masker = TokenMasker(logits.shape[1])
         self._masker.apply(logits, matchers)
+
+    @staticmethod
+    def _check_some_token_is_allowed(logits, seqs):
+        """Masks that together ban every token (allowed_token_ids that are all stop tokens under
+        min_tokens, say) would make argmax return token 0: fail loudly instead (the engine then
+        samples row by row, so only that request fails)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.restricts_tokens or s.matcher is not None]
+        if rows and torch.isneginf(logits[rows]).all(dim=-1).any():
+            raise ValueError("no token satisfies the request's constraints (allowed_token_ids, bad_words, "
+                             "min_tokens, structured_outputs) at this position")
 
     def _pick(self, logits, seqs) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)

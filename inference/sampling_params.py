@@ -96,6 +96,9 @@ class SamplingParams:
              "must be a list of non-empty strings"),
             ("seed", lambda: self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
              "must be an integer in [-2**63, 2**64) (what torch.Generator takes)"),
+            # both say which tokens may come next; their intersection is usually empty
+            ("allowed_token_ids", lambda: self.allowed_token_ids is None or self.structured_outputs is None,
+             "cannot be combined with structured_outputs (the grammar decides which tokens may come)"),
         ]
         for name, check, why in checks:
             try:

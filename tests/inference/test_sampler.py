@@ -315,3 +315,17 @@ def test_a_vanishing_temperature_is_greedy_not_nan():
     """1e-100 would overflow logits / temperature to -inf everywhere (all-negative logits) -> NaN."""
     logits = torch.tensor([[-3.0, -1.0, -2.0, -5.0, -4.0, -6.0, -7.0, -8.0]])
     assert sample_support(logits, rows=50, temperature=1e-100) == {1}
+
+
+def test_masks_that_ban_every_token_fail_loudly_instead_of_sampling_token_0():
+    sampler = Sampler(VOCAB, [EOS])
+    logits = torch.zeros(2, VOCAB)
+    banned_all = make_seq(allowed_token_ids=[EOS], min_tokens=2)  # the only allowed token may not come yet
+    with pytest.raises(ValueError, match="no token satisfies the request's constraints"):
+        sampler(logits, [make_seq(temperature=0), banned_all])
+    assert sampler(logits[:1], [make_seq(temperature=0, allowed_token_ids=[3])])[0] == [3]
+
+
+def test_allowed_token_ids_and_structured_outputs_are_refused_together():
+    with pytest.raises(ValueError, match="SamplingParams.allowed_token_ids cannot be combined with structured_outputs"):
+        SamplingParams(allowed_token_ids=[3], structured_outputs={"regex": "a"})

@@ -46,11 +46,14 @@ FIELDS = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "structured_outputs": optional(st.sampled_from(GRAMMARS)),
+    "logit_bias": optional(st.dictionaries(st.integers(0, 300), floats(-100.0, 100.0), max_size=3)),
+    "allowed_token_ids": optional(st.lists(st.integers(10, 300), min_size=1, max_size=5)),  # 0..9: special tokens
+    "bad_words": optional(st.lists(st.text(alphabet="abcdefghij", min_size=1, max_size=4), max_size=2)),
 }
 
 
 def test_the_sweep_covers_every_public_field():
-    public = {f.name for f in dataclasses.fields(SamplingParams) if f.init}
+    public = {f.name for f in dataclasses.fields(SamplingParams) if f.init and f.repr}  # repr=False: set by the engine
     assert set(FIELDS) == public
 
 
@@ -67,6 +70,10 @@ def sampling_params(draw) -> SamplingParams:
     values = {name: draw(strategy) for name, strategy in FIELDS.items()}
     if values["max_tokens"] is not None:
         values["min_tokens"] = min(values["min_tokens"], values["max_tokens"])
+    if values["structured_outputs"] is not None:
+        values["allowed_token_ids"] = None  # refused together (SamplingParams says why)
+    if values["allowed_token_ids"] and set(values["allowed_token_ids"]) <= set(values["stop_token_ids"] or []):
+        values["allowed_token_ids"] = None  # all of them stop tokens under min_tokens: nothing may be sampled
     return SamplingParams(**values)
 
 
