@@ -1,4 +1,4 @@
-"""The peer benchmark's own parts: one engine run in its own process, missing peers, the summary row."""
+"""The peer and grammar benchmarks' own parts: one engine run in its own process, missing peers, the summary row, the mask walk."""
 import json
 
 from benchmarks import peers
@@ -35,3 +35,11 @@ def test_the_summary_row_pairs_runs_of_one_repeat():
     assert row[5] == 1.35 and row[6] == "1.20-1.50"  # ratio per repeat, then median and spread
     assert row[11] == 9.0 / 4.5  # batch-1: vLLM's TPOT over ours
     assert row[-3:] == ["98.5%", "50.0%", "40.0%"]
+
+
+def test_the_grammar_bench_walks_constrained_rows_and_reports_each_batch():
+    from benchmarks import grammar
+
+    table = grammar.main(["--batches", "1,3", "--steps", "5"])
+    lines = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(lines) == 2
