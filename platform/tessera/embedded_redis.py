@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -12,6 +11,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tessera.private_files import read_or_create_secret
 
 
 def redis_server_binary() -> str:
@@ -63,13 +64,7 @@ def url(port: int, secret: str) -> str:
 
 def password(data_dir: Path) -> str:
     """The data dir's Redis password: generated on first use, kept in a file only its owner can read."""
-    path = data_dir / "redis-password"
-    if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(24))
-    return path.read_text().strip()
+    return read_or_create_secret(data_dir / "redis-password", 24)
 
 
 def config_file(data_dir: Path) -> Path:

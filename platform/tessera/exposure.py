@@ -9,9 +9,9 @@ made once in var/secret_key (mode 0600) and reused, so sessions survive restarts
 from __future__ import annotations
 
 import ipaddress
-import os
-import secrets
 from pathlib import Path
+
+from tessera.private_files import read_or_create_secret
 
 DEV_SECRET_KEY = "dev-insecure-change-me"  # known to everyone: loopback development only
 SECRET_KEY_FILE = "secret_key"
@@ -43,10 +43,4 @@ def network_safe_env(host: str, env, var_dir: Path) -> dict[str, str]:
 
 def private_secret_key(var_dir: Path) -> str:
     """This installation's own key: made on first use, readable by its owner only."""
-    path = var_dir / SECRET_KEY_FILE
-    if not path.exists():
-        var_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(50))
-    return path.read_text().strip()
+    return read_or_create_secret(var_dir / SECRET_KEY_FILE, 50)

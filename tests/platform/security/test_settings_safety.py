@@ -76,3 +76,12 @@ def test_make_run_refuses_host_0000_with_debug_on_before_starting_anything(tmp_p
                           text=True, timeout=120)
     assert done.returncode != 0 and "refusing to serve HOST=0.0.0.0 with DEBUG=1" in done.stderr
     assert "is not a folder" not in done.stderr + done.stdout  # refused before looking at the model
+
+
+def test_private_secrets_are_owner_only_and_stable(tmp_path):
+    from tessera.private_files import read_or_create_secret
+
+    path = tmp_path / "nested" / "secret"
+    first = read_or_create_secret(path, 24)
+    assert len(first) >= 24 and read_or_create_secret(path, 24) == first
+    assert path.stat().st_mode & 0o777 == 0o600
