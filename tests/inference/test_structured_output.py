@@ -13,7 +13,7 @@ from inference.gguf_files import bundled_model
 from inference.loader import load_tokenizer
 from inference.structured_output import GrammarCompiler, StructuredOutputs, TokenMasker, check_syntax
 
-# Bounded, so a random walk ends. (Not maxLength: xgrammar 0.2.8 lets raw control characters into
+# Bounded, so a random walk ends. (Not maxLength: xgrammar 0.2.9 lets raw control characters into
 # length-bounded strings; the serving layer has no reason to care, but this test would.)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,10}$"},
                                            "age": {"type": "integer"}, "ok": {"type": "boolean"}},
