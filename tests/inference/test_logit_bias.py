@@ -6,9 +6,8 @@ its other tokens were just produced) and takes the argmax: greedy outputs must b
 """
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from inference import LLM, SamplingParams
+from inference import SamplingParams
 from inference.request import Request
 from inference.sampler import Sampler, banned_bad_word_tokens
 from inference.sampling_params import bad_words_token_ids
@@ -17,33 +16,23 @@ PROMPT = [11, 12, 13, 14, 15]
 MAX_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return LLM(model=tiny_model_dir, dtype="float32", device="cpu", max_model_len=256, seed=0)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def generate(llm, **params) -> list[int]:
+def generate(tiny_llm, **params) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **params)
-    return llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
+    return tiny_llm.generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids
 
 
-def reference(hf_model, edit) -> list[int]:
+def reference(tiny_hf_model, edit) -> list[int]:
     """Greedy HF decoding where edit(logits, output so far) changes each step's logits."""
     output = []
     for _ in range(MAX_TOKENS):
         with torch.no_grad():
-            logits = hf_model(torch.tensor([PROMPT + output])).logits[0, -1].float()
+            logits = tiny_hf_model(torch.tensor([PROMPT + output])).logits[0, -1].float()
         output.append(int(edit(logits, output).argmax()))
     return output
 
 
-def test_logit_bias_is_added_to_the_logits(llm, hf_model):
-    plain = generate(llm)
+def test_logit_bias_is_added_to_the_logits(tiny_llm, tiny_hf_model):
+    plain = generate(tiny_llm)
     # the first greedy token down, the second one up: the path must change exactly as the reference says
     bias = {plain[0]: -5.0, plain[1]: 3.0}
 
@@ -52,17 +41,17 @@ def test_logit_bias_is_added_to_the_logits(llm, hf_model):
             logits[token] += amount
         return logits
 
-    biased = generate(llm, logit_bias={str(t): b for t, b in bias.items()})  # JSON's string keys
-    assert biased == reference(hf_model, add_bias)
+    biased = generate(tiny_llm, logit_bias={str(t): b for t, b in bias.items()})  # JSON's string keys
+    assert biased == reference(tiny_hf_model, add_bias)
     assert biased != plain and biased[0] != plain[0]
 
 
-def test_a_bias_of_100_forces_the_token(llm):
-    assert generate(llm, logit_bias={42: 100}) == [42] * MAX_TOKENS
+def test_a_bias_of_100_forces_the_token(tiny_llm):
+    assert generate(tiny_llm, logit_bias={42: 100}) == [42] * MAX_TOKENS
 
 
-def test_allowed_token_ids_masks_every_other_token(llm, hf_model):
-    plain = generate(llm)
+def test_allowed_token_ids_masks_every_other_token(tiny_llm, tiny_hf_model):
+    plain = generate(tiny_llm)
     allowed = sorted({20, 21, 22, 23, plain[3]} - {plain[0]})
 
     def keep_allowed(logits, _):
@@ -70,14 +59,14 @@ def test_allowed_token_ids_masks_every_other_token(llm, hf_model):
         masked[allowed] = logits[allowed]
         return masked
 
-    restricted = generate(llm, allowed_token_ids=allowed)
-    assert restricted == reference(hf_model, keep_allowed)
+    restricted = generate(tiny_llm, allowed_token_ids=allowed)
+    assert restricted == reference(tiny_hf_model, keep_allowed)
     assert set(restricted) <= set(allowed) and restricted != plain
 
 
-def test_bad_words_are_never_completed(llm, hf_model):
-    tokenizer = llm.llm_engine.tokenizer
-    plain = generate(llm)
+def test_bad_words_are_never_completed(tiny_llm, tiny_hf_model):
+    tokenizer = tiny_llm.llm_engine.tokenizer
+    plain = generate(tiny_llm)
     word = tokenizer.decode(plain[2:4]).strip()  # a piece of text the model would write
     sequences = bad_words_token_ids(tokenizer, [word])
     assert sequences, word
@@ -86,8 +75,8 @@ def test_bad_words_are_never_completed(llm, hf_model):
         logits[banned_bad_word_tokens(sequences, output)] = float("-inf")
         return logits
 
-    censored = generate(llm, bad_words=[word])
-    assert censored == reference(hf_model, ban)
+    censored = generate(tiny_llm, bad_words=[word])
+    assert censored == reference(tiny_hf_model, ban)
     assert censored != plain
     for ids in sequences:
         assert not any(censored[i:i + len(ids)] == ids for i in range(len(censored))), (word, ids, censored)
@@ -123,6 +112,6 @@ def test_invalid_values_name_their_field(params, field):
 
 @pytest.mark.parametrize("params, field", [({"logit_bias": {10**6: 1}}, "logit_bias"),
                                            ({"allowed_token_ids": [10**6]}, "allowed_token_ids")])
-def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(llm, params, field):
+def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(tiny_llm, params, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} has token ids outside the vocabulary"):
-        llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=2, **params))
+        tiny_llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=2, **params))
