@@ -4,15 +4,15 @@ Interactive callers follow a request token by token (engine_client's stream()). 
 each line's final result, and following dozens of lines token by token would wake the runner on
 every engine step and take CPU from the engine and from interactive users. So the runner polls:
 every BATCH_POLL_INTERVAL seconds one pipelined round trip reads the last entry of every in-flight
-output stream; only streams that ended are read in full and folded with the engine client's own
-fold/finalize. Liveness is the engine client's own verdict (engine_client.client.Liveness), read
+output stream; only streams that ended are read in full (the runner folds them into the line's
+generation result). Liveness is the engine client's own verdict (engine_client.client.Liveness), read
 once a second for all lines: "worker_lost", "no_worker" (no live worker serves the line's model)
 and "timeout"; the last two are aborted, so they never run later.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine_client import client as engine
 from inference import protocol
@@ -23,15 +23,7 @@ LIVENESS_EVERY_S = 1.0
 @dataclass
 class Watched:
     request_id: str
-    n: int
     liveness: engine.Liveness
-    started: float = field(default_factory=time.monotonic)
-
-
-def _error_result(event: dict) -> dict:
-    result = engine.fold(engine.new_result(), event)
-    result["choices"] = []
-    return result
 
 
 class Collector:
@@ -41,15 +33,15 @@ class Collector:
         self.watched: dict[str, Watched] = {}
         self.last_liveness = 0.0
 
-    def add(self, request_id: str, n: int = 1, model: str | None = None) -> None:
+    def add(self, request_id: str, model: str | None = None) -> None:
         liveness = engine.Liveness(model, no_worker_grace=self.no_worker_grace, timeout=self.timeout)
-        self.watched[request_id] = Watched(request_id, n, liveness)
+        self.watched[request_id] = Watched(request_id, liveness)
 
     def __len__(self) -> int:
         return len(self.watched)
 
-    def poll(self) -> list[tuple[str, dict, float]]:
-        """(request_id, result like the client's collect(), latency ms) for every request that ended."""
+    def poll(self) -> list[tuple[str, list[dict]]]:
+        """(request_id, its events, ending with the terminal one) for every request that ended."""
         if not self.watched:
             return []
         client = engine.client()
@@ -65,14 +57,11 @@ class Collector:
             done += self._liveness(client, [rid for rid in ids if rid not in ended])
         return done
 
-    def _result(self, client: engine.EngineClient, request_id: str) -> tuple[str, dict, float]:
-        watched = self.watched.pop(request_id)
-        result = engine.new_result()
-        for event in client.read_output(request_id):
-            engine.fold(result, event)
-        return request_id, engine.finalize(result, watched.n), self._latency(watched)
+    def _result(self, client: engine.EngineClient, request_id: str) -> tuple[str, list[dict]]:
+        del self.watched[request_id]
+        return request_id, client.read_output(request_id)
 
-    def _liveness(self, client: engine.EngineClient, request_ids: list[str]) -> list[tuple[str, dict, float]]:
+    def _liveness(self, client: engine.EngineClient, request_ids: list[str]) -> list[tuple[str, list[dict]]]:
         """Fail requests that can no longer finish (the same verdict as the client's streams)."""
         for request_id in request_ids:
             if self.watched[request_id].liveness.worker_id is None:  # learn who claimed it: the first event
@@ -85,9 +74,5 @@ class Collector:
             if error := watched.liveness.verdict(live):
                 client.abort(request_id)  # a worker that shows up later must not run it
                 del self.watched[request_id]
-                done.append((request_id, _error_result(error), self._latency(watched)))
+                done.append((request_id, [error]))
         return done
-
-    @staticmethod
-    def _latency(watched: Watched) -> float:
-        return (time.monotonic() - watched.started) * 1000

@@ -2,8 +2,8 @@
 
 One runner per batch at a time (a lease row in the batch, renewed by a thread while it runs). The
 runner polls its lines' output streams coarsely (batches.collector) instead of following them token
-by token, and records each line's result exactly once by a conditional update
-(services.record_line_result).
+by token, and finishes each line's generation through the generation service, which records
+its result exactly once by a conditional update (services.record_line_result) with its usage row.
 
 After a crash the next lease holder re-attaches to the lines the dead runner left running (their
 engine output streams are still in Redis), so a line that was already generated is not generated
@@ -21,9 +21,14 @@ import uuid
 from django import db
 
 from engine_client import client as engine
-from errors import ServiceError
+from errors import QuotaExceeded, ServiceError
+from generation import catalog
+from generation import services as generation
+from quotas import services as quotas
+from quotas.ledger import Reservation
+from quotas.selectors import plan_for
 
-from . import conf, engine_calls, progress, quota, selectors, services
+from . import conf, lines, progress, selectors, services
 from .collector import Collector
 from .models import Batch, BatchLine
 
@@ -69,9 +74,9 @@ class BatchRunner:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.batch = Batch.objects.select_related("user").get(pk=batch_id)
         self.user = self.batch.user
-        self.plan = quota.token_budget_plan(self.user)
-        self.models = engine_calls.served_models()
-        self.in_flight: dict[str, tuple[BatchLine, object]] = {}  # engine request id -> (line, Generation)
+        self.plan = plan_for(self.user)
+        self.models = catalog.known_models()
+        self.in_flight: dict[str, tuple[BatchLine, lines.calls.ApiCall]] = {}  # engine request id -> (line, call)
         self.collector = Collector(timeout=conf.get("BATCH_LINE_TIMEOUT"))
         self.max_in_flight = conf.get("BATCH_MAX_IN_FLIGHT")
         self.paused = False
@@ -132,35 +137,34 @@ class BatchRunner:
                 break
 
     def start_line(self, line: BatchLine) -> bool:
-        """Reserve, mark running, submit, and wait for it in a thread; False stops this round of feeding."""
+        """Admit, mark running, submit; the collector watches it. False stops this round of feeding."""
         try:
-            gen = engine_calls.build_call(line.url, line.body, self.models)
-            reservation = quota.reserve_line(self.user, self.plan, gen.model, gen.prompt_tokens,
-                                             engine_calls.reserved_completion_tokens(gen))
-        except quota.BudgetSpent as spent:
-            self.pause(spent.reason, spent.retry_after_s)
+            call = lines.build_call(line.url, line.body, user=self.user, models=self.models)
+            generation.admit(call.gen, plan=self.plan)  # the token budgets only: see quotas.reserve
+        except QuotaExceeded as spent:
+            self.pause(budget_spent_reason(spent), spent.retry_after)
             return False
         except ServiceError as error:  # the endpoint's or the plan's refusal: the line fails, the batch goes on
-            self.fail_before_submit(line, engine_calls.refused_outcome(error))
+            self.fail_before_submit(line, lines.refused_outcome(error))
             return True
         services.clear_paused(self.batch_id)
-        if not services.mark_line_running(line, gen.request_id, reservation.as_dict()):
-            quota.settle_line(reservation.as_dict(), 0, 0)
+        if not services.mark_line_running(line, call.request_id, call.gen.reservation.as_dict()):
+            generation.release(call.gen)
             return True
         try:
-            engine_calls.submit(gen, self.user.pk)
+            generation.submit(call.gen)
         except Exception:
             log.exception("batch %s: submitting line %s failed", self.batch_id, line.line_number)
             services.return_line_to_pending(line)
-            quota.settle_line(line.reservation, 0, 0)
+            generation.release(call.gen)
             self.pause("Waiting: the engine request queue is unreachable.", NO_WORKER_PAUSE_S)
             return False
-        self.watch(line, gen)
+        self.watch(line, call)
         return True
 
-    def watch(self, line: BatchLine, gen) -> None:
-        self.collector.add(gen.request_id, gen.n, gen.model)
-        self.in_flight[gen.request_id] = (line, gen)
+    def watch(self, line: BatchLine, call) -> None:
+        self.collector.add(call.request_id, call.model)
+        self.in_flight[call.request_id] = (line, call)
 
     def fail_before_submit(self, line: BatchLine, outcome) -> None:
         """A line the endpoint or the plan refuses: recorded as failed without reaching the engine."""
@@ -176,41 +180,35 @@ class BatchRunner:
 
     def collect(self) -> None:
         time.sleep(conf.get("BATCH_POLL_INTERVAL"))
-        for request_id, result, latency_ms in self.collector.poll():
-            line, gen = self.in_flight.pop(request_id)
-            self.finish_line(line, gen, engine_calls.outcome(gen, result, latency_ms))
+        for request_id, events in self.collector.poll():
+            line, call = self.in_flight.pop(request_id)
+            generation.fold_output(call.gen, events)
+            self.finish_line(line, call)
 
-    def finish_line(self, line: BatchLine, gen, outcome) -> None:
-        usage = outcome.usage or {}
-        quota.settle_line(line.reservation, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+    def finish_line(self, line: BatchLine, call) -> None:
+        outcome = lines.outcome(call)
         code = outcome.error_code
         if code in RETRYABLE_CODES and line.attempts < MAX_ATTEMPTS:
+            generation.settle_quota(call.gen)  # this attempt's tokens; the next one reserves again
             services.requeue_line(line)
             if code == "engine_unavailable":
                 self.pause("Waiting: no engine worker is running.", NO_WORKER_PAUSE_S)
             return
-        if engine_calls.was_aborted(outcome):
+        if call.gen.result.was_aborted:
+            generation.settle_quota(call.gen)
             if not self.stopping:  # aborted by someone else: run it again
                 services.requeue_line(line)
             return  # aborted by our cancel/expiry: closed with the other unfinished lines
-        if services.record_line_result(line, outcome, self.usage_row(line, gen, outcome)):
+        if generation.finish(call.gen, save=lambda _gen: services.record_line_result(line, outcome)):
             self.dirty = True
         engine.client().delete_output(line.engine_request_id)
-
-    def usage_row(self, line: BatchLine, gen, outcome) -> dict:
-        usage, metrics = outcome.usage or {}, outcome.metrics or {}
-        return dict(user=self.user, source="batch", endpoint=line.url, model=gen.model,
-                    request_id=line.engine_request_id, prompt_tokens=usage.get("prompt_tokens", 0),
-                    completion_tokens=usage.get("completion_tokens", 0), cached_tokens=usage.get("cached_tokens", 0),
-                    ttft_ms=submitted_ttft_ms(metrics), engine_ttft_ms=metrics.get("ttft_ms"),
-                    latency_ms=outcome.latency_ms, status_code=outcome.status_code, error_code=outcome.error_code or "")
 
     # ------------------------------------------------------------ endings
 
     def stop(self, ending: str) -> str:
         """Cancel or expiry: abort what runs, keep what already finished, close the rest."""
         self.stopping = True
-        for line, _gen in self.in_flight.values():
+        for line, _call in self.in_flight.values():
             engine.client().abort(line.engine_request_id)
         while self.in_flight:
             self.keep_lease()
@@ -220,7 +218,7 @@ class BatchRunner:
         message = ("The batch was cancelled before this request ran." if ending == Batch.Status.CANCELLED
                    else "This request could not be executed before the completion window expired.")
         for line in services.orphaned_lines(self.batch_id):
-            quota.settle_line(line.reservation, 0, 0)
+            release_reservation(line)
         services.close_unfinished_lines(self.batch_id, status, code, message)
         return ending
 
@@ -236,12 +234,13 @@ class BatchRunner:
         """Lines a dead runner left running: follow their engine output if it exists, else requeue."""
         for line in services.orphaned_lines(self.batch_id):
             if engine.client().has_output(line.engine_request_id):
-                gen = engine_calls.build_call(line.url, line.body, self.models)
-                gen.request_id = line.engine_request_id
-                self.watch(line, gen)
+                call = lines.build_call(line.url, line.body, user=self.user, models=self.models)
+                call.gen.request_id = line.engine_request_id
+                call.gen.reservation = Reservation.from_dict(line.reservation) if line.reservation else None
+                self.watch(line, call)
             else:
                 engine.client().abort(line.engine_request_id)  # a copy still queued must never run
-                quota.settle_line(line.reservation, 0, 0)
+                release_reservation(line)
                 services.requeue_line(line)
 
     def abandon_in_flight(self) -> None:
@@ -256,7 +255,7 @@ class BatchRunner:
         now = time.monotonic()
         if now - self.last_renew >= conf.get("BATCH_LEASE_SECONDS"):
             self.last_renew = now
-            self.models = engine_calls.served_models()  # workers come and go
+            self.models = catalog.known_models()  # workers come and go
 
     def maybe_push(self) -> None:
         now = time.monotonic()
@@ -265,13 +264,16 @@ class BatchRunner:
             self.dirty, self.last_push = False, now
 
 
-def submitted_ttft_ms(metrics: dict) -> float | None:
-    """A line's TTFT from its submission (its "arrival"): the wait in the queue plus the engine's TTFT.
+def budget_spent_reason(spent: QuotaExceeded) -> str:
+    which = "daily" if spent.limit == "tokens_per_day" else "monthly"
+    return (f"Paused: the {which} token budget is spent; the batch resumes when it resets "
+            f"(in about {spent.retry_after}s).")
 
-    The runner polls coarsely, so it cannot see the first token arrive; the worker's own times can."""
-    if metrics.get("queue_ms") is None or metrics.get("ttft_ms") is None:
-        return None
-    return metrics["queue_ms"] + metrics["ttft_ms"]
+
+def release_reservation(line: BatchLine) -> None:
+    """A line's reservation nothing will run for any more (its stream is gone, the batch stopped)."""
+    if line.reservation:
+        quotas.settle(Reservation.from_dict(line.reservation), 0, 0)
 
 
 def run_batch(batch_id: int) -> str:

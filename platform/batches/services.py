@@ -127,7 +127,7 @@ def validate_batch(batch_id: int) -> None:
         _fail(batch, [{"code": "file_not_found", "message": "The input file was deleted.",
                        "param": "input_file_id", "line": None}])
         return
-    from .engine_calls import body_checker_for, model_problem_for  # the live endpoints' own checks
+    from .lines import body_checker_for, model_problem_for  # the live endpoints' own checks
 
     result = validate_jsonl(bytes(batch.input_file.content), batch.endpoint,
                             check_model=model_problem_for(batch.user), check_body=body_checker_for(batch.user),
@@ -242,11 +242,11 @@ def return_line_to_pending(line: BatchLine) -> None:
         status=BatchLine.Status.PENDING, reservation=None)
 
 
-def record_line_result(line: BatchLine, outcome, usage_row: dict | None = None) -> bool:
+def record_line_result(line: BatchLine, outcome) -> bool:
     """Store one line's result exactly once; False if it was already recorded (or the line moved on).
 
-    outcome: engine_calls.LineOutcome (ok, status_code, body, error, usage). usage_row: the
-    usage.services.record_usage() arguments, written in the same transaction (so once, too).
+    outcome: lines.LineOutcome (ok, status_code, body, error, usage). For a line that ran, the
+    generation service calls this as its save, in the transaction that writes the usage row.
     """
     with transaction.atomic():
         moved = BatchLine.objects.filter(pk=line.pk, status=BatchLine.Status.RUNNING,
@@ -263,10 +263,6 @@ def record_line_result(line: BatchLine, outcome, usage_row: dict | None = None) 
             input_tokens=F("input_tokens") + usage.get("prompt_tokens", 0),
             output_tokens=F("output_tokens") + usage.get("completion_tokens", 0),
             cached_tokens=F("cached_tokens") + usage.get("cached_tokens", 0))
-        if usage_row is not None:
-            from usage.services import record_usage
-
-            record_usage(**usage_row)
     return True
 
 

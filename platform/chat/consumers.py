@@ -1,4 +1,6 @@
-"""The playground websocket: thin; services do the work, streaming.Follower follows the engine.
+"""The playground websocket: an adapter turning the generation service's events into frames.
+
+chat.services begins a reply (and admits its generation), streaming.Follower follows it.
 
 Client -> server frames: {"type": "send", "conversation_id"?, "content", "settings"} |
 {"type": "edit", "message_id", "content", "settings"} | {"type": "regenerate", "message_id", "settings"} |
@@ -19,6 +21,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from engine_client import client as engine
 from errors import QuotaExceeded, ServiceError
+from generation import services as generation
 
 from . import prompting, selectors, services, streaming
 from .models import Message
@@ -96,22 +99,27 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
                 conversation = selectors.conversation_for(self.user, conversation_id)
                 if conversation is None:
                     raise services.ChatError("Conversation not found.", code="not_found")
-            return services.send_message(self.user, frame.get("content"), frame.get("settings") or {}, conversation)
+            return services.send_message(self.user, frame.get("content"), frame.get("settings") or {}, conversation,
+                                         arrived_at=arrived_at)
 
+        arrived_at = time.time()  # TTFT and latency count from here, as the user waits
         await self._start(begin)
 
     async def on_edit(self, frame):
         def begin():
             message = self._own_message(frame.get("message_id"))
-            return services.edit_message(self.user, message, frame.get("content"), frame.get("settings") or {})
+            return services.edit_message(self.user, message, frame.get("content"), frame.get("settings") or {},
+                                         arrived_at=arrived_at)
 
+        arrived_at = time.time()
         await self._start(begin)
 
     async def on_regenerate(self, frame):
         def begin():
             message = self._own_message(frame.get("message_id"))
-            return services.regenerate(self.user, message, frame.get("settings") or {})
+            return services.regenerate(self.user, message, frame.get("settings") or {}, arrived_at=arrived_at)
 
+        arrived_at = time.time()
         await self._start(begin)
 
     def _own_message(self, message_id) -> Message:
@@ -121,7 +129,6 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         return message
 
     async def _start(self, begin) -> None:
-        arrived_at = time.time()  # TTFT and latency count from here, as the user waits
         if self._busy():
             await self.send_error(ServiceError("An answer is still being generated; stop it first.", code="busy"))
             return
@@ -131,14 +138,11 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await self.send_error(error)
             return
         await self.send_json(await database_sync_to_async(selectors.reply_started_payload)(reply))
-        follower = streaming.Follower(reply.message_id, reply.request_id, reply.model, self.send_json, owner=True,
-                                      arrived_at=arrived_at)
+        follower = streaming.Follower(reply.message_id, reply.gen, self.send_json, owner=True)
         try:
-            await engine.aclient().submit(model=reply.model, prompt_token_ids=reply.prompt_token_ids,
-                                          sampling_params=reply.sampling_params, priority_class="interactive",
-                                          user=self.user.pk, request_id=reply.request_id)
+            await generation.asubmit(reply.gen)
         except Exception as exc:  # Redis unreachable: nothing was queued
-            follower.outcome.error, follower.outcome.error_code = f"Could not queue the request: {exc}", "submit_failed"
+            follower.fail("submit_failed", f"Could not queue the request: {exc}")
             await follower.finish()
             return
         self._follow(follower)
@@ -180,7 +184,8 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await self.send_error(ServiceError("Already following an answer.", code="busy"))
             return
         await self.send_json({"type": "resumed", "message_id": message.pk})
-        self._follow(streaming.Follower(message.pk, message.request_id, message.model, self.send_json, owner=False))
+        gen = await database_sync_to_async(services.generation_for)(message)
+        self._follow(streaming.Follower(message.pk, gen, self.send_json, owner=False))
 
     async def on_select_branch(self, frame):
         def select():

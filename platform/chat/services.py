@@ -1,24 +1,24 @@
 """Writes for the playground: conversations, user turns, edits, regenerations and finished replies.
 
-A reply's life: begin_* (validate, reserve quota, create the streaming assistant message, all in
-one transaction so a refusal leaves nothing behind) -> the consumer submits it to the engine and
-streams it (save_progress as it goes) -> finish_reply, exactly once, which settles the quota
-reservation and records usage. finish_reply is safe to call from several followers.
+A reply's life: begin_* (validate, admit the generation through the generation service and
+create the streaming assistant message, all in one transaction so a refusal leaves nothing
+behind) -> the consumer submits it and streams it (save_progress as it goes) -> the generation
+service's finish with save_reply, exactly once: the message, the usage row and the quota
+settlement. save_reply is the once-guard, so several followers may try.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 from django.db import transaction
 from django.utils import timezone
 
-from engine_client import client as engine
 from errors import InvalidRequest
-from inference import protocol
-from quotas import services as quotas
+from generation import services as generation
+from generation.services import Generation
 from quotas.ledger import Reservation
-from usage import services as usage
 
 from . import params as chat_params
 from . import prompting, selectors
@@ -41,10 +41,23 @@ class Reply:
     conversation_id: str
     user_message_id: int
     message_id: int
-    request_id: str
-    model: str
-    prompt_token_ids: list[int]
-    sampling_params: dict
+    gen: Generation
+
+    @property
+    def request_id(self) -> str:
+        return self.gen.request_id
+
+    @property
+    def model(self) -> str:
+        return self.gen.model
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.gen.prompts[0]
+
+    @property
+    def sampling_params(self) -> dict:
+        return self.gen.sampling_params
 
 
 def title_from(text: str) -> str:
@@ -102,27 +115,31 @@ def _apply_settings(conversation: Conversation, settings: dict) -> dict:
     return clean
 
 
-def _begin_reply(user, conversation: Conversation, user_message: Message, params: dict) -> Reply:
+def _begin_reply(user, conversation: Conversation, user_message: Message, params: dict,
+                 arrived_at: float | None) -> Reply:
     """Reserve quota and create the streaming assistant message (inside the caller's transaction)."""
     ids = prompting.prompt_token_ids(conversation.model, conversation.system_prompt,
                                      selectors.branch_turns(user_message))
-    reservation = quotas.reserve(user, conversation.model, len(ids), params["max_tokens"], source="playground")
-    try:  # if saving fails, the reservation must not leak: settle it with nothing used
+    gen = Generation(source="playground", endpoint="playground", user=user, model=conversation.model, prompts=[ids],
+                     sampling_params=chat_params.sampling_params(params), max_tokens=params["max_tokens"],
+                     arrived_at=arrived_at)
+    generation.admit(gen)
+    try:  # if saving fails, the reservation must not leak: give it back with nothing used
         assistant = Message.objects.create(
             conversation=conversation, parent=user_message, role=Message.Role.ASSISTANT,
-            status=Message.Status.STREAMING, request_id=protocol.new_request_id(), model=conversation.model,
-            params=params, reservation=reservation.as_dict(), prompt_tokens=len(ids))
+            status=Message.Status.STREAMING, request_id=gen.request_id, model=conversation.model,
+            params=params, reservation=gen.reservation.as_dict(), prompt_tokens=len(ids))
         conversation.current_leaf = assistant
         conversation.save(update_fields=["current_leaf", "updated_at"])
     except Exception:
-        quotas.settle(reservation, 0, 0)
+        generation.release(gen)
         raise
     return Reply(conversation_id=str(conversation.pk), user_message_id=user_message.pk, message_id=assistant.pk,
-                 request_id=assistant.request_id, model=conversation.model, prompt_token_ids=ids,
-                 sampling_params=chat_params.sampling_params(params))
+                 gen=gen)
 
 
-def send_message(user, content, settings: dict, conversation: Conversation | None = None) -> Reply:
+def send_message(user, content, settings: dict, conversation: Conversation | None = None, *,
+                 arrived_at: float | None = None) -> Reply:
     """A new user turn at the end of the branch on screen (a new conversation when none is given)."""
     content = _clean_content(content)
     with transaction.atomic():
@@ -133,10 +150,10 @@ def send_message(user, content, settings: dict, conversation: Conversation | Non
         clean = _apply_settings(conversation, settings)
         user_message = Message.objects.create(conversation=conversation, parent=conversation.current_leaf,
                                               role=Message.Role.USER, content=content)
-        return _begin_reply(user, conversation, user_message, clean)
+        return _begin_reply(user, conversation, user_message, clean, arrived_at)
 
 
-def edit_message(user, message: Message, content, settings: dict) -> Reply:
+def edit_message(user, message: Message, content, settings: dict, *, arrived_at: float | None = None) -> Reply:
     """Resend an edited user turn as a sibling of the original; the old branch stays reachable."""
     if message.role != Message.Role.USER:
         raise ChatError("Only your own messages can be edited.")
@@ -146,10 +163,10 @@ def edit_message(user, message: Message, content, settings: dict) -> Reply:
         clean = _apply_settings(conversation, settings)
         edited = Message.objects.create(conversation=conversation, parent=message.parent,
                                         role=Message.Role.USER, content=content)
-        return _begin_reply(user, conversation, edited, clean)
+        return _begin_reply(user, conversation, edited, clean, arrived_at)
 
 
-def regenerate(user, message: Message, settings: dict) -> Reply:
+def regenerate(user, message: Message, settings: dict, *, arrived_at: float | None = None) -> Reply:
     """A new answer to the same user turn, as a sibling of `message` (an assistant message)."""
     if message.role != Message.Role.ASSISTANT or message.parent is None:
         raise ChatError("Only answers can be regenerated.")
@@ -158,7 +175,7 @@ def regenerate(user, message: Message, settings: dict) -> Reply:
     with transaction.atomic():
         conversation = message.conversation
         clean = _apply_settings(conversation, settings)
-        return _begin_reply(user, conversation, message.parent, clean)
+        return _begin_reply(user, conversation, message.parent, clean, arrived_at)
 
 
 def save_progress(message_id: int, content: str) -> None:
@@ -167,95 +184,74 @@ def save_progress(message_id: int, content: str) -> None:
         content=content, updated_at=timezone.now())
 
 
-@dataclass
-class Outcome:
-    """How a reply ended, as the stream follower measured it."""
-
-    content: str
-    finish_reason: str = ""
-    error: str = ""
-    error_code: str = ""
-    prompt_tokens: int | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    ttft_ms: float | None = None  # from the websocket frame's arrival (usage.models.UsageRecord)
-    engine_ttft_ms: float | None = None  # from the worker's acceptance (the finish event's metrics)
-    latency_ms: float | None = None
-
-    @property
-    def status(self) -> str:
-        if self.error:
-            return Message.Status.ERROR
-        return Message.Status.STOPPED if self.finish_reason == "abort" else Message.Status.COMPLETE
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        if not self.completion_tokens or self.latency_ms is None or self.ttft_ms is None:
-            return None
-        decode_s = (self.latency_ms - self.ttft_ms) / 1000
-        return round(self.completion_tokens / decode_s, 2) if decode_s > 0 else None
+def generation_for(message: Message) -> Generation:
+    """The generation of a reply already under way (a resumed socket, a stale reply's clean-up)."""
+    reservation = Reservation.from_dict(message.reservation) if message.reservation else None
+    return Generation(source="playground", endpoint="playground", user=message.conversation.user,
+                      model=message.model, prompts=[[]], prompt_tokens=message.prompt_tokens or 0,
+                      sampling_params={}, request_id=message.request_id, reservation=reservation,
+                      arrived_at=message.created_at.timestamp())
 
 
-def finish_reply(message_id: int, outcome: Outcome) -> Message | None:
-    """Save the final answer, settle its quota reservation and record usage: once; None if already done."""
-    with transaction.atomic():
-        message = (Message.objects.select_for_update().select_related("conversation__user")
-                   .filter(pk=message_id, status=Message.Status.STREAMING).first())
-        if message is None:
-            return None
-        prompt_tokens = outcome.prompt_tokens if outcome.prompt_tokens is not None else (message.prompt_tokens or 0)
-        message.content = outcome.content
-        message.status = outcome.status
-        message.finish_reason = outcome.finish_reason or ("error" if outcome.error else "")
-        message.error = outcome.error
-        message.prompt_tokens = prompt_tokens
-        message.completion_tokens = outcome.completion_tokens
-        message.cached_tokens = outcome.cached_tokens
-        message.ttft_ms = outcome.ttft_ms
-        message.latency_ms = outcome.latency_ms
-        message.tokens_per_s = outcome.tokens_per_s
-        message.save()
-        Conversation.objects.filter(pk=message.conversation_id).update(updated_at=timezone.now())
-        usage.record_usage(
-            user=message.conversation.user, source="playground", endpoint="playground", model=message.model,
-            request_id=message.request_id, prompt_tokens=prompt_tokens, completion_tokens=outcome.completion_tokens,
-            cached_tokens=outcome.cached_tokens, ttft_ms=outcome.ttft_ms, engine_ttft_ms=outcome.engine_ttft_ms,
-            latency_ms=outcome.latency_ms,
-            status_code=500 if outcome.error else 200, error_code=outcome.error_code)
-    if message.reservation:
-        quotas.settle(Reservation.from_dict(message.reservation), prompt_tokens, outcome.completion_tokens)
-    return message
+def reply_status(gen: Generation) -> str:
+    if gen.outcome[0] != 200:
+        return Message.Status.ERROR
+    return Message.Status.STOPPED if gen.result.finish_reason == "abort" else Message.Status.COMPLETE
+
+
+def tokens_per_s(gen: Generation) -> float | None:
+    """Decode speed: completion tokens over the time after the first one."""
+    if not gen.result.completion_tokens or gen.ttft_ms is None:
+        return None
+    decode_s = (gen.latency_ms - gen.ttft_ms) / 1000
+    return round(gen.result.completion_tokens / decode_s, 2) if decode_s > 0 else None
+
+
+def save_reply(message_id: int, gen: Generation, saved_content: str = "") -> bool:
+    """The final answer from the generation's result; False if another follower saved it first
+    (the generation service runs this in the transaction that writes the usage row)."""
+    message = (Message.objects.select_for_update()
+               .filter(pk=message_id, status=Message.Status.STREAMING).first())
+    if message is None:
+        return False
+    result = gen.result
+    message.content = result.text or saved_content
+    message.status = reply_status(gen)
+    message.finish_reason = result.finish_reason or ("error" if message.status == Message.Status.ERROR else "")
+    message.error = (result.error or {}).get("message", "") if message.status == Message.Status.ERROR else ""
+    message.prompt_tokens = gen.charged_tokens()[0]
+    message.completion_tokens = result.completion_tokens
+    message.cached_tokens = result.cached_tokens
+    message.ttft_ms, message.latency_ms, message.tokens_per_s = gen.ttft_ms, gen.latency_ms, tokens_per_s(gen)
+    message.save()
+    Conversation.objects.filter(pk=message.conversation_id).update(updated_at=timezone.now())
+    return True
+
+
+def finish_reply(message_id: int, gen: Generation, saved_content: str = "") -> bool:
+    """Save the reply, record usage and settle its quota, once (False if it was already finished)."""
+    return generation.finish(gen, save=partial(save_reply, message_id, saved_content=saved_content))
 
 
 STALE_AFTER_S = 600
 
 
-def outcome_from_result(result: dict, saved_content: str) -> Outcome:
-    """An Outcome from engine_client.collect()'s result (used when no live follower is left)."""
-    choice = result["choices"][0] if result["choices"] else {"text": "", "token_ids": [], "finish_reason": None}
-    usage_info = result.get("usage") or {}
-    error = result.get("error")
-    outcome = Outcome(content=choice["text"] or saved_content, finish_reason=choice.get("finish_reason") or "",
-                      prompt_tokens=usage_info.get("prompt_tokens"),
-                      completion_tokens=usage_info.get("completion_tokens", len(choice["token_ids"])),
-                      cached_tokens=usage_info.get("cached_tokens") or 0)
-    if error and error.get("code") == "timeout":  # still running with nobody following: collect() aborted it
-        outcome.finish_reason = "abort"
-    elif error:
-        outcome.error, outcome.error_code = error.get("message", "The engine failed."), error.get("code", "")
-    return outcome
-
-
 def finish_stale_replies(older_than_s: float = STALE_AFTER_S, collect_timeout_s: float = 2.0) -> int:
     """Finish replies stuck in "streaming" (their web process died and nobody reconnected).
 
-    What the engine produced is folded from the request's output stream; a request still running
-    is aborted. Each is finished through finish_reply, so quota is settled and usage recorded once.
+    What the engine produced is read from the request's output stream; a request still running
+    is aborted (the stream's timeout) and saved as stopped. Each is finished through the
+    generation service, so quota is settled and usage recorded once.
     """
     cutoff = timezone.now() - timedelta(seconds=older_than_s)
     finished = 0
-    for message in Message.objects.filter(status=Message.Status.STREAMING, updated_at__lt=cutoff):
-        result = engine.client().collect(message.request_id, model=message.model, timeout=collect_timeout_s)
-        if finish_reply(message.pk, outcome_from_result(result, message.content)) is not None:
+    for message in (Message.objects.select_related("conversation__user")
+                    .filter(status=Message.Status.STREAMING, updated_at__lt=cutoff)):
+        gen = generation_for(message)
+        gen.result = generation.collect(message.request_id, model=message.model, timeout=collect_timeout_s)
+        if (gen.result.error or {}).get("code") == "timeout":  # still running with nobody following: aborted
+            gen.result.error = None
+            gen.result.choices[0].finish_reason = "abort"
+        if finish_reply(message.pk, gen, saved_content=message.content):
             finished += 1
     return finished

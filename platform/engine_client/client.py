@@ -16,7 +16,8 @@ things with the same rules; they differ only in how they wait for Redis.
 
 A stream always ends with exactly one terminal event (finish or error): a dead worker, or no live
 worker serving the request's model, is reported as an error event, never as an endless wait.
-Liveness.verdict is that rule, shared by both streams and the batch collector.
+Liveness.verdict is that rule, shared by both streams and the batch collector. Folding events
+into a whole answer is the generation service's (generation.result.Result).
 """
 from __future__ import annotations
 
@@ -126,50 +127,6 @@ def _health(live: LiveWorkers) -> dict:
     return {"ok": bool(live), "redis": True, "workers": sorted(live)}
 
 
-# ---------------------------------------------------------------- collecting a whole result
-
-def new_result() -> dict:
-    return {"choices": {}, "usage": None, "metrics": None, "error": None, "finish_reasons": None,
-            "prompt_logprobs": {}}
-
-
-def fold(result: dict, event: dict) -> dict:
-    """Accumulate one event into a result dict (see collect())."""
-    kind = event["type"]
-    if kind == "delta":
-        choice = result["choices"].setdefault(event["index"], _empty_choice(event["index"]))
-        choice["text"] += event.get("text", "")
-        choice["token_ids"].extend(event.get("token_ids", []))
-        choice["logprobs"].extend(event.get("logprobs") or [])
-        if event.get("finish_reason"):
-            choice["finish_reason"] = event["finish_reason"]
-            choice["stop_reason"] = event.get("stop_reason")
-    elif kind == "prompt_logprobs":
-        result["prompt_logprobs"][event.get("prompt_index", 0)] = event["logprobs"]
-    elif kind == "finish":
-        result["usage"] = event.get("usage")
-        result["metrics"] = event.get("metrics")
-        result["finish_reasons"] = event.get("finish_reasons")
-    elif kind == "error":
-        result["error"] = {k: v for k, v in event.items() if k not in ("type", "entry_id")}
-    return result
-
-
-def _empty_choice(index: int) -> dict:
-    return {"index": index, "text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "stop_reason": None}
-
-
-def finalize(result: dict, n: int | None) -> dict:
-    choices = result["choices"]
-    for index in range(n or 0):
-        choices.setdefault(index, _empty_choice(index))
-    for index, reason in enumerate(result["finish_reasons"] or []):
-        if index in choices and reason and not choices[index]["finish_reason"]:
-            choices[index]["finish_reason"] = reason
-    result["choices"] = [choices[i] for i in sorted(choices)]
-    return result
-
-
 # ---------------------------------------------------------------- the sync client
 
 class EngineClient:
@@ -221,15 +178,6 @@ class EngineClient:
                 self.abort(request_id)  # a worker that comes back later must not run it
                 yield error
                 return
-
-    def collect(self, request_id: str, *, n: int | None = None, model: str | None = None,
-                timeout: float | None = None) -> dict:
-        """Run a request's stream to the end: {"choices": [{index, text, token_ids, logprobs, finish_reason,
-        stop_reason}], "usage", "metrics", "finish_reasons", "error" (None or {"code", "message"})}."""
-        result = new_result()
-        for event in self.stream(request_id, model=model, timeout=timeout):
-            fold(result, event)
-        return finalize(result, n)
 
     def read_output(self, request_id: str, count: int | None = None) -> list[dict]:
         """The events written so far (the batch collector reads finished streams whole)."""
@@ -364,13 +312,6 @@ class AsyncEngineClient:
                     return
         finally:
             self.hub.unfollow(key, inbox)
-
-    async def collect(self, request_id: str, *, n: int | None = None, model: str | None = None,
-                      timeout: float | None = None) -> dict:
-        result = new_result()
-        async for event in self.stream(request_id, model=model, timeout=timeout):
-            fold(result, event)
-        return finalize(result, n)
 
     async def live_workers(self) -> LiveWorkers:
         """As EngineClient.live_workers (read-only: the sync client prunes the set)."""

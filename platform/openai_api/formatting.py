@@ -1,4 +1,7 @@
-"""Engine results and events -> OpenAI response bodies and SSE chunks (chat and text completions)."""
+"""Engine results and events -> OpenAI response bodies and SSE chunks (chat and text completions).
+
+`call` is an openai_api.calls.ApiCall, `result` a generation.result.Result.
+"""
 from __future__ import annotations
 
 import json
@@ -41,45 +44,49 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
             "text_offset": offsets}
 
 
-def _head(gen, object_name: str) -> dict:
-    return {"id": gen.request_id, "object": object_name, "created": gen.created, "model": gen.model}
+def _head(call, object_name: str) -> dict:
+    return {"id": call.request_id, "object": object_name, "created": call.created, "model": call.model}
 
 
 # ---------------------------------------------------------------- whole responses
 
-def chat_response(gen, result: dict) -> dict:
+def response_body(call, result) -> dict:
+    return (chat_response if call.kind == "chat" else completion_response)(call, result)
+
+
+def chat_response(call, result) -> dict:
     choices = [{
-        "index": c["index"],
-        "message": {"role": "assistant", "content": c["text"]},
-        "logprobs": chat_logprobs(c["logprobs"]) if gen.logprobs is not None else None,
-        "finish_reason": c["finish_reason"],
-    } for c in result["choices"]]
-    return {**_head(gen, "chat.completion"), "choices": choices, "usage": usage_body(result["usage"]),
+        "index": c.index,
+        "message": {"role": "assistant", "content": c.text},
+        "logprobs": chat_logprobs(c.logprobs) if call.logprobs is not None else None,
+        "finish_reason": c.finish_reason,
+    } for c in result.choices]
+    return {**_head(call, "chat.completion"), "choices": choices, "usage": usage_body(result.usage),
             "system_fingerprint": None}
 
 
-def completion_response(gen, result: dict) -> dict:
+def completion_response(call, result) -> dict:
     choices = []
-    for c in result["choices"]:
-        prompt = c["index"] // gen.n  # a batched request's choice p * n + i belongs to prompt p
-        prompt_entries = (result.get("prompt_logprobs") or {}).get(prompt, []) if gen.echo else []
-        text, entries = _generated(gen, c["text"], c["logprobs"])
+    for c in result.choices:
+        prompt = c.index // call.n  # a batched request's choice p * n + i belongs to prompt p
+        prompt_entries = result.prompt_logprobs.get(prompt, []) if call.echo else []
+        text, entries = _generated(call, c.text, c.logprobs)
         choices.append({
-            "index": c["index"], "text": (gen.prompt_texts[prompt] if gen.echo else "") + text,
-            "logprobs": completion_logprobs(prompt_entries + entries) if gen.logprobs is not None else None,
-            "finish_reason": c["finish_reason"],
+            "index": c.index, "text": (call.prompt_texts[prompt] if call.echo else "") + text,
+            "logprobs": completion_logprobs(prompt_entries + entries) if call.logprobs is not None else None,
+            "finish_reason": c.finish_reason,
         })
-    usage = usage_body(completion_usage(gen, result["usage"]))
-    return {**_head(gen, "text_completion"), "choices": choices, "usage": usage, "system_fingerprint": None}
+    usage = usage_body(completion_usage(call, result.usage))
+    return {**_head(call, "text_completion"), "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
-def _generated(gen, text: str, entries: list[dict]) -> tuple[str, list[dict]]:
+def _generated(call, text: str, entries: list[dict]) -> tuple[str, list[dict]]:
     """What a choice shows of the generated tokens: nothing for max_tokens 0 (the engine made one)."""
-    return ("", []) if gen.echo_only else (text, entries or [])
+    return ("", []) if call.echo_only else (text, entries or [])
 
 
-def completion_usage(gen, usage: dict | None) -> dict | None:
-    if not gen.echo_only or usage is None:
+def completion_usage(call, usage: dict | None) -> dict | None:
+    if not call.echo_only or usage is None:
         return usage
     return {**usage, "completion_tokens": 0}
 
@@ -89,16 +96,16 @@ def completion_usage(gen, usage: dict | None) -> dict | None:
 class ChunkWriter:
     """Turns engine events into the endpoint's SSE chunks, keeping per-choice state (role sent, offsets)."""
 
-    def __init__(self, gen):
-        self.gen = gen
-        self.chat = gen.endpoint == "chat"
+    def __init__(self, call):
+        self.call = call
+        self.chat = call.kind == "chat"
         self.role_sent: set[int] = set()
         self.offsets: dict[int, int] = {}
 
     def _chunk(self, choices: list[dict], usage=None) -> bytes:
-        body = {**_head(self.gen, "chat.completion.chunk" if self.chat else "text_completion"), "choices": choices,
+        body = {**_head(self.call, "chat.completion.chunk" if self.chat else "text_completion"), "choices": choices,
                 "system_fingerprint": None}
-        if self.gen.include_usage:
+        if self.call.include_usage:
             body["usage"] = usage
         return sse(body)
 
@@ -106,11 +113,11 @@ class ChunkWriter:
         """Chat streams open with one role chunk per choice (as OpenAI's do); echo streams with the prompt."""
         if not self.chat:
             # with logprobs the echo waits for the prompt_logprobs event, which carries them
-            if not self.gen.echo or self.gen.logprobs is not None:
+            if not self.call.echo or self.call.logprobs is not None:
                 return []
-            return [chunk for prompt in range(len(self.gen.prompt_texts)) for chunk in self._echo(prompt, [])]
+            return [chunk for prompt in range(len(self.call.prompt_texts)) for chunk in self._echo(prompt, [])]
         chunks = []
-        for index in range(self.gen.n):
+        for index in range(self.call.n):
             self.role_sent.add(index)
             chunks.append(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}]))
@@ -118,9 +125,9 @@ class ChunkWriter:
 
     def delta(self, event: dict) -> list[bytes]:
         index, text = event["index"], event.get("text", "")
-        logprobs = event.get("logprobs") if self.gen.logprobs is not None else None
+        logprobs = event.get("logprobs") if self.call.logprobs is not None else None
         if not self.chat:
-            text, logprobs = _generated(self.gen, text, logprobs)
+            text, logprobs = _generated(self.call, text, logprobs)
         finish = event.get("finish_reason")
         out = []
         if text or logprobs:
@@ -130,14 +137,14 @@ class ChunkWriter:
         return out
 
     def prompt_logprobs(self, event: dict) -> list[bytes]:
-        if not self.gen.echo or self.gen.logprobs is None:
+        if not self.call.echo or self.call.logprobs is None:
             return []
         return self._echo(event.get("prompt_index", 0), event["logprobs"])
 
     def _echo(self, prompt: int, prompt_entries: list[dict]) -> list[bytes]:
         """The echoed prompt, as the first chunk of each of its n choices."""
-        indices = range(prompt * self.gen.n, (prompt + 1) * self.gen.n)
-        chunks = [self._content_chunk(index, self.gen.prompt_texts[prompt], prompt_entries) for index in indices]
+        indices = range(prompt * self.call.n, (prompt + 1) * self.call.n)
+        chunks = [self._content_chunk(index, self.call.prompt_texts[prompt], prompt_entries) for index in indices]
         if prompt_entries:  # text_offset counts token strings (as vLLM's), and the BOS has one the text lacks
             self.offsets.update(dict.fromkeys(indices, sum(len(e["token"]) for e in prompt_entries)))
         return chunks
@@ -163,7 +170,7 @@ class ChunkWriter:
         for index, reason in enumerate(event.get("finish_reasons") or []):
             if index not in finished and reason:
                 out.append(self._finish_chunk(index, reason))
-        if self.gen.include_usage:
-            usage = event.get("usage") if self.chat else completion_usage(self.gen, event.get("usage"))
+        if self.call.include_usage:
+            usage = event.get("usage") if self.chat else completion_usage(self.call, event.get("usage"))
             out.append(self._chunk([], usage=usage_body(usage)))
         return out

@@ -6,6 +6,8 @@ Keys per user (prefix `quota`):
   {p}:{uid}:d:YYYYMMDD   tokens used or reserved today (UTC)
   {p}:{uid}:m:YYYYMM     tokens used or reserved this month (UTC)
   {p}:res:{rid}          hash describing one reservation; `settled` makes settlement idempotent
+Background sources (batches) count in their own rpm/conc sets ({p}:{uid}:rpm:batch, ...), so a
+running batch never takes the user's interactive slots; tokens are one budget for every source.
 No Django imports: the multi-process tests drive this module directly.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ UNLIMITED = -1
 DAY_TTL_S = 2 * 86400
 MONTH_TTL_S = 32 * 86400
 RESERVATION_TTL_S = 3 * 86400
+BACKGROUND_SOURCES = ("batch",)
 
 # Checks every limit first, then applies every counter, so a refusal changes nothing.
 RESERVE_LUA = """
@@ -169,10 +172,11 @@ class QuotaLedger:
         self._renew = redis_client.register_script(RENEW_LUA)
         self._unsettled: deque[tuple[Reservation, int]] = deque()  # settlements Redis was away for (thread-safe)
 
-    def user_keys(self, user_id: int, now: datetime | None = None) -> dict[str, str]:
+    def user_keys(self, user_id: int, now: datetime | None = None, source: str = "") -> dict[str, str]:
         now = now or datetime.now(timezone.utc)
         base = f"{self.prefix}:{user_id}"
-        return {"rpm": f"{base}:rpm", "conc": f"{base}:conc",
+        slots = ":batch" if source in BACKGROUND_SOURCES else ""
+        return {"rpm": f"{base}:rpm{slots}", "conc": f"{base}:conc{slots}",
                 "day": f"{base}:d:{now:%Y%m%d}", "month": f"{base}:m:{now:%Y%m}"}
 
     def reserve(self, user_id: int, limits: PlanLimits, tokens: int, *, model: str = "", source: str = "",
@@ -180,7 +184,7 @@ class QuotaLedger:
         """Admit one request and reserve `tokens`, or say which limit refused it and when to retry."""
         self.retry_unsettled()  # slots of requests that ended during an outage come back first
         now = datetime.now(timezone.utc)
-        keys = self.user_keys(user_id, now)
+        keys = self.user_keys(user_id, now, source)
         rid = uuid.uuid4().hex
         res_key = f"{self.prefix}:res:{rid}"
         result = self._reserve(

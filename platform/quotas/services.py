@@ -7,9 +7,11 @@ and a reservation that is never settled still frees its concurrency slot when it
 """
 from __future__ import annotations
 
+import dataclasses
+
 from errors import PlanViolation, QuotaExceeded
 
-from .ledger import Reservation
+from .ledger import BACKGROUND_SOURCES, Reservation
 from .limits import PlanLimits
 from .selectors import get_ledger, headers_for, plan_for, quota_status, rate_limit_headers
 
@@ -45,9 +47,13 @@ def check_plan(plan: PlanLimits, model: str, max_tokens: int) -> None:
 def reserve(user, model: str, prompt_tokens: int, max_tokens: int, source: str, plan=None) -> Reservation:
     """Admit one request and reserve prompt_tokens + max_tokens; raises QuotaExceeded or PlanViolation.
 
-    `plan` saves the database lookup when the caller already has the user's PlanLimits."""
+    `plan` saves the database lookup when the caller already has the user's PlanLimits. A batch
+    line (a background source) draws on the token budgets only: it must not take the user's
+    requests-per-minute or concurrency slots, or a running batch would lock their own chat out."""
     plan = plan or plan_for(user)
     check_plan(plan, model, max_tokens)
+    if source in BACKGROUND_SOURCES:
+        plan = dataclasses.replace(plan, requests_per_minute=None, concurrent_requests=None)
     tokens = int(prompt_tokens) + int(max_tokens)
     outcome = get_ledger().reserve(user.pk, plan, tokens, model=model, source=source,
                                    prompt_tokens=int(prompt_tokens), max_tokens=int(max_tokens))

@@ -105,7 +105,7 @@ def test_generation_stops_on_im_end_and_hides_it(llm, prompts, reference):
 
 
 def test_the_tokenizer_and_chat_template_match_transformers(llm, reference, model_path):
-    from openai_api import tokenization
+    from generation import tokenization
 
     ours, theirs = llm.get_tokenizer(), reference[0]
     messages = [{"role": "system", "content": "You answer in French."},

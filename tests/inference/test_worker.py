@@ -10,6 +10,7 @@ from django.conf import settings
 
 import inference.worker as worker_module
 from engine_client import client as engine_client
+from generation.services import collect
 from inference import protocol
 from inference import SamplingParams
 from tests.inference.worker_helpers import MODEL, ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
@@ -61,16 +62,16 @@ def test_submit_streams_deltas_then_finish_equal_to_offline_greedy(llm, r):
 def test_n2_with_logprobs_returns_two_choices_with_top_candidates(worker):
     rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
         "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6, "ignore_eos": True, "logprobs": 2})
-    result = engine_client.client().collect(rid, n=2, timeout=30)
-    assert result["error"] is None
-    assert [c["index"] for c in result["choices"]] == [0, 1]
-    for choice in result["choices"]:
-        assert len(choice["token_ids"]) == 6 and choice["finish_reason"] == "length"
-        assert len(choice["logprobs"]) == 6
-        for entry, token_id in zip(choice["logprobs"], choice["token_ids"]):
+    result = collect(rid, n=2, timeout=30)
+    assert result.error is None
+    assert [c.index for c in result.choices] == [0, 1]
+    for choice in result.choices:
+        assert len(choice.token_ids) == 6 and choice.finish_reason == "length"
+        assert len(choice.logprobs) == 6
+        for entry, token_id in zip(choice.logprobs, choice.token_ids):
             assert entry["token_id"] == token_id and entry["logprob"] <= 0
             assert 1 <= len(entry["top"]) <= 2
-    assert result["usage"]["completion_tokens"] == 12
+    assert result.usage["completion_tokens"] == 12
 
 
 def test_abort_mid_generation_frees_the_blocks(worker):
@@ -143,7 +144,7 @@ def test_priority_classes_reach_the_engine_in_order(llm, r):
     running = ThreadedWorker(engine, settings.REDIS_URL).start()
     try:
         for rid in batch + [chat]:
-            assert engine_client.client().collect(rid, timeout=30)["error"] is None
+            assert collect(rid, timeout=30).error is None
     finally:
         running.stop()
         del engine.add_request
@@ -218,7 +219,7 @@ def test_two_workers_share_one_consumer_group(llm, second_llm, r):
         for w in workers:
             w.stop()
     assert set(claimed.values()) == {w.worker.worker_id for w in workers}
-    outputs = {tuple(engine_client.client().collect(rid, timeout=5)["choices"][0]["token_ids"]) for rid in rids}
+    outputs = {tuple(collect(rid, timeout=5).choices[0].token_ids) for rid in rids}
     assert len(outputs) == 1, "greedy outputs agree whichever worker ran them"
 
 
@@ -229,8 +230,8 @@ def test_graceful_stop_drains_then_cleans_up(llm, r):
     wait_for(lambda: r.exists(protocol.output_stream(rid)))
     running.worker.stop(drain=True)
     running.thread.join(30)
-    result = engine_client.client().collect(rid, timeout=5)
-    assert result["error"] is None and len(result["choices"][0]["token_ids"]) == 20
+    result = collect(rid, timeout=5)
+    assert result.error is None and len(result.choices[0].token_ids) == 20
     assert not r.exists(protocol.heartbeat_key(running.worker.worker_id))
     assert engine_client.client().health() == {"ok": False, "redis": True, "workers": []}
 

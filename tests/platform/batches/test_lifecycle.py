@@ -9,11 +9,13 @@ from django.utils import timezone
 
 from batch_testing import chat_line, jsonl
 from batches import presenters, selectors, services
-from batches.engine_calls import LineOutcome
+from batches.lines import LineOutcome
 from batches.models import Batch, BatchLine
-from batches.quota import batch_ledger
 from batches.runner import BatchRunner
 from errors import Conflict
+from generation import services as generation
+from generation.services import Generation
+from quotas.selectors import get_ledger
 from usage.models import UsageRecord
 
 pytestmark = pytest.mark.django_db
@@ -42,11 +44,13 @@ def test_a_line_result_is_recorded_exactly_once(user):
     line = batch.lines.get(custom_id="r0")
     assert services.mark_line_running(line, "req-1", None)
     assert not services.mark_line_running(line, "req-2", None)  # already running
-    row = dict(user=user, source="batch", endpoint=line.url, model="tiny", request_id="req-1", prompt_tokens=5,
-               completion_tokens=2)
-    assert services.record_line_result(line, ok_outcome("hi"), row)
-    assert not services.record_line_result(line, ok_outcome("again"), row)  # a redelivery records nothing
-    assert list(UsageRecord.objects.values_list("source", "request_id")) == [("batch", "req-1")]
+    gen = Generation(source="batch", endpoint=line.url, user=user, model="tiny", prompts=[[1] * 5],
+                     sampling_params={}, request_id="req-1")
+    assert generation.finish(gen, save=lambda _gen: services.record_line_result(line, ok_outcome("hi")))
+    again = Generation(source="batch", endpoint=line.url, user=user, model="tiny", prompts=[[1] * 5],
+                       sampling_params={}, request_id="req-1")
+    assert not generation.finish(again, save=lambda _gen: services.record_line_result(line, ok_outcome("again")))
+    assert list(UsageRecord.objects.values_list("source", "request_id")) == [("batch", "req-1")]  # once
     batch.refresh_from_db()
     assert (batch.completed, batch.failed, batch.input_tokens, batch.output_tokens, batch.cached_tokens) == (
         1, 0, 5, 2, 1)
@@ -146,8 +150,8 @@ def test_a_live_lease_keeps_the_watchdog_away_and_an_expired_one_does_not(user):
 
 def test_a_spent_daily_budget_pauses_the_batch_instead_of_failing_it(user, settings):
     settings.QUOTA_DEFAULT_PLAN = {**settings.QUOTA_DEFAULT_PLAN, "tokens_per_day": 5}
-    keys = batch_ledger().user_keys(user.pk)
-    batch_ledger().redis.delete(keys["day"], keys["month"])
+    keys = get_ledger().user_keys(user.pk, source="batch")
+    get_ledger().redis.delete(keys["day"], keys["month"])
     batch = started_batch(user)
     assert BatchRunner(batch.pk).run() == "paused"
     batch.refresh_from_db()

@@ -9,6 +9,7 @@ from django.conf import settings
 
 from chat.models import Conversation, Message
 from engine_client import client as engine_client
+from generation.services import collect
 from quotas import selectors as quota_selectors
 from usage.models import UsageRecord
 
@@ -258,7 +259,7 @@ def test_stale_replies_whose_follower_died_are_finished_from_the_engine_stream(u
     engine_client.client().submit(model=orphan.model, prompt_token_ids=orphan.prompt_token_ids,
                                   sampling_params=orphan.sampling_params, request_id=orphan.request_id,
                                   priority_class="interactive")
-    expected = engine_client.client().collect(orphan.request_id, timeout=30)["choices"][0]["text"]
+    expected = collect(orphan.request_id, timeout=30).text
     never_submitted = services.send_message(user, "Lost", SETTINGS)
     services.save_progress(never_submitted.message_id, "partial")
     assert services.finish_stale_replies(older_than_s=3600) == 0  # recent ones are left alone

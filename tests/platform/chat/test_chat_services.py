@@ -15,9 +15,17 @@ PANEL = {"model": "tiny", "system_prompt": "Be brief.", "params": {"temperature"
 pytestmark = pytest.mark.django_db
 
 
-def finish(reply, text="Hello there", completion_tokens=3, reason="stop"):
-    return services.finish_reply(reply.message_id, services.Outcome(
-        content=text, finish_reason=reason, completion_tokens=completion_tokens, ttft_ms=10.0, latency_ms=110.0))
+def finish(reply, text="Hello there", completion_tokens=3, reason="stop", gen=None):
+    """The reply's generation as a worker would write it: the first token 10 ms after arrival, the end at 110 ms."""
+    gen = gen or reply.gen
+    arrived_ms = int(gen.arrived_at * 1000)
+    gen.arrived_at = arrived_ms / 1000
+    gen.result.add({"type": "delta", "index": 0, "text": text, "token_ids": [7] * completion_tokens,
+                    "finish_reason": reason, "entry_id": f"{arrived_ms + 10}-0"})
+    gen.result.add({"type": "finish", "finish_reasons": [reason], "metrics": {"ttft_ms": 4.0},
+                    "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion_tokens,
+                              "cached_tokens": 0}, "entry_id": f"{arrived_ms + 110}-0"})
+    return services.finish_reply(reply.message_id, gen)
 
 
 def test_send_creates_conversation_turn_and_a_streaming_answer_with_reserved_quota(user, chat_settings):
@@ -38,13 +46,15 @@ def test_send_creates_conversation_turn_and_a_streaming_answer_with_reserved_quo
 
 def test_finish_reply_saves_settles_and_records_usage_exactly_once(user, chat_settings):
     reply = services.send_message(user, "hi", PANEL)
-    assert finish(reply) is not None
-    assert finish(reply, text="again", completion_tokens=99) is None  # a second follower changes nothing
+    assert finish(reply)
+    second_follower = services.generation_for(Message.objects.get(pk=reply.message_id))
+    assert not finish(reply, text="again", completion_tokens=99, gen=second_follower)  # changes nothing
     message = Message.objects.get(pk=reply.message_id)
     assert (message.status, message.content, message.completion_tokens) == ("complete", "Hello there", 3)
-    assert message.tokens_per_s == pytest.approx(30.0)
+    assert (message.ttft_ms, message.latency_ms, message.tokens_per_s) == (10.0, 110.0, pytest.approx(30.0))
     record = UsageRecord.objects.get(user=user)
     assert (record.source, record.request_id, record.completion_tokens) == ("playground", message.request_id, 3)
+    assert (record.ttft_ms, record.engine_ttft_ms, record.latency_ms) == (10.0, 4.0, 110.0)
     usage = quota_selectors.quota_status(user).usage
     assert (usage.concurrent, usage.tokens_today) == (0, len(reply.prompt_token_ids) + 3)
 
@@ -187,7 +197,7 @@ def test_a_conversation_is_tokenized_for_the_model_that_will_run_it(user, chat_s
     import redis
 
     from inference import protocol
-    from openai_api import tokenization
+    from generation import tokenization
 
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model_dir, other)

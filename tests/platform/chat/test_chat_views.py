@@ -15,8 +15,10 @@ PANEL = {"model": "tiny", "params": {"temperature": 0, "max_tokens": 8}}
 @pytest.fixture
 def conversation(user, chat_settings):
     reply = services.send_message(user, "Hello <script>alert(1)</script>", PANEL)
-    services.finish_reply(reply.message_id, services.Outcome(content="**Hi** <img src=x onerror=alert(1)>",
-                                                             finish_reason="stop", completion_tokens=4))
+    reply.gen.result.add({"type": "delta", "index": 0, "text": "**Hi** <img src=x onerror=alert(1)>",
+                          "token_ids": [1, 2, 3, 4], "finish_reason": "stop"})
+    reply.gen.result.add({"type": "finish", "finish_reasons": ["stop"], "usage": None, "metrics": {}})
+    services.finish_reply(reply.message_id, reply.gen)
     return Conversation.objects.get(pk=reply.conversation_id)
 
 

@@ -163,13 +163,13 @@ def test_a_batch_is_refused_whole_when_one_prompt_is_too_long(client, live_stack
 
 
 def test_a_batch_job_line_takes_one_prompt(tiny_model_dir):
-    from batches.engine_calls import build_call
+    from batches.lines import build_call
     from errors import ServiceError
 
     models = {"tiny": {"model_path": tiny_model_dir, "max_model_len": 512}}
-    assert build_call("/v1/completions", {"model": "tiny", "prompt": ["one"], "echo": True}, models).prompts != []
+    assert build_call("/v1/completions", {"model": "tiny", "prompt": ["one"], "echo": True}, models=models).gen.prompts
     with pytest.raises(ServiceError) as caught:
-        build_call("/v1/completions", {"model": "tiny", "prompt": ["one", "two"]}, models)
+        build_call("/v1/completions", {"model": "tiny", "prompt": ["one", "two"]}, models=models)
     assert caught.value.param == "prompt"
 
 

@@ -5,9 +5,11 @@ import pytest
 from django.test import Client
 from django.urls import URLPattern
 
+from generation.result import Result
+from generation.services import Generation
 from openai_api import formatting, urls
+from openai_api.calls import ApiCall
 from openai_api.serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
-from openai_api.services import Generation
 
 pytestmark = pytest.mark.django_db
 
@@ -68,9 +70,12 @@ def _check_body(schema, body: dict, component: dict, where: str):
 
 def _result(logprobs: bool) -> dict:
     entry = {"token_id": 1, "token": "hi", "logprob": -0.5, "top": [{"token_id": 1, "token": "hi", "logprob": -0.5}]}
-    return {"choices": [{"index": 0, "text": "hi", "token_ids": [1], "logprobs": [entry] if logprobs else [],
-                         "finish_reason": "length", "stop_reason": None}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}}
+    result = Result()
+    result.add({"type": "delta", "index": 0, "text": "hi", "token_ids": [1], "logprobs": [entry] if logprobs else [],
+                "finish_reason": "length", "stop_reason": None})
+    result.add({"type": "finish", "finish_reasons": ["length"],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}, "metrics": {}})
+    return result
 
 
 @pytest.mark.parametrize("endpoint, path, build", [
@@ -78,8 +83,9 @@ def _result(logprobs: bool) -> dict:
     ("completions", "/v1/completions", formatting.completion_response),
 ])
 def test_response_bodies_match_their_documented_components(schema, endpoint, path, build):
-    gen = Generation(endpoint=endpoint, model="tiny", request_id="x", logprobs=1)
-    body = build(gen, _result(logprobs=True))
+    gen = Generation(source="api", endpoint=path, user=None, model="tiny", prompts=[[1, 2, 3]], sampling_params={},
+                     request_id="x")
+    body = build(ApiCall(kind=endpoint, gen=gen, logprobs=1), _result(logprobs=True))
     ok = schema["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     _check_body(schema, body, _component(schema, ok), path)
     error = schema["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
@@ -90,7 +96,7 @@ def test_response_bodies_match_their_documented_components(schema, endpoint, pat
 
 
 def test_model_cards_match_the_documented_model(schema):
-    from openai_api.services import model_card
+    from openai_api.views import model_card
 
     ok = schema["paths"]["/v1/models/{model}"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     _check_body(schema, model_card("tiny", {"max_model_len": 8, "created": 1}), _component(schema, ok), "model")

@@ -193,7 +193,7 @@ def test_a_tokenizer_without_a_chat_template_is_a_400_that_says_so(tmp_path, tin
     import shutil
 
     from errors import InvalidRequest
-    from openai_api import tokenization
+    from generation import tokenization
 
     folder = tmp_path / "no-template"
     shutil.copytree(tiny_model_dir, folder)
