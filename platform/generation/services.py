@@ -125,16 +125,19 @@ class Generation:
 # Admission, quota renewal and settlement (database + Redis) run on one dedicated thread, first
 # come first served. On Django's per-request threads a burst of 24 requests ran 24 admissions side
 # by side under the GIL, so each one finished ~280 ms late instead of the first after ~4 ms.
+# A large admission (a long prompt to tokenize: milliseconds to seconds) runs on a thread of its
+# own instead, so a flood of them queues behind itself, never in front of the small ones.
 _bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-bookkeeping")
+_large_admissions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-large-admissions")
 
 
-def bookkeeping(fn):
-    """fn as a coroutine function that runs on the bookkeeping thread."""
+def bookkeeping(fn, *, large: bool = False):
+    """fn as a coroutine function that runs on the bookkeeping thread (large: the large-admission one)."""
     def run(*args, **kwargs):
         close_old_connections()  # this thread never sees request_finished: honour CONN_MAX_AGE here
         return fn(*args, **kwargs)
 
-    return sync_to_async(run, thread_sensitive=False, executor=_bookkeeping)
+    return sync_to_async(run, thread_sensitive=False, executor=_large_admissions if large else _bookkeeping)
 
 
 # ---------------------------------------------------------------- admit, submit

@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from django.conf import settings
 from rest_framework import serializers
@@ -73,6 +74,7 @@ def build_call(*, kind: str, body: dict, user, source: str = "api", endpoint: st
     path = info.get("model_path") or str(settings.MODEL)
     shape = {"stream": data.get("stream", False)}
     shape["include_usage"] = bool(shape["stream"] and (data.get("stream_options") or {}).get("include_usage"))
+    check_prompt_chars(data, kind, path, info.get("max_model_len"))
     prompts, requested, prompt_param = (chat_prompt if kind == "chat" else completion_prompt)(data, path, shape)
     check_token_ids(data, len(tokenization.tokenizer_for(path)))
     default_cap = default_max_tokens_cap(plan, n) if plan is not None and not requested else None
@@ -99,6 +101,30 @@ def admit(call: ApiCall, plan) -> None:
 
 
 # ---------------------------------------------------------------- prompts
+
+@lru_cache(maxsize=8)
+def longest_token_chars(path: str) -> int:
+    """The most characters one token of this tokenizer can stand for: its longest vocabulary piece
+    (a byte-level piece has a symbol per byte, a decoded character at least one byte)."""
+    return max(1, max(len(piece) for piece in tokenization.tokenizer_for(path).get_vocab()))
+
+
+def check_prompt_chars(data: dict, kind: str, path: str, max_model_len: int | None) -> None:
+    """Refuse a prompt that cannot fit the context before tokenizing it: a megabyte of text takes
+    the tokenizer a second, and its answer would be a 400 anyway. Exact, never an estimate: a text
+    of C characters is at least C / longest_token_chars tokens."""
+    if max_model_len is None:
+        return
+    texts = ([m.get("content") for m in data["messages"]] if kind == "chat"
+             else [p for p in data["prompt"] if isinstance(p, str)])
+    chars = sum(len(t) for t in texts if isinstance(t, str)) if kind == "chat" else max(map(len, texts), default=0)
+    at_least = -(-chars // longest_token_chars(path))
+    if at_least >= max_model_len:
+        param = "messages" if kind == "chat" else "prompt"
+        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                             f"{param} has {chars} characters, at least {at_least} tokens. Please reduce the length.",
+                             param=param, code="context_length_exceeded")
+
 
 def chat_prompt(data: dict, path: str, shape: dict) -> tuple[list[list[int]], int | None, str]:
     """Render the messages with the model's chat template: (prompts, requested max_tokens, param)."""

@@ -202,10 +202,13 @@ def admit(request, kind: str) -> calls.ApiCall:
     return call
 
 
+LARGE_BODY_BYTES = 64 * 1024  # about 16k tokens of text: tokenizing it takes tens of milliseconds
+
+
 async def generate(request, kind: str):
     """POST /v1/chat/completions and /v1/completions."""
     try:
-        call = await bookkeeping(admit)(request, kind)
+        call = await bookkeeping(admit, large=len(request.body) > LARGE_BODY_BYTES)(request, kind)
     except ServiceError as error:
         return _with_headers(error_response(error), error.headers)
     try:
