@@ -1,6 +1,8 @@
 """The served model's tokenizer in the web tier: chat templates and token counts for quotas."""
 from __future__ import annotations
 
+import json
+import re
 import threading
 from functools import lru_cache
 
@@ -24,24 +26,130 @@ def tokenizer_for(path: str):
         return _load(path)
 
 
-def chat_prompt_ids(path: str, messages: list[dict]) -> list[int]:
-    """Render messages with the model's chat template (generation prompt added) and tokenize.
+def chat_prompt_ids(path: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Render messages (and the tools offered) with the model's chat template and tokenize.
 
     OpenAI's developer role is the system role of the models' templates; a template that refuses
     the conversation (raise_exception on a role) or a tokenizer without one is a 400 on messages.
+    A template that knows tools gets them and the tool turns in HF's convention; one that does not
+    (SmolLM2's plain ChatML, the test models') gets them in the Hermes convention as text, which
+    openai_api.tool_calls' "hermes" parser reads back.
     """
     tok = tokenizer_for(path)
     if not getattr(tok, "chat_template", None):
         raise InvalidRequest("This model's tokenizer has no chat template; use /v1/completions with a prompt.",
                              param="messages", code="no_chat_template")
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    template = _template_source(tok)
+    extra = {}
+    if "tools" in template:
+        messages = [_with_argument_objects(m, i) for i, m in enumerate(messages)]
+        if tools:
+            extra["tools"] = tools
+    else:
+        messages = _hermes_messages(messages, tools, tool_role=bool(re.search(r"\btool\b", template)))
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except TemplateError as exc:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    except (TemplateError, TypeError) as exc:  # TypeError: a template adding a null content to a string
         raise InvalidRequest(f"The model's chat template refused these messages: {exc}", param="messages",
                              code="chat_template_error") from None
     # The template writes the BOS token itself; adding special tokens again would double it.
     return list(tok.encode(text, add_special_tokens=False))
+
+
+def _template_source(tok) -> str:
+    template = tok.chat_template
+    if isinstance(template, dict):  # several named templates ("default", "tool_use")
+        return "\n".join(str(t) for t in template.values())
+    return template if isinstance(template, str) else ""
+
+
+def _with_argument_objects(message: dict, i: int) -> dict:
+    """HF templates take a call's arguments as an object (they tojson it); OpenAI sends JSON text."""
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**call, "type": "function", "function": {"name": call["function"]["name"],
+                                                       "arguments": _arguments(call, i, j)}}
+             for j, call in enumerate(message["tool_calls"])]
+    return {**message, "tool_calls": calls}
+
+
+def _arguments(call: dict, i: int, j: int):
+    arguments = call["function"].get("arguments")
+    if not isinstance(arguments, str):
+        return arguments if arguments is not None else {}
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        raise InvalidRequest("A tool call's arguments must be JSON text.",
+                             param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
+
+
+# Qwen2.5's wording of the Hermes convention, for templates that know nothing of tools.
+HERMES_TOOLS_PROMPT = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def _hermes_messages(messages: list[dict], tools: list[dict] | None, tool_role: bool) -> list[dict]:
+    """The conversation in plain turns: tools in the system text, calls and results as tagged text.
+
+    Tool results stay in role "tool" where the template names that role; elsewhere they become
+    one user turn per run of results (templates that alternate user/assistant accept that).
+    """
+    out: list[dict] = []
+    joining = False  # the last turn is a user turn of tool results, which the next result joins
+    for i, message in enumerate(messages):
+        role = message["role"]
+        if role == "tool" and not tool_role:
+            response = f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"
+            if joining:
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+            joining = True
+            continue
+        joining = False
+        if role == "assistant" and message.get("tool_calls"):
+            out.append({"role": "assistant", "content": _hermes_calls_text(message, i)})
+        elif role == "tool":
+            out.append({"role": "tool", "content": _text(message.get("content"))})
+        else:
+            out.append(message)
+    if tools:
+        out = _with_tools_in_system(out, tools)
+    return out
+
+
+def _hermes_calls_text(message: dict, i: int) -> str:
+    content = _text(message.get("content"))
+    parts = [content] if content else []
+    for j, call in enumerate(message["tool_calls"]):
+        body = json.dumps({"name": call["function"]["name"], "arguments": _arguments(call, i, j)}, ensure_ascii=False)
+        parts.append(f"<tool_call>\n{body}\n</tool_call>")
+    return "\n".join(parts)
+
+
+def _with_tools_in_system(messages: list[dict], tools: list[dict]) -> list[dict]:
+    listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    prompt = HERMES_TOOLS_PROMPT.format(tools=listing)
+    if messages and messages[0]["role"] == "system":
+        system = _text(messages[0].get("content"))
+        return [{**messages[0], "content": f"{system}\n\n{prompt}" if system else prompt}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
+
+
+def _text(content) -> str:
+    """A message's content as text: a string, content parts (their text joined) or nothing."""
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return str(content)
 
 
 def text_prompt_ids(path: str, prompt: str) -> list[int]:

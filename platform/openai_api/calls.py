@@ -22,6 +22,7 @@ from generation.services import admit as admit_generation
 from inference import protocol
 from quotas import services as quotas
 
+from . import tool_calls
 from .serializers import UNSUPPORTED_NEUTRAL, UNSUPPORTED_PARAMS
 from .serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
 
@@ -46,6 +47,7 @@ class ApiCall:
     echo_only: bool = False  # completions max_tokens 0 with echo: the prompt alone, nothing generated
     prompt_texts: list[str] = field(default_factory=list)  # echo: each prompt's text
     headers: dict = field(default_factory=dict)  # x-ratelimit-*
+    tools: "ToolUse | None" = None  # chat with tools: how the answer's text becomes tool calls
 
     @property
     def request_id(self) -> str:
@@ -58,6 +60,68 @@ class ApiCall:
     @property
     def n(self) -> int:
         return self.gen.n
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How a chat answer's text becomes tool calls: a forced choice (the engine's grammar made the
+    model write JSON) or the model family's own format, read by its parser (vLLM's tool parsers)."""
+
+    tool_choice: object  # "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    parser: str  # tool_calls.PARSERS key, for "auto"
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.tool_choice != "auto"
+
+    @property
+    def named(self) -> bool:
+        return tool_calls.forced_name(self.tool_choice) is not None
+
+    def stream(self) -> tool_calls.ToolStream:
+        return tool_calls.forced_stream(self.tool_choice) if self.forced else tool_calls.PARSERS[self.parser]().stream()
+
+    def parse(self, text: str) -> tool_calls.ParsedOutput:
+        if self.forced:
+            return tool_calls.parse_forced(text, self.tool_choice)
+        parsed = tool_calls.PARSERS[self.parser]().parse(text)
+        if not self.parallel:  # one call at most, as the client asked (the format itself cannot say so)
+            parsed.tool_calls = parsed.tool_calls[:1]
+        return parsed
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's: "tool_calls" when the model called tools of its own choice (a named choice stays "stop")."""
+        return "tool_calls" if called and reason == "stop" and not self.named else reason
+
+
+def tool_use(data: dict, path: str) -> ToolUse | None:
+    """The request's tools, checked; None when no call can come back (no tools, or tool_choice "none")."""
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    tool_calls.validate_tools(tools, choice, data.get("parallel_tool_calls"))
+    choice = choice or ("auto" if tools else "none")
+    if not tools or choice == "none":
+        return None
+    override = getattr(settings, "TOOL_CALL_PARSER", "") or None
+    try:
+        parser = tool_calls.choose_parser(tokenization.tokenizer_for(path), override)
+    except ValueError as exc:  # a misconfigured TOOL_CALL_PARSER: the operator's error, named
+        raise InvalidRequest(str(exc), param="tools", code="tool_parser_unavailable", status=500) from None
+    return ToolUse(tool_choice=choice, parser=parser, parallel=data.get("parallel_tool_calls") is not False)
+
+
+def add_tool_sampling(params: dict, data: dict, tools: ToolUse | None) -> None:
+    """A forced choice is enforced by the grammar; the Llama 3 and Mistral markers are special tokens
+    the answer must keep for the parser to see them."""
+    if tools is None:
+        return
+    if tools.forced:
+        if "structured_outputs" in params:
+            raise InvalidRequest("A forced tool_choice cannot be combined with response_format or structured "
+                                 "outputs: both constrain the whole answer.", param="tool_choice")
+        params["structured_outputs"] = tool_calls.forced_spec(data["tools"], tools.tool_choice, tools.parallel)
+    elif tools.parser != "hermes" and data.get("skip_special_tokens") is None:
+        params["skip_special_tokens"] = False
 
 
 # ---------------------------------------------------------------- the whole build
@@ -77,10 +141,12 @@ def build_call(*, kind: str, body: dict, user, source: str = "api", endpoint: st
     check_prompt_chars(data, kind, path, info.get("max_model_len"))
     prompts, requested, prompt_param = (chat_prompt if kind == "chat" else completion_prompt)(data, path, shape)
     check_token_ids(data, len(tokenization.tokenizer_for(path)))
+    shape["tools"] = tool_use(data, path) if kind == "chat" else None
     default_cap = default_max_tokens_cap(plan, n) if plan is not None and not requested else None
     max_tokens = context_check(max(len(p) for p in prompts), requested, info.get("max_model_len"), prompt_param,
                                default_cap)
     params = sampling_params(data, max_tokens, shape.get("logprobs"))
+    add_tool_sampling(params, data, shape["tools"])
     check_sampling_params(params)
     gen = Generation(source=source, endpoint=endpoint or ENDPOINTS[kind], user=user, api_key=api_key, model=model,
                      prompts=prompts, sampling_params=params, n=n, max_tokens=max_tokens,
@@ -130,11 +196,32 @@ def chat_prompt(data: dict, path: str, shape: dict) -> tuple[list[list[int]], in
     """Render the messages with the model's chat template: (prompts, requested max_tokens, param)."""
     if data.get("top_logprobs") is not None and not data.get("logprobs"):
         raise InvalidRequest("top_logprobs requires logprobs to be true.", param="top_logprobs")
-    messages = [{"role": m["role"], "content": m.get("content") or "", **({"name": m["name"]} if "name" in m else {})}
-                for m in data["messages"]]
+    check_tool_turns(data["messages"])
+    messages = [prompt_message(m) for m in data["messages"]]
     shape["logprobs"] = (data.get("top_logprobs") or 0) if data.get("logprobs") else None
-    return [tokenization.chat_prompt_ids(path, messages)], data.get("max_completion_tokens") or data.get("max_tokens"), \
-        "messages"
+    prompt = tokenization.chat_prompt_ids(path, messages, tools=data.get("tools") or None)
+    return [prompt], data.get("max_completion_tokens") or data.get("max_tokens"), "messages"
+
+
+def check_tool_turns(messages: list[dict]) -> None:
+    """A tool message answers a call an earlier assistant message made (OpenAI refuses it otherwise)."""
+    called: set[str] = set()
+    for i, message in enumerate(messages):
+        called.update(call["id"] for call in message.get("tool_calls") or [])
+        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            raise InvalidRequest("A tool message must answer a tool call of an earlier assistant message: no call "
+                                 f"has the id {message['tool_call_id']!r}.", param=f"messages[{i}].tool_call_id")
+
+
+def prompt_message(message: dict) -> dict:
+    """A message as the chat template takes it: the tool turns keep their call ids, names and calls."""
+    out = {"role": message["role"], "content": message.get("content") or ""}
+    for key in ("name", "tool_call_id"):
+        if message.get(key):
+            out[key] = message[key]
+    if message.get("tool_calls"):
+        out["tool_calls"] = json.loads(json.dumps(message["tool_calls"]))  # plain dicts, not DRF's
+    return out
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions

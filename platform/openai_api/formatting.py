@@ -57,12 +57,22 @@ def response_body(call, result) -> dict:
 def chat_response(call, result) -> dict:
     choices = [{
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text},
+        **chat_message(call, c.text, c.finish_reason),
         "logprobs": chat_logprobs(c.logprobs) if call.logprobs is not None else None,
-        "finish_reason": c.finish_reason,
     } for c in result.choices]
     return {**_head(call, "chat.completion"), "choices": choices, "usage": usage_body(result.usage),
             "system_fingerprint": None}
+
+
+def chat_message(call, text: str, finish_reason: str | None) -> dict:
+    """{"message", "finish_reason"} of one choice: with tools, the text read as tool calls where it is one."""
+    if call.tools is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    parsed = call.tools.parse(text)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [tool_call.as_openai() for tool_call in parsed.tool_calls]
+    return {"message": message, "finish_reason": call.tools.finish_reason(finish_reason, bool(parsed.tool_calls))}
 
 
 def completion_response(call, result) -> dict:
@@ -101,6 +111,7 @@ class ChunkWriter:
         self.chat = call.kind == "chat"
         self.role_sent: set[int] = set()
         self.offsets: dict[int, int] = {}
+        self.tool_streams = {} if call.tools is None else {i: call.tools.stream() for i in range(call.n)}
 
     def _chunk(self, choices: list[dict], usage=None) -> bytes:
         body = {**_head(self.call, "chat.completion.chunk" if self.chat else "text_completion"), "choices": choices,
@@ -129,12 +140,32 @@ class ChunkWriter:
         if not self.chat:
             text, logprobs = _generated(self.call, text, logprobs)
         finish = event.get("finish_reason")
+        if index in self.tool_streams:
+            return self._tool_deltas(index, text, logprobs, finish)
         out = []
         if text or logprobs:
             out.append(self._content_chunk(index, text, logprobs))
         if finish:
             out.append(self._finish_chunk(index, finish))
         return out
+
+    def _tool_deltas(self, index: int, text: str, logprobs, finish: str | None) -> list[bytes]:
+        """Chat with tools: the parser decides what of the text is content and what is a call's arguments."""
+        stream = self.tool_streams[index]
+        deltas = stream.feed(text) if text else []
+        if finish:
+            deltas += stream.end()
+        out = [self._delta_chunk(index, delta) for delta in deltas]
+        if logprobs:
+            out.append(self._chunk([{"index": index, "delta": {}, "logprobs": chat_logprobs(logprobs),
+                                     "finish_reason": None}]))
+        if finish:
+            del self.tool_streams[index]
+            out.append(self._finish_chunk(index, self.call.tools.finish_reason(finish, bool(stream.tool_calls))))
+        return out
+
+    def _delta_chunk(self, index: int, delta: dict) -> bytes:
+        return self._chunk([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
 
     def prompt_logprobs(self, event: dict) -> list[bytes]:
         if not self.call.echo or self.call.logprobs is None:
@@ -169,7 +200,8 @@ class ChunkWriter:
         out = []
         for index, reason in enumerate(event.get("finish_reasons") or []):
             if index not in finished and reason:
-                out.append(self._finish_chunk(index, reason))
+                out += (self._tool_deltas(index, "", None, reason) if index in self.tool_streams
+                        else [self._finish_chunk(index, reason)])
         if self.call.include_usage:
             usage = event.get("usage") if self.chat else completion_usage(self.call, event.get("usage"))
             out.append(self._chunk([], usage=usage_body(usage)))

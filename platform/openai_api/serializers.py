@@ -15,15 +15,15 @@ TOP_K_MAX = 1_000_000  # documented bound; the request's model also bounds it by
 # Known OpenAI request fields we cannot honour: a 400 naming them (a silently ignored one would
 # change the answer the client expects).
 UNSUPPORTED_PARAMS = {
-    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet", "functions": "function calling is not supported",
-    "function_call": "function calling is not supported", "audio": "audio output is not supported",
+    "functions": "the legacy functions parameter is not supported; use tools",
+    "function_call": "the legacy function_call parameter is not supported; use tool_choice",
+    "audio": "audio output is not supported",
     "modalities": "only text output is supported", "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported", "reasoning_effort": "this model does not reason",
     "verbosity": "verbosity is not supported",
 }
-# a value that asks for nothing: tools [], tool_choice "none", modalities ["text"]
-UNSUPPORTED_NEUTRAL = {"tools": [[]], "tool_choice": ["none"], "modalities": [["text"]]}
+# a value that asks for nothing: modalities ["text"]
+UNSUPPORTED_NEUTRAL = {"modalities": [["text"]]}
 # Anything else a serializer does not declare (metadata, store, service_tier, prompt_cache_key...) is logged.
 
 
@@ -96,19 +96,28 @@ class ContentField(serializers.JSONField):
         raise serializers.ValidationError("must be a string or a list of text parts")
 
 
+class FunctionCallSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    arguments = serializers.CharField(trim_whitespace=False, help_text="a JSON object, as a string")
+
+
+class ToolCallSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    type = serializers.ChoiceField(choices=["function"], default="function")
+    function = FunctionCallSerializer()
+
+
 class MessageSerializer(serializers.Serializer):
     role = serializers.ChoiceField(choices=ROLES, help_text="developer is rendered as system")
     content = ContentField(required=False, allow_null=True)
     name = serializers.CharField(required=False)
     tool_call_id = serializers.CharField(required=False, help_text="required for role tool")
-    tool_calls = serializers.JSONField(required=False, allow_null=True, help_text="not supported yet: must be empty")
-
-    def validate_tool_calls(self, value):
-        if value:
-            raise serializers.ValidationError("tool calling is not supported yet")
-        return value
+    tool_calls = ToolCallSerializer(many=True, required=False, allow_null=True,
+                                    help_text="an assistant turn's calls, sent back with the tools' results")
 
     def validate(self, data):
+        if data.get("tool_calls") and data["role"] != "assistant":
+            raise serializers.ValidationError({"tool_calls": "only assistant messages carry tool_calls"})
         if data["role"] == "tool" and not data.get("tool_call_id"):
             raise serializers.ValidationError({"tool_call_id": "is required for a tool message"})
         return data
@@ -199,11 +208,32 @@ class SamplingSerializer(serializers.Serializer):
         return value and {int(key): bias for key, bias in value.items()}
 
 
+@extend_schema_field({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                {"type": "object", "required": ["type", "function"],
+                                 "properties": {"type": {"type": "string", "enum": ["function"]},
+                                                "function": {"type": "object", "required": ["name"],
+                                                             "properties": {"name": {"type": "string"}}}}}]})
+class ToolChoiceField(serializers.Field):
+    """tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+    (checked against the tools by tool_calls.validate_tools)."""
+
+    def to_internal_value(self, data):
+        return data
+
+    def to_representation(self, value):
+        return value
+
+
 class ChatCompletionRequestSerializer(SamplingSerializer):
     messages = MessageSerializer(many=True, allow_empty=False)
     max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     logprobs = serializers.BooleanField(required=False, default=False)
     top_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20)
+    tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True, max_length=128,
+                                  help_text='[{"type": "function", "function": {"name", "description", "parameters"}}]')
+    tool_choice = ToolChoiceField(required=False, allow_null=True,
+                                  help_text="none, auto (the default with tools), required, or a named function")
+    parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True, default=True)
 
 
 class CompletionRequestSerializer(SamplingSerializer):
@@ -274,7 +304,8 @@ class UsageSerializer(serializers.Serializer):
 
 class ChatMessageSerializer(serializers.Serializer):
     role = serializers.CharField()
-    content = serializers.CharField()
+    content = serializers.CharField(allow_null=True, help_text="null when the answer is only tool calls")
+    tool_calls = ToolCallSerializer(many=True, required=False, help_text="present when the model called tools")
 
 
 class TopLogprobSerializer(serializers.Serializer):

@@ -46,14 +46,3 @@ def test_no_5xx_against_the_live_stack(live_stack):  # noqa: F811
 
         fuzz()
 
-
-# developer is no longer among them: it is rendered as the system role (test_parameters_honoured.py)
-@pytest.mark.parametrize("role", ["tool"])
-def test_a_role_the_chat_template_refuses_is_a_400(live_stack, role):  # noqa: F811
-    import httpx
-
-    response = httpx.post(live_stack.base_url + "/v1/chat/completions", timeout=60,
-                          headers={"Authorization": f"Bearer {live_stack.api_key}"},
-                          json={"model": live_stack.model_name, "max_tokens": 4,
-                                "messages": [{"role": role, "content": "x", "tool_call_id": "call_1"}]})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "messages", response.text

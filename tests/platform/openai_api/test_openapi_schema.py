@@ -57,8 +57,9 @@ def test_request_bodies_are_the_serializers_that_validate(schema, path, serializ
 
 
 def _check_body(schema, body: dict, component: dict, where: str):
-    """Recursively: a real body has exactly the documented properties."""
-    assert set(body) == set(component["properties"]), where
+    """Recursively: a real body has only documented properties, and every required one."""
+    assert set(body) <= set(component["properties"]), where
+    assert set(component.get("required", [])) <= set(body), where
     for name, value in body.items():
         prop = component["properties"][name]
         target = prop.get("items", prop) if isinstance(value, list) else prop

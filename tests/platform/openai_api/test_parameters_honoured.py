@@ -141,9 +141,11 @@ CHAT_REFUSALS = [
     ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"allowed_token_ids": [VOCAB + 3]}, "allowed_token_ids"),
     ({"bad_words": [""]}, "bad_words[0]"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"parallel_tool_calls": True}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),  # nothing to call
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -152,8 +154,11 @@ CHAT_REFUSALS = [
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"web_search_options": {}}, "web_search_options"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]}, "messages"),  # the template refuses it
-    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),  # no call
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}]},
+     "messages[0].tool_calls[0].function"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "y",
+      "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
@@ -222,5 +227,5 @@ def test_the_schema_has_json_bodies_and_typed_message_content():
     assert content[1]["items"]["properties"]["type"]["enum"] == ["text"]
     assert "tool_call_id" in message
     request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert {"logit_bias", "allowed_token_ids", "bad_words"} <= set(request) and "tools" not in request
+    assert {"logit_bias", "allowed_token_ids", "bad_words", "tools", "tool_choice", "parallel_tool_calls"} <= set(request)
     assert request["seed"]["maximum"] == 2**64 - 1
