@@ -115,7 +115,8 @@ class Follower:
         save = partial(services.save_reply, self.message_id)
         for attempt in range(attempts):
             try:
-                await generation.afinish(self.gen, save=save)
+                # the consumer's own database thread: its other reads and writes of this reply run there too
+                await database_sync_to_async(generation.finish)(self.gen, save=save)
                 return
             except DatabaseError:
                 if attempt == attempts - 1:

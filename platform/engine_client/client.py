@@ -455,8 +455,19 @@ def aclient() -> AsyncEngineClient:
     loop = asyncio.get_running_loop()
     found = _async_clients.get(loop)
     if found is None:
-        found = _async_clients[loop] = AsyncEngineClient(aioredis.Redis.from_url(settings.REDIS_URL))
+        found = _async_clients[loop] = AsyncEngineClient(aioredis.Redis(connection_pool=_async_pool()))
     return found
+
+
+# redis-py's asyncio pool refuses the 101st concurrent command at once (MaxConnectionsError): a burst
+# of 250 streams on one web process got 503s. This pool makes a burst wait for a free connection.
+ASYNC_POOL_CONNECTIONS = 512
+ASYNC_POOL_WAIT_S = 20
+
+
+def _async_pool() -> aioredis.BlockingConnectionPool:
+    return aioredis.BlockingConnectionPool.from_url(settings.REDIS_URL, max_connections=ASYNC_POOL_CONNECTIONS,
+                                                    timeout=ASYNC_POOL_WAIT_S)
 
 
 # Read-only shortcuts for callers outside the generation path (dashboard, /metrics, chat's model list).

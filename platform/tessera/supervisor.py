@@ -46,6 +46,7 @@ class Child:
     cwd: str | None = None
     restart: RestartPolicy | None = None
     on_exit: Callable[["Child"], None] | None = None  # called once per death, before any restart
+    pass_fds: tuple[int, ...] = ()  # descriptors the child inherits (e.g. a shared listening socket), each start
     started_at: float = field(default_factory=time.monotonic)
     fast_failures: int = 0  # deaths in a row, each soon after its start
     restarts: int = 0
@@ -87,9 +88,12 @@ class Supervisor:
 
     def start(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None,
               tier: int = 1, restart: RestartPolicy | None = None,
-              on_exit: Callable[[Child], None] | None = None) -> Child:
-        """Start argv as a child whose output lines are printed as 'name | line'."""
-        child = Child(name, argv, _spawn(argv, env, cwd), tier, env=env, cwd=cwd, restart=restart, on_exit=on_exit)
+              on_exit: Callable[[Child], None] | None = None, pass_fds: tuple[int, ...] = ()) -> Child:
+        """Start argv as a child whose output lines are printed as 'name | line'; pass_fds stay open in it
+        (the caller keeps them open too, so a restart gets the same ones)."""
+        pass_fds = tuple(pass_fds)
+        child = Child(name, argv, _spawn(argv, env, cwd, pass_fds), tier, env=env, cwd=cwd, restart=restart,
+                      on_exit=on_exit, pass_fds=pass_fds)
         self._pump_output(child)
         self.children.append(child)
         return child
@@ -158,7 +162,7 @@ class Supervisor:
         child.restart_at = None
         child.restarts += 1
         child.started_at = time.monotonic()
-        child.process = _spawn(child.argv, child.env, child.cwd)
+        child.process = _spawn(child.argv, child.env, child.cwd, child.pass_fds)
         self._pump_output(child)
         self.say(f"{child.name} restarted (restart {child.restarts})")
 
@@ -190,10 +194,10 @@ class Supervisor:
             child.process.wait()
 
 
-def _spawn(argv: list[str], env: dict | None, cwd: str | None) -> subprocess.Popen:
+def _spawn(argv: list[str], env: dict | None, cwd: str | None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, bufsize=1, text=True,
-                            errors="replace")
+                            errors="replace", pass_fds=pass_fds)
 
 
 def _signal_group(child: Child, sig: int) -> None:

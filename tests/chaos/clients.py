@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import httpx
 import openai
 
 PROMPT = "Tell me a very long story about tiles"
@@ -98,3 +100,161 @@ async def log_in(session: aiohttp.ClientSession, base_url: str, username: str, p
                             headers={"Referer": base_url + "/accounts/login/"}) as response:
         response.raise_for_status()
     assert any(c.key == "sessionid" for c in session.cookie_jar), "the log-in did not take"
+
+
+# ---------------------------------------------------------------- load: many /v1 requests from one event loop
+
+@dataclass
+class StreamResult:
+    """One SSE stream of /v1/completions with logprobs, as its client saw it (times are time.monotonic())."""
+
+    status: int = 0
+    error: str = ""  # a transport error, an error status's body or an error event in the stream
+    sent_at: float = 0.0
+    first_token_at: float | None = None
+    ended_at: float = 0.0
+    done: bool = False  # `data: [DONE]` arrived
+    after_done: int = 0  # lines that came after it (there must be none)
+    ids: set = field(default_factory=set)  # the chunks' "id" (one per stream)
+    text: str = ""
+    tokens: list = field(default_factory=list)  # logprobs.tokens of every chunk, in order
+    offset_errors: list = field(default_factory=list)  # chunks whose text_offset does not continue the text
+    finish_reasons: list = field(default_factory=list)
+    usage: dict | None = None
+    usage_chunks: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+    def problems(self, max_tokens: int) -> list[str]:
+        """What is wrong with this stream: nothing lost, duplicated or left over, one id, one usage."""
+        if self.status != 200 or self.error:
+            return [f"status {self.status}: {self.error[:300]}"]
+        found = []
+        if not self.done:
+            found.append("no data: [DONE]")
+        if self.after_done:
+            found.append(f"{self.after_done} lines after [DONE]")
+        if len(self.ids) != 1:
+            found.append(f"chunk ids {sorted(self.ids)}")
+        if self.usage_chunks != 1 or self.usage is None:
+            found.append(f"{self.usage_chunks} usage chunks")
+            return found
+        completion = self.usage.get("completion_tokens")
+        if completion != max_tokens:
+            found.append(f"usage.completion_tokens {completion}, asked for {max_tokens} with ignore_eos")
+        if len(self.tokens) != completion:
+            found.append(f"{len(self.tokens)} tokens streamed, usage says {completion}")
+        if self.offset_errors:
+            found.append(f"text_offset not continuing the text (a gap or a repeat): {self.offset_errors[:3]}")
+        if self.finish_reasons != ["length"]:
+            found.append(f"finish reasons {self.finish_reasons}")
+        return found
+
+
+def completion_body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
+    """Greedy, exactly max_tokens tokens (ignore_eos), each chunk carrying its tokens (logprobs=0)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def load_client(base_url: str, api_key: str, connections: int) -> httpx.AsyncClient:
+    """One pool with a connection for each concurrent request (no request waits for another's)."""
+    return httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
+                             timeout=httpx.Timeout(300, connect=120, pool=None),
+                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
+async def completion_stream(http, body: dict) -> StreamResult:
+    result = StreamResult(sent_at=time.monotonic())
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")
+                return result
+            async for line in response.aiter_lines():
+                if line:
+                    _stream_line(result, line)
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.ended_at = time.monotonic()
+    return result
+
+
+def _stream_line(result: StreamResult, line: str) -> None:
+    if result.done:
+        result.after_done += 1
+        return
+    if not line.startswith("data: "):
+        result.error = result.error or f"not an SSE data line: {line[:200]!r}"
+        return
+    data = line[len("data: "):]
+    if data == "[DONE]":
+        result.done = True
+        return
+    chunk = json.loads(data)
+    if "error" in chunk:
+        result.error = f"error event: {chunk['error']}"
+        return
+    result.ids.add(chunk.get("id"))
+    if chunk.get("usage"):
+        result.usage_chunks += 1
+        result.usage = chunk["usage"]
+    for choice in chunk.get("choices") or []:
+        if choice.get("index") != 0:
+            result.error = result.error or f"choice index {choice.get('index')}"
+        logprobs = choice.get("logprobs") or {}
+        tokens = logprobs.get("tokens") or []
+        if (choice.get("text") or tokens) and result.first_token_at is None:
+            result.first_token_at = time.monotonic()
+        # As vLLM's: a chunk's first token sits where the text streamed so far ends, the next ones
+        # follow by their token strings' lengths (so a lost or repeated chunk shows here).
+        expected = [len(result.text) + sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        if (logprobs.get("text_offset") or []) != expected:
+            result.offset_errors.append((logprobs.get("text_offset"), expected))
+        result.text += choice.get("text") or ""
+        result.tokens += tokens
+        if choice.get("finish_reason"):
+            result.finish_reasons.append(choice["finish_reason"])
+
+
+async def completion_streams(base_url: str, api_key: str, bodies: list[dict]) -> tuple[list[StreamResult], float]:
+    """Every body as its own SSE stream, all at once, on a connection each; (results, wall seconds)."""
+    started = time.monotonic()
+    async with load_client(base_url, api_key, len(bodies)) as http:
+        results = await asyncio.gather(*(completion_stream(http, body) for body in bodies))
+    return list(results), time.monotonic() - started
+
+
+@dataclass
+class Answer:
+    """One non-streaming /v1 answer: status (0: a transport error), headers, parsed body."""
+
+    status: int
+    headers: dict
+    body: dict
+    error: str = ""
+
+
+async def post_json(http, path: str, body: dict) -> Answer:
+    try:
+        response = await http.post(path, json=body)
+    except httpx.HTTPError as exc:
+        return Answer(0, {}, {}, f"{type(exc).__name__}: {exc}")
+    try:
+        parsed = response.json()
+    except ValueError:
+        parsed = {"raw": response.text[:300]}
+    return Answer(response.status_code, dict(response.headers), parsed)
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile by the nearest rank (p99 of 100 values is the 99th smallest)."""
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(q * len(ordered))) - 1]

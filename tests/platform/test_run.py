@@ -36,6 +36,17 @@ def test_service_commands_use_the_project_entry_points(tmp_path):
     assert commands["web"][-1] == "tessera.asgi:application" and "9002" in commands["web"]
 
 
+def test_several_web_processes_accept_on_one_shared_socket(tmp_path):
+    cfg = run.RunConfig.from_env({"WEB_PROCESSES": "3", "TESSERA_VAR_DIR": str(tmp_path)})
+    commands = run.service_commands(cfg, web_fd=7)
+    assert [name for name in commands if name.startswith("web")] == ["web", "web-2", "web-3"]
+    assert all(commands[name][-3:] == ["--fd", "7", "tessera.asgi:application"] for name in ("web", "web-2", "web-3"))
+    with pytest.raises(ValueError):
+        run.service_commands(cfg)  # no socket to share
+    with pytest.raises(SystemExit):
+        run.RunConfig.from_env({"WEB_PROCESSES": "0", "TESSERA_VAR_DIR": str(tmp_path)})
+
+
 def test_a_model_that_is_neither_a_folder_nor_a_gguf_file_is_refused(tmp_path):
     for missing in (tmp_path / "missing", tmp_path / "missing.gguf"):
         cfg = run.RunConfig.from_env({"MODEL": str(missing), "TESSERA_VAR_DIR": str(tmp_path)})
