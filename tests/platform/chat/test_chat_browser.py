@@ -16,6 +16,7 @@ import pytest
 
 from inference import protocol
 from tests.inference.worker_helpers import wait_for
+from tests.platform.browser_output import browser_stack_model
 from tests.platform.browser_output import save_screenshot as shot
 from tests.platform.live_stack import LiveStack
 
@@ -37,7 +38,8 @@ def stack(tiny_model_dir, tmp_path_factory):
     env = {"DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1", "QUOTA_MAX_TOKENS_PER_REQUEST": "600",
            "ENGINE_HEARTBEAT_TTL": "120"}
     engine_args = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "num_kv_blocks": 256}
-    with LiveStack.start(tiny_model_dir, tmp_path_factory.mktemp("chat-browser"), env=env,
+    model, model_env = browser_stack_model(tiny_model_dir)
+    with LiveStack.start(model, tmp_path_factory.mktemp("chat-browser"), env={**env, **model_env},
                          engine_args=engine_args) as running:
         yield running
 
