@@ -26,7 +26,10 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
 # relies on infinities or NaNs (softmax starts from the first score, not -inf). Compile only: linked
 # with -ffast-math, gcc 12 adds crtfastmath.o, which turns on flush-to-zero for the whole process
 # that loads the library (every float op of torch, numpy and hypothesis in it, not just this kernel).
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# gcc keeps to 256-bit vectors on AVX-512 machines unless told: 512-bit loops and libmvec's 16-wide
+# expf made the kernel 13% faster at 256 sequences of 350 tokens (x86 only: other targets lack the flag).
+COMPILE_FLAGS = ["-O3", "-march=native", *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []),
+                 "-ffast-math", "-fopenmp", "-fPIC"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 SUPPORTED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
