@@ -51,7 +51,13 @@ def smollm2_hf_folder() -> str:
 
     gguf = Path(real_model_path())
     print(f"dequantizing {gguf.name} into {folder} (once)", flush=True)
-    AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):  # the folder holds plain dequantized weights
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config)  # transformers refuses to save a GGUF-loaded model
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(folder)
     load_tokenizer(str(gguf)).save_pretrained(folder)
     return str(folder)
 
