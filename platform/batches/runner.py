@@ -24,6 +24,7 @@ from engine_client import client as engine
 from errors import QuotaExceeded, ServiceError
 from generation import catalog
 from generation import services as generation
+from openai_api.calls import ApiCall
 from quotas import services as quotas
 from quotas.ledger import Reservation
 from quotas.selectors import plan_for
@@ -76,7 +77,7 @@ class BatchRunner:
         self.user = self.batch.user
         self.plan = plan_for(self.user)
         self.models = catalog.known_models()
-        self.in_flight: dict[str, tuple[BatchLine, lines.calls.ApiCall]] = {}  # engine request id -> (line, call)
+        self.in_flight: dict[str, tuple[BatchLine, ApiCall]] = {}  # engine request id -> (line, call)
         self.collector = Collector(timeout=conf.get("BATCH_LINE_TIMEOUT"))
         self.max_in_flight = conf.get("BATCH_MAX_IN_FLIGHT")
         self.paused = False
@@ -162,7 +163,7 @@ class BatchRunner:
         self.watch(line, call)
         return True
 
-    def watch(self, line: BatchLine, call) -> None:
+    def watch(self, line: BatchLine, call: ApiCall) -> None:
         self.collector.add(call.request_id, call.model)
         self.in_flight[call.request_id] = (line, call)
 
@@ -185,7 +186,7 @@ class BatchRunner:
             generation.fold_output(call.gen, events)
             self.finish_line(line, call)
 
-    def finish_line(self, line: BatchLine, call) -> None:
+    def finish_line(self, line: BatchLine, call: ApiCall) -> None:
         outcome = lines.outcome(call)
         code = outcome.error_code
         if code in RETRYABLE_CODES and line.attempts < MAX_ATTEMPTS:
