@@ -195,9 +195,10 @@ def admit(request, kind: str) -> calls.ApiCall:
     call = calls.build_call(kind=kind, body=parse_json(request), user=key.user, api_key=key, plan=plan)
     try:
         calls.admit(call, plan)
-    except ServiceError as error:
-        call.gen.fail(error.status, error.code)
-        generation.finish(call.gen)
+    except Exception as exc:  # a refusal, or Redis gone mid-admission (the middleware answers 503)
+        status, code = (exc.status, exc.code) if isinstance(exc, ServiceError) else (503, "service_unavailable")
+        call.gen.fail(status, code)
+        generation.finish(call.gen)  # its usage row; a reservation made before Redis failed is released
         raise
     return call
 

@@ -225,13 +225,24 @@ def test_web_kill_mid_stream(stack, login, chaos_report):
     stream = sse_stream(stack.base_url, login["api_key"], login["model"], 900)
     assert stream.started.wait(60), (stream.ended, stream.detail)
     [key] = set(r.scan_iter(match=redis_keys.output_stream("*"))) - before
+    leases = set(r.scan_iter(match=redis_keys.follower_lease_key("*")))
+    assert leases, "the web process holds a follower lease while it streams"
     mark = stack.mark()
-    killed_at = time.monotonic()
-    os.kill(stack.pid("tessera.asgi:application"), signal.SIGKILL)
-    assert stream.done.wait(10) and stream.ended == "cut"
-    # The web process's follower lease lapses at most FOLLOWER_LEASE_TTL_S after the kill; the worker
-    # checks leases once a heartbeat (1 s), and the step in flight ends first (1 s of slack for both).
-    deadline = killed_at + redis_keys.FOLLOWER_LEASE_TTL_S + 2.0
+    # The engine is frozen until the dead web's lease has lapsed, so the request cannot reach its
+    # max_tokens first however fast the engine runs (the tiny model makes 900 tokens in about 2 s).
+    # Thawed, the worker's loop checks leases at once (a heartbeat has passed) and aborts it.
+    engine = stack.pid("manage.py engine")
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        killed_at = time.monotonic()
+        os.kill(stack.pid("tessera.asgi:application"), signal.SIGKILL)
+        assert stream.done.wait(10) and stream.ended == "cut"
+        lapse_by = killed_at + redis_keys.FOLLOWER_LEASE_TTL_S + 2.0
+        while any(r.exists(lease) for lease in leases) and time.monotonic() < lapse_by:
+            time.sleep(0.05)
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    deadline = time.monotonic() + 3.0  # one loop turn and the step in flight
     while not (terminal := _terminal_event(r, key)) and time.monotonic() < deadline:
         time.sleep(0.05)
     ended_at, entries_at_deadline = time.monotonic(), r.xlen(key)
