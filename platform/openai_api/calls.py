@@ -15,7 +15,7 @@ from functools import lru_cache
 from django.conf import settings
 from rest_framework import serializers
 
-from errors import InvalidRequest, NotFound
+from errors import InvalidRequest, NotFound, ServiceError
 from generation import catalog, tokenization
 from generation.services import Generation
 from generation.services import admit as admit_generation
@@ -106,7 +106,7 @@ def tool_use(data: dict, path: str) -> ToolUse | None:
     try:
         parser = tool_calls.choose_parser(tokenization.tokenizer_for(path), override)
     except ValueError as exc:  # a misconfigured TOOL_CALL_PARSER: the operator's error, named
-        raise InvalidRequest(str(exc), param="tools", code="tool_parser_unavailable", status=500) from None
+        raise ServiceError(str(exc), param="tools", code="tool_parser_unavailable", status=500) from None
     return ToolUse(tool_choice=choice, parser=parser, parallel=data.get("parallel_tool_calls") is not False)
 
 

@@ -128,12 +128,12 @@ def test_langchain_bind_tools_round_trip(live):
         """The current weather in a city (unit: celsius or fahrenheit)."""
         return f"18 degrees {unit} and sunny in {city}"
 
-    with_tools = llm.bind_tools([get_weather], tool_choice="get_weather")
     question = HumanMessage("What is the weather in Paris?")
-    called = with_tools.invoke([question])
-    assert len(called.tool_calls) == 1 and called.tool_calls[0]["name"] == "get_weather"
-    args = called.tool_calls[0]["args"]
-    assert isinstance(args["city"], str) and isinstance(args["unit"], str)
+    for tool_choice in ("get_weather", "required"):  # a named function, then any of the tools
+        called = llm.bind_tools([get_weather], tool_choice=tool_choice).invoke([question])
+        assert called.tool_calls and all(c["name"] == "get_weather" for c in called.tool_calls), tool_choice
+        args = called.tool_calls[0]["args"]
+        assert isinstance(args["city"], str) and isinstance(args["unit"], str)
     result = ToolMessage(get_weather(**args), tool_call_id=called.tool_calls[0]["id"])
     answer = llm.bind_tools([get_weather]).invoke([question, called, result])
     assert isinstance(answer.content, str) and answer.response_metadata["finish_reason"] in ("stop", "length",
