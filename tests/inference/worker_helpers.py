@@ -8,7 +8,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from inference import LLM
+from inference import LLM, protocol
 from inference.worker import EngineWorker, WorkerConfig
 
 MODEL = "tiny"  # the name ThreadedWorker serves by default (requests are routed by it)
@@ -64,6 +64,17 @@ class ThreadedWorker:
         self.worker.engine.abort_request(list(self.worker.states))  # free the shared engine for later tests
         while self.worker.engine.has_unfinished_requests():
             self.worker.engine.step()
+
+
+def serving_worker(llm: LLM, model_name: str, max_model_len: int) -> "ThreadedWorker":
+    """A worker thread serving model_name on the test Redis (its engine keys cleared first), once its
+    heartbeat is up: the /v1 admission then sees the model and its context length."""
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    clear_engine_keys(r)
+    worker = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, model_name=model_name,
+                            extra_info={"max_model_len": max_model_len, "model_path": llm.llm_engine.args.model}).start()
+    wait_for(lambda: r.exists(protocol.heartbeat_key(worker.worker.worker_id)))
+    return worker
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):

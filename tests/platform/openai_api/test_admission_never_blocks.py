@@ -8,7 +8,6 @@ import uuid
 
 import httpx
 import pytest
-import redis
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client
@@ -18,25 +17,17 @@ from generation import services as generation
 from generation import tokenization
 from openai_api import calls
 from openai_api.views import LARGE_BODY_BYTES
-from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
+from tests.inference.worker_helpers import llm, serving_worker  # noqa: F401 (the llm fixture)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 MAX_MODEL_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return tiny_llm(tiny_model_dir)
 
 
 @pytest.fixture
 def raw_key(llm, settings):
     settings.QUOTA_REDIS_PREFIX = f"qadm-{uuid.uuid4().hex[:8]}"
     settings.SERVED_MODEL_NAME = "tiny"
-    clear_engine_keys(redis.Redis.from_url(settings.REDIS_URL))
-    worker = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, model_name="tiny",
-                            extra_info={"max_model_len": MAX_MODEL_LEN, "model_path": llm.llm_engine.args.model}).start()
-    wait_for(lambda: redis.Redis.from_url(settings.REDIS_URL).exists(f"tessera:engine:worker:{worker.worker.worker_id}"))
+    worker = serving_worker(llm, "tiny", max_model_len=MAX_MODEL_LEN)
     user = User.objects.create_user("flooder", password="pw-long-enough")
     yield create_api_key(user)[1]
     worker.stop()

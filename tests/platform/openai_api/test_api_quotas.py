@@ -4,14 +4,13 @@ from __future__ import annotations
 import uuid
 
 import pytest
-import redis
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client
 
 from accounts.services import create_api_key
 from quotas.selectors import quota_status
-from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
+from tests.inference.worker_helpers import llm, serving_worker  # noqa: F401 (the llm fixture)
 from usage.models import UsageRecord
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -19,20 +18,12 @@ PLAN = {"tokens_per_day": 100_000, "tokens_per_month": 1_000_000, "requests_per_
         "concurrent_requests": 5, "max_tokens_per_request": 64}
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return tiny_llm(tiny_model_dir)
-
-
 @pytest.fixture
 def api(llm, settings):
     settings.QUOTA_REDIS_PREFIX = f"qapi-{uuid.uuid4().hex[:8]}"
     settings.QUOTA_DEFAULT_PLAN = PLAN
     settings.SERVED_MODEL_NAME = "tiny"
-    clear_engine_keys(redis.Redis.from_url(settings.REDIS_URL))
-    worker = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, model_name="tiny",
-                            extra_info={"max_model_len": 256, "model_path": llm.llm_engine.args.model}).start()
-    wait_for(lambda: redis.Redis.from_url(settings.REDIS_URL).exists(f"tessera:engine:worker:{worker.worker.worker_id}"))
+    worker = serving_worker(llm, "tiny", max_model_len=256)
     user = User.objects.create_user("quota-user", password="pw-long-enough")
     yield user, create_api_key(user)[1]
     worker.stop()
