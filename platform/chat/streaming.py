@@ -11,7 +11,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from functools import partial
 
 from channels.db import database_sync_to_async
 from django.conf import settings
@@ -112,11 +111,10 @@ class Follower:
 
     async def _save_final(self, attempts: int = 3) -> None:
         """The generation's finish, retried: a transient database error must not leave the reply "streaming"."""
-        save = partial(services.save_reply, self.message_id)
         for attempt in range(attempts):
             try:
                 # the consumer's own database thread: its other reads and writes of this reply run there too
-                await database_sync_to_async(generation.finish)(self.gen, save=save)
+                await database_sync_to_async(services.finish_reply)(self.message_id, self.gen)
                 return
             except DatabaseError:
                 if attempt == attempts - 1:

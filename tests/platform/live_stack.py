@@ -175,6 +175,13 @@ class LiveStack:
         return stats
 
 
+
+def real_model_stack(tmp_path_factory, name: str, engine_args: dict) -> LiveStack:
+    """A live stack on the bundled default model: MODEL and SERVED_MODEL_NAME empty, so the settings
+    resolve the SmolLM2 file and its name, as `make run` does. Use it as a context manager."""
+    env = {"MODEL": "", "SERVED_MODEL_NAME": "", "TESSERA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
+    return LiveStack.start("", tmp_path_factory.mktemp(name), env=env, engine_args=engine_args)
+
 @pytest.fixture(scope="session")
 def live_stack(tiny_model_dir, tmp_path_factory):
     """daphne + one `manage.py engine` worker (tiny model) + private redis-server + SQLite, for the session."""

@@ -73,11 +73,9 @@ def test_local_completions_loglikelihoods_equal_the_hf_backend(live_stack, tiny_
 def test_on_the_real_default_model_too(tmp_path_factory, task_dir, monkeypatch):
     """SmolLM2's tokenizer adds no BOS, so the hf backend runs with its defaults here."""
     from inference.gguf_files import bundled_model
-    from tests.platform.live_stack import LiveStack
+    from tests.platform.live_stack import real_model_stack
 
-    env = {"MODEL": "", "SERVED_MODEL_NAME": "", "TESSERA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    with LiveStack.start("", tmp_path_factory.mktemp("real-stack"), env=env,
-                         engine_args={"max_model_len": 512, "num_kv_blocks": 64}) as stack:
+    with real_model_stack(tmp_path_factory, "real-stack", {"max_model_len": 512, "num_kv_blocks": 64}) as stack:
         served = served_loglikelihoods(stack, "SmolLM2-135M-Instruct", task_dir, monkeypatch)
     file = bundled_model()
     reference = loglikelihoods("hf", f"pretrained={file.parent},gguf_file={file.name},dtype=float32,device=cpu",

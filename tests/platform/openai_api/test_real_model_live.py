@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference.gguf_files import bundled_model
-from tests.platform.live_stack import LiveStack
+from tests.platform.live_stack import real_model_stack
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
@@ -18,10 +18,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    # MODEL and SERVED_MODEL_NAME empty: the settings resolve the bundled file and its name.
-    env = {"MODEL": "", "SERVED_MODEL_NAME": "", "TESSERA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    with LiveStack.start("", tmp_path_factory.mktemp("real-stack"), env=env,
-                         engine_args={"max_model_len": 512, "num_kv_blocks": 64}) as live:
+    with real_model_stack(tmp_path_factory, "real-stack", {"max_model_len": 512, "num_kv_blocks": 64}) as live:
         yield live
 
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.platform.live_stack import LiveStack
+from tests.platform.live_stack import real_model_stack
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,9 +24,7 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    env = {"MODEL": "", "SERVED_MODEL_NAME": "", "TESSERA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    with LiveStack.start("", tmp_path_factory.mktemp("structured-stack"), env=env,
-                         engine_args={"max_model_len": 512, "num_kv_blocks": 128}) as live:
+    with real_model_stack(tmp_path_factory, "structured-stack", {"max_model_len": 512, "num_kv_blocks": 128}) as live:
         yield openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key, max_retries=0, timeout=120)
 
 

@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from tests.platform.live_stack import LiveStack
+from tests.platform.live_stack import real_model_stack
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -27,9 +27,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    env = {"MODEL": "", "SERVED_MODEL_NAME": "", "TESSERA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
-    with LiveStack.start("", tmp_path_factory.mktemp("tools-stack"), env=env,
-                         engine_args={"max_model_len": 1024, "num_kv_blocks": 256}) as running:
+    with real_model_stack(tmp_path_factory, "tools-stack", {"max_model_len": 1024, "num_kv_blocks": 256}) as running:
         yield running
 
 
