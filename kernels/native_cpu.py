@@ -1,11 +1,17 @@
 """CPU kernels in C, for the hot path that torch cannot do without copies.
 
-Paged decode attention in torch must first gather every sequence's K/V out of the paged cache
-into a padded batch (write it, then read it again); the C kernel in csrc/decode_attention.c
-reads the blocks in place. It is compiled on first use with the system C compiler (`cc`, or
-$CC) for this machine's CPU and cached under $TESSERA_KERNEL_CACHE (default
-~/.cache/tessera/kernels). When there is no compiler, or TESSERA_NATIVE_KERNELS=0, `load()`
-returns None and the engine keeps the torch reference.
+- csrc/decode_attention.c: paged decode attention. In torch it must first gather every
+  sequence's K/V out of the paged cache into a padded batch (write it, then read it again); the
+  C kernel reads the blocks in place.
+- csrc/elementwise.c: residual add + RMSNorm, SiLU-and-multiply and rotary, one pass each where
+  torch runs a chain of operators with a temporary per step.
+
+The library is compiled on first use with the system C compiler (`cc`, or $CC) for this
+machine's CPU and cached under $TESSERA_KERNEL_CACHE (default ~/.cache/tessera/kernels). When
+there is no compiler, or TESSERA_NATIVE_KERNELS=0, `load()` returns None and the engine keeps
+the torch reference. Each wrapper below has the signature of its torch_ref twin; `supports*`
+says which inputs it takes (float32 and bfloat16 on CPU), the torch backend routes the rest to
+the reference.
 """
 from __future__ import annotations
 
@@ -21,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "decode_attention.c", CSRC / "elementwise.c"]
+HEADERS = [CSRC / "bf16.h"]
 # -ffast-math lets gcc vectorise the dot products and call glibc's vector expf; the kernel never
 # relies on infinities or NaNs (softmax starts from the first score, not -inf). Compile only: linked
 # with -ffast-math, gcc 12 adds crtfastmath.o, which turns on flush-to-zero for the whole process
@@ -49,25 +57,44 @@ def _cpu_id() -> str:
     return platform.machine() + "".join(lines)
 
 
-def _compile(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode_attention-{key}.so"
+def _compile(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    compile_flags = [*COMPILE_FLAGS, *extra_flags]
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    key = hashlib.sha256(source + " ".join([compiler, *compile_flags, *LINK_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"native-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target, then rename: processes that build at once never see half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        obj = tmp + ".o"
+        objects = [f"{tmp}.{path.stem}.o" for path in SOURCES]
         try:
-            subprocess.run([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", obj], check=True, capture_output=True)
-            subprocess.run([compiler, *LINK_FLAGS, obj, "-o", tmp, "-lm"], check=True, capture_output=True)
+            for path, obj in zip(SOURCES, objects):
+                subprocess.run([compiler, *compile_flags, "-c", str(path), "-o", obj], check=True, capture_output=True)
+            subprocess.run([compiler, *LINK_FLAGS, *objects, "-o", tmp, "-lm"], check=True, capture_output=True)
             os.replace(tmp, target)
         finally:
-            for leftover in (tmp, obj):
+            for leftover in (tmp, *objects):
                 if os.path.exists(leftover):
                     os.unlink(leftover)
     return target
+
+
+def open_library(path: Path):
+    """ctypes handle with every kernel's argument types declared."""
+    lib = ctypes.CDLL(str(path))
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    declared = {
+        "paged_decode_attention": [ptr] * 4 + [i64, ptr, ptr] + [i32] * 6 + [f32, i32],
+        "fused_add_rms_norm": [ptr] * 5 + [i64, i32, f32, i32, i32],
+        "silu_and_mul": [ptr, ptr, i64, i32, i32, i32],
+        "rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i32, i32],
+    }
+    for name, argtypes in declared.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int if name == "paged_decode_attention" else None
+    return lib
 
 
 @functools.cache
@@ -79,22 +106,17 @@ def load():
     if compiler is None:
         return None
     try:
-        lib = ctypes.CDLL(str(_compile(compiler)))
+        return open_library(_compile(compiler))
     except (OSError, subprocess.CalledProcessError):
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 6 \
-        + [ctypes.c_float, ctypes.c_int]
-    return lib
 
 
 def supports(q, k_cache) -> bool:
     return q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in SUPPORTED_DTYPES
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
-    """Same meaning and signature as torch_ref.paged_decode_attention; needs load() to succeed."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, library=None):
+    """Same meaning as torch_ref.paged_decode_attention; `library` defaults to load()."""
     q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -104,10 +126,54 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    status = load().paged_decode_attention(
+    status = (library or load()).paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[2], head_dim,
         k_cache.shape[1], SUPPORTED_DTYPES[q.dtype], scale, torch.get_num_threads())
     if status:
         raise MemoryError("native decode attention could not allocate its scratch memory")
     return out
+
+
+def supports_rows(*tensors) -> bool:
+    """The elementwise kernels: CPU, one float32 or bfloat16 dtype, innermost dimension contiguous."""
+    first = tensors[0]
+    return all(t.device.type == "cpu" and t.dtype == first.dtype and t.stride(-1) == 1 for t in tensors) \
+        and first.dtype in SUPPORTED_DTYPES
+
+
+def fused_add_rms_norm(x, residual, weight, eps, library=None):
+    """Same meaning as torch_ref.fused_add_rms_norm: returns (normed, x + residual)."""
+    x = x.contiguous()
+    new_residual = x if residual is None else torch.empty_like(x)
+    out = torch.empty_like(x)
+    (library or load()).fused_add_rms_norm(
+        x.data_ptr(), None if residual is None else residual.contiguous().data_ptr(), new_residual.data_ptr(),
+        weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+        SUPPORTED_DTYPES[x.dtype], torch.get_num_threads())
+    return out, new_residual
+
+
+def silu_and_mul(x, library=None):
+    """Same meaning as torch_ref.silu_and_mul: [..., 2I] -> [..., I]."""
+    x = x.contiguous()
+    inter = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], inter)
+    (library or load()).silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter,
+                                     SUPPORTED_DTYPES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def supports_rotary(q, k, cos_sin_cache) -> bool:
+    """Whole-head rotation of [T, H, D] views whose heads are contiguous within a row."""
+    head_dim = q.shape[-1]
+    return supports_rows(q, k) and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() \
+        and cos_sin_cache.shape[-1] == head_dim and all(t.stride(1) == head_dim for t in (q, k))
+
+
+def rotary_embedding(positions, q, k, cos_sin_cache, library=None) -> None:
+    """Same meaning as torch_ref.rotary_embedding: rotates q and k in place."""
+    positions = positions.to(torch.int64).contiguous()
+    (library or load()).rotary_embedding(
+        positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
+        cos_sin_cache.data_ptr(), q.shape[0], q.shape[-1], SUPPORTED_DTYPES[q.dtype], torch.get_num_threads())

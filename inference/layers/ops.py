@@ -72,7 +72,10 @@ PRIMITIVES = ("store_kv_cache", "paged_decode_attention", "paged_prefill_attenti
 
 
 def torch_primitives():
-    """kernels/torch_ref.py, with the C decode attention on CPU where it builds (kernels/native_cpu.py)."""
+    """kernels/torch_ref.py, with the C kernels on CPU where they build (kernels/native_cpu.py).
+
+    Each C kernel takes float32 and bfloat16 on CPU; any other input goes to its reference.
+    """
     from kernels import native_cpu, torch_ref
 
     if native_cpu.load() is None:
@@ -82,8 +85,22 @@ def torch_primitives():
         impl = native_cpu if native_cpu.supports(q, k_cache) else torch_ref
         return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
+    def fused_add_rms_norm(x, residual, weight, eps):
+        tensors = (x, weight) if residual is None else (x, residual, weight)
+        impl = native_cpu if native_cpu.supports_rows(*tensors) else torch_ref
+        return impl.fused_add_rms_norm(x, residual, weight, eps)
+
+    def silu_and_mul(x):
+        impl = native_cpu if native_cpu.supports_rows(x) else torch_ref
+        return impl.silu_and_mul(x)
+
+    def rotary_embedding(positions, q, k, cos_sin_cache):
+        impl = native_cpu if native_cpu.supports_rotary(q, k, cos_sin_cache) else torch_ref
+        impl.rotary_embedding(positions, q, k, cos_sin_cache)
+
     chosen = {name: getattr(torch_ref, name) for name in PRIMITIVES}
-    chosen["paged_decode_attention"] = paged_decode_attention
+    chosen.update(paged_decode_attention=paged_decode_attention, fused_add_rms_norm=fused_add_rms_norm,
+                  silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding)
     return SimpleNamespace(**chosen)
 
 

@@ -1,10 +1,13 @@
-"""kernels/native_cpu.py (the C decode attention) against torch_ref.paged_decode_attention.
+"""kernels/native_cpu.py (the C kernels) against their kernels/torch_ref.py twins.
 
 Caches come from make_paged_kv: shuffled block ids and NaN in every slot no sequence owns, so a
 read past a sequence's used length fails. This machine has a C compiler, so a library that does
-not build is a failure here, not a skip.
+not build is a failure here, not a skip. Every check runs twice: on the library as the engine
+builds it (the AVX-512 decode path on the x86 machines we run on) and on a build with AVX-512
+switched off, which runs the portable decode loop that other CPUs get.
 """
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -17,25 +20,38 @@ from inference.layers.ops import get_ops
 from kernels import native_cpu, torch_ref
 
 
-@pytest.fixture(scope="module")
-def lib():
-    assert shutil.which("cc") or shutil.which("gcc"), "no C compiler: the native CPU kernels cannot build"
-    built = native_cpu.load()
-    assert built is not None, "kernels/csrc/decode_attention.c failed to build"
-    return built
+def compiler() -> str:
+    found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    assert found, "no C compiler: the native CPU kernels cannot build"
+    return found
 
 
-def _check(lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0, threads=None):
+@pytest.fixture(scope="module", params=["engine build", "portable build"])
+def lib(request):
+    if request.param == "engine build":
+        built = native_cpu.load()
+        assert built is not None, "kernels/csrc failed to build"
+        return built
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx512f is an x86 flag; elsewhere the engine build is already the portable one")
+    return native_cpu.open_library(native_cpu._compile(compiler(), extra_flags=("-mno-avx512f",)))
+
+
+def with_threads(threads, fn, *args):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _check(lib, lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0, threads=None):
     paged = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, seed=seed, device="cpu")
     q = randn(len(lens), num_kv_heads * group, head_dim, dtype=dtype, seed=seed + 100, device="cpu")
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, head_dim ** -0.5)
     expected = torch_ref.paged_decode_attention(*args)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
-        out = native_cpu.paged_decode_attention(*args)
-    finally:
-        torch.set_num_threads(previous)
+    out = with_threads(threads, native_cpu.paged_decode_attention, *args, lib)
     assert out.dtype == q.dtype
     assert_close(out, expected, "attention", dtype)
 
@@ -45,19 +61,25 @@ def _check(lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0, threa
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_matches_reference(lib, dtype, block_size, group):
     # 1 token, exactly one full block, one past the boundary, and a partial third block.
-    _check([1, block_size, block_size + 1, 2 * block_size + 7], 2, group, 64, block_size, dtype)
+    _check(lib, [1, block_size, block_size + 1, 2 * block_size + 7], 2, group, 64, block_size, dtype)
 
 
-@pytest.mark.parametrize("head_dim", [128, 80])
-def test_head_sizes(lib, head_dim):
-    _check([5, 33], 1, 4, head_dim, 16, torch.float32, seed=7)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 80, 48])
+def test_head_sizes(lib, head_dim, dtype):
+    # 128 and 64 have unrolled instances; 80 (not a multiple of 32: no vdpbf16ps) and 48 run the
+    # head size as a variable; block size 8 puts two blocks in one 16-row chunk.
+    _check(lib, [5, 33], 1, 4, head_dim, 16, dtype, seed=7)
+    _check(lib, [3, 17, 40], 2, 3, head_dim, 8, dtype, seed=8)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_many_sequences_any_thread_count(lib, threads):
-    # More sequences than threads, very uneven lengths (dynamic sharing of the work).
-    lens = torch.randint(1, 300, (37,), generator=torch.Generator().manual_seed(4)).tolist()
-    _check(lens, 2, 4, 64, 16, torch.float32, seed=9, threads=threads)
+    # More sequences than threads, very uneven lengths (dynamic sharing of the work), some long
+    # enough that the prefetches run a whole window ahead of the compute.
+    lens = torch.randint(1, 1500, (37,), generator=torch.Generator().manual_seed(4)).tolist()
+    _check(lib, lens, 2, 4, 64, 16, torch.float32, seed=9, threads=threads)
+    _check(lib, lens, 2, 4, 64, 16, torch.bfloat16, seed=9, threads=threads)
 
 
 def test_empty_batch(lib):
@@ -96,7 +118,7 @@ def test_build_is_cached_per_source_and_cpu(lib, monkeypatch, tmp_path):
     native_cpu.load.cache_clear()
     try:
         assert native_cpu.load() is not None
-        built = list(tmp_path.glob("decode_attention-*.so"))
+        built = list(tmp_path.glob("native-*.so"))
         assert len(built) == 1
         mtime = built[0].stat().st_mtime_ns
         native_cpu.load.cache_clear()
@@ -117,3 +139,61 @@ def test_loading_the_library_leaves_the_process_float_environment_alone(tmp_path
     env = {**os.environ, "TESSERA_KERNEL_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_add_rms_norm(lib, dtype, rows, threads):
+    x, residual = randn(rows, 576, dtype=dtype, seed=1, device="cpu"), randn(rows, 576, dtype=dtype, seed=2, device="cpu")
+    weight = (1 + 0.1 * randn(576, dtype=torch.float32, seed=3, device="cpu")).to(dtype)
+    normed, summed = with_threads(threads, native_cpu.fused_add_rms_norm, x, residual, weight, 1e-6, lib)
+    expected_normed, expected_summed = torch_ref.fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, expected_summed)  # one rounded add, as torch does it
+    assert_close(normed, expected_normed, "elementwise", dtype)
+    # The first layer has no residual yet: the sum is x itself, returned without a copy.
+    normed, summed = with_threads(threads, native_cpu.fused_add_rms_norm, x, None, weight, 1e-6, lib)
+    assert summed is x
+    assert_close(normed, torch_ref.fused_add_rms_norm(x, None, weight, 1e-6)[0], "elementwise", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_silu_and_mul(lib, dtype, rows):
+    x = 3 * randn(rows, 2 * 1536, dtype=dtype, seed=4, device="cpu")
+    out = native_cpu.silu_and_mul(x, lib)
+    assert out.shape == (rows, 1536) and out.dtype == dtype
+    assert_close(out, torch_ref.silu_and_mul(x), "elementwise", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_on_views_of_the_fused_qkv_output(lib, dtype):
+    from inference.layers.rotary import cos_sin_cache
+
+    tokens, heads, kv_heads, dim = 37, 9, 3, 64
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=5, device="cpu")
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.reshape(tokens, heads, dim), k.reshape(tokens, kv_heads, dim)  # strided views, as in the model
+    untouched_v = v.clone()
+    positions = torch.randint(0, 2048, (tokens,), generator=torch.Generator().manual_seed(6))
+    cache = cos_sin_cache(dim, 2048, 10000.0, None, torch.float32)
+    q_ref, k_ref = q.clone(), k.clone()
+    torch_ref.rotary_embedding(positions, q_ref, k_ref, cache)
+    assert native_cpu.supports_rotary(q, k, cache)
+    native_cpu.rotary_embedding(positions, q, k, cache, lib)
+    assert_close(q, q_ref, "elementwise", dtype)
+    assert_close(k, k_ref, "elementwise", dtype)
+    assert torch.equal(v, untouched_v)  # rows are strided: nothing outside q and k is written
+
+
+def test_torch_backend_routes_the_elementwise_kernels(lib):
+    ops = get_ops("torch")
+    for name in ("fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
+        assert getattr(ops.p, name) is not getattr(torch_ref, name)
+    # float16 is not compiled in: the reference answers.
+    x = randn(4, 64, dtype=torch.float16, seed=1, device="cpu")
+    weight = torch.ones(64, dtype=torch.float16)
+    torch.testing.assert_close(ops.p.fused_add_rms_norm(x, x, weight, 1e-6)[0],
+                               torch_ref.fused_add_rms_norm(x, x, weight, 1e-6)[0])
+    torch.testing.assert_close(ops.p.silu_and_mul(x), torch_ref.silu_and_mul(x))
+    assert not native_cpu.supports_rows(x) and not native_cpu.supports_rows(x.float(), x)

@@ -1,0 +1,118 @@
+/* The elementwise steps between the GEMMs, each one pass over its rows: residual add + RMSNorm,
+ * SiLU-and-multiply and rotary embedding. Meaning: kernels/torch_ref.py functions of the same
+ * names. In torch each is a chain of operators (casts to float32, pow, mean, rsqrt, mul, cast
+ * back) with a temporary tensor per step; in a prefill step of 2048 tokens those chains took a
+ * third of the forward (docs/kernels.md). bfloat16 results are rounded where the reference rounds,
+ * so only the float32 summation order differs.
+ *
+ * Rows are shared among torch's OpenMP threads (see decode_attention.c); small batches stay on one.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+#define MIN_ROWS_PER_THREAD 8
+
+static inline __attribute__((always_inline)) float load(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void store(void *base, int64_t i, float x, int is_bf16) {
+    if (is_bf16) ((uint16_t *)base)[i] = float_to_bf16(x);
+    else ((float *)base)[i] = x;
+}
+
+static inline float rounded(float x, int is_bf16) { return is_bf16 ? round_bf16(x) : x; }
+
+static inline int threads_for(int64_t rows, int num_threads) {
+    const int64_t useful = rows / MIN_ROWS_PER_THREAD;
+    return useful < 1 ? 1 : (useful < num_threads ? (int)useful : num_threads);
+}
+
+/* Each kernel's body is compiled twice, for float32 and for bfloat16 (is_bf16 a constant), so its
+ * loops vectorise; with the dtype tested per element gcc left them scalar. */
+#define INLINE static inline __attribute__((always_inline))
+#define DISPATCH(body, ...) do { if (is_bf16) body(__VA_ARGS__, 1); else body(__VA_ARGS__, 0); } while (0)
+
+INLINE void add_rms_norm_row(const void *x, const void *residual, void *new_residual, const void *weight, void *out,
+                             int64_t base, int hidden, float eps, const int is_bf16) {
+    float squares = 0.f;
+    if (residual) {
+        for (int i = 0; i < hidden; i++) {
+            const float v = rounded(load(x, base + i, is_bf16) + load(residual, base + i, is_bf16), is_bf16);
+            store(new_residual, base + i, v, is_bf16);
+            squares += v * v;
+        }
+    } else {
+        for (int i = 0; i < hidden; i++) {
+            const float v = load(x, base + i, is_bf16);
+            squares += v * v;
+        }
+    }
+    const float inv = 1.f / sqrtf(squares / hidden + eps);
+    const void *summed = residual ? new_residual : x;
+    for (int i = 0; i < hidden; i++) {
+        const float normed = rounded(load(summed, base + i, is_bf16) * inv, is_bf16);
+        store(out, base + i, load(weight, i, is_bf16) * normed, is_bf16);
+    }
+}
+
+INLINE void add_rms_norm_rows(const void *x, const void *residual, void *new_residual, const void *weight, void *out,
+                              int64_t rows, int hidden, float eps, int num_threads, const int is_bf16) {
+#pragma omp parallel for num_threads(threads_for(rows, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(x, residual, new_residual, weight, out, r * hidden, hidden, eps, is_bf16);
+}
+
+/* new_residual = x + residual; out = weight * rms_norm(new_residual). With residual NULL the sum is
+ * x itself and new_residual is not written. x, residual, new_residual, out: [rows, hidden]
+ * contiguous; weight [hidden]. */
+void fused_add_rms_norm(const void *x, const void *residual, void *new_residual, const void *weight, void *out,
+                        int64_t rows, int hidden, float eps, int is_bf16, int num_threads) {
+    DISPATCH(add_rms_norm_rows, x, residual, new_residual, weight, out, rows, hidden, eps, num_threads);
+}
+
+INLINE void silu_and_mul_rows(const void *x, void *out, int64_t rows, int inter, int num_threads, const int is_bf16) {
+#pragma omp parallel for num_threads(threads_for(rows, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t in = r * 2 * inter, at = r * inter;
+        for (int i = 0; i < inter; i++) {
+            const float gate = load(x, in + i, is_bf16);
+            const float silu = rounded(gate / (1.f + expf(-gate)), is_bf16);
+            store(out, at + i, silu * load(x, in + inter + i, is_bf16), is_bf16);
+        }
+    }
+}
+
+/* out[r] = silu(x[r, :inter]) * x[r, inter:]; x [rows, 2 * inter], out [rows, inter], contiguous. */
+void silu_and_mul(const void *x, void *out, int64_t rows, int inter, int is_bf16, int num_threads) {
+    DISPATCH(silu_and_mul_rows, x, out, rows, inter, num_threads);
+}
+
+/* Neox rotary in place on heads of `head_dim` values: x is [rows, heads, head_dim] with rows
+ * `row_stride` elements apart (q and k are views into the fused QKV output). cos_sin: float32
+ * [max_position, head_dim], cos then sin. */
+INLINE void rotate(void *x, int64_t row_stride, int heads, const int64_t *positions, const float *cos_sin,
+                   int64_t rows, int head_dim, int num_threads, const int is_bf16) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(threads_for(rows, num_threads)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *cos = cos_sin + positions[r] * head_dim, *sin = cos + half;
+        for (int h = 0; h < heads; h++) {
+            const int64_t base = r * row_stride + (int64_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                const float x1 = load(x, base + i, is_bf16), x2 = load(x, base + half + i, is_bf16);
+                store(x, base + i, x1 * cos[i] - x2 * sin[i], is_bf16);
+                store(x, base + half + i, x2 * cos[i] + x1 * sin[i], is_bf16);
+            }
+        }
+    }
+}
+
+void rotary_embedding(const int64_t *positions, void *q, int64_t q_row_stride, int q_heads, void *k,
+                      int64_t k_row_stride, int k_heads, const float *cos_sin, int64_t rows, int head_dim,
+                      int is_bf16, int num_threads) {
+    DISPATCH(rotate, q, q_row_stride, q_heads, positions, cos_sin, rows, head_dim, num_threads);
+    DISPATCH(rotate, k, k_row_stride, k_heads, positions, cos_sin, rows, head_dim, num_threads);
+}
