@@ -2,7 +2,7 @@
  * SiLU-and-multiply and rotary embedding. Meaning: kernels/torch_ref.py functions of the same
  * names. In torch each is a chain of operators (casts to float32, pow, mean, rsqrt, mul, cast
  * back) with a temporary tensor per step; in a prefill step of 2048 tokens those chains took a
- * third of the forward (docs/kernels.md). bfloat16 results are rounded where the reference rounds,
+ * third of the forward. bfloat16 results are rounded where the reference rounds,
  * so only the float32 summation order differs.
  *
  * Rows are shared among torch's OpenMP threads (see decode_attention.c); small batches stay on one.
