@@ -12,7 +12,9 @@ from inference import gguf_loader
 from inference.config import ModelConfig
 from inference.distributed import SINGLE, ParallelConfig
 from inference.gguf_files import is_gguf
-from inference.layers.linear import copy_checked
+from inference.layers import onednn
+from inference.layers.embedding import ParallelLMHead
+from inference.layers.linear import LinearBase, copy_checked
 from inference.models.llama import LlamaForCausalLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -134,7 +136,20 @@ def load_model(args, cfg: ModelConfig, ops, dtype, device, max_model_len: int, p
         process_weights_after_loading(model)
     else:
         load_weights(model, args.model, progress)
+    onednn.warm_up(packed_gemms(model, max_rows=args.max_num_batched_tokens, max_logit_rows=args.max_num_seqs))
     return model.eval()
+
+
+def packed_gemms(model, *, max_rows: int, max_logit_rows: int) -> list[tuple]:
+    """(oneDNN-packed weight, bias, most rows) of every linear layer and of the logits GEMM."""
+    gemms = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)  # quantized formats hold other parameters
+        if isinstance(module, LinearBase) and weight is not None and weight.is_mkldnn:
+            gemms.append((weight, module.bias, max_rows))
+        elif isinstance(module, ParallelLMHead) and module.packed is not None:
+            gemms.append((module.packed, None, max_logit_rows))
+    return gemms
 
 
 def default_weight_loader(param, loaded, shard_id=None) -> None:

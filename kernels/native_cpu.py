@@ -4,7 +4,7 @@
   sequence's K/V out of the paged cache into a padded batch (write it, then read it again); the
   C kernel reads the blocks in place.
 - csrc/elementwise.c: residual add + RMSNorm, SiLU-and-multiply and rotary, one pass each where
-  torch runs a chain of operators with a temporary per step.
+  torch runs a chain of operators with a temporary per step; and the K/V store into the caches.
 
 The library is compiled on first use with the system C compiler (`cc`, or $CC) for this
 machine's CPU and cached under $TESSERA_KERNEL_CACHE (default ~/.cache/tessera/kernels). When
@@ -89,11 +89,13 @@ def open_library(path: Path):
         "fused_add_rms_norm": [ptr] * 5 + [i64, i32, f32, i32, i32],
         "silu_and_mul": [ptr, ptr, i64, i32, i32, i32],
         "rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i32, i32],
+        "store_kv_cache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
     }
+    returns = {"paged_decode_attention": ctypes.c_int, "store_kv_cache": i64}
     for name, argtypes in declared.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name == "paged_decode_attention" else None
+        fn.restype = returns.get(name)
     return lib
 
 
@@ -177,3 +179,23 @@ def rotary_embedding(positions, q, k, cos_sin_cache, library=None) -> None:
     (library or load()).rotary_embedding(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
         cos_sin_cache.data_ptr(), q.shape[0], q.shape[-1], SUPPORTED_DTYPES[q.dtype], torch.get_num_threads())
+
+
+def supports_store(k, v, k_cache, v_cache) -> bool:
+    """[T, Hkv, D] rows whose heads are contiguous (views into the QKV output), in the caches' dtype."""
+    rows_ok = all(t.device.type == "cpu" and t.dtype == k_cache.dtype and t.stride(-1) == 1
+                  and t.stride(-2) == t.shape[-1] and t.shape[1:] == k_cache.shape[2:] for t in (k, v))
+    caches_ok = k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+    return rows_ok and caches_ok and v_cache.dtype == k_cache.dtype and k.shape[0] == v.shape[0]
+
+
+def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, library=None) -> None:
+    """Same meaning as torch_ref.store_kv_cache: k, v [T, Hkv, D] into the caches at slot_mapping."""
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    element = k.element_size()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    bad = (library or load()).store_kv_cache(
+        k.data_ptr(), k.stride(0) * element, v.data_ptr(), v.stride(0) * element, k_cache.data_ptr(),
+        v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * element, num_slots)
+    if bad >= 0:
+        raise IndexError(f"slot {int(slot_mapping[bad])} of token {bad} is past the cache's {num_slots} slots")

@@ -98,9 +98,13 @@ def torch_primitives():
         impl = native_cpu if native_cpu.supports_rotary(q, k, cos_sin_cache) else torch_ref
         impl.rotary_embedding(positions, q, k, cos_sin_cache)
 
+    def store_kv_cache(k, v, k_cache, v_cache, slot_mapping):
+        impl = native_cpu if native_cpu.supports_store(k, v, k_cache, v_cache) else torch_ref
+        impl.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
     chosen = {name: getattr(torch_ref, name) for name in PRIMITIVES}
     chosen.update(paged_decode_attention=paged_decode_attention, fused_add_rms_norm=fused_add_rms_norm,
-                  silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding)
+                  silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding, store_kv_cache=store_kv_cache)
     return SimpleNamespace(**chosen)
 
 

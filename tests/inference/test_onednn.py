@@ -61,3 +61,33 @@ def test_engine_on_cpu_runs_every_dense_linear_packed(tiny_model_dir):
     # The memory breakdown still counts the weights once (packing replaces the dense copy).
     dense = sum(m.weight.numel() * 4 for m in linears)
     assert llm.llm_engine.memory["weights_bytes"] >= dense
+
+
+def test_row_counts_are_every_padded_size_up_to_the_limit():
+    counts = onednn.row_counts(2048)
+    assert counts == sorted(set(counts)) and len(counts) == 72
+    assert all(onednn.padded_rows(rows) in counts for rows in range(1, 2049))
+    assert counts[:16] == list(range(1, 17)) and counts[-1] == 2048
+
+
+def test_start_up_runs_every_gemm_shape_at_every_row_count_before_any_request(tiny_model_dir, monkeypatch):
+    """The engine builds oneDNN's primitives at load (a first call of a shape costs milliseconds)."""
+    warmed = set()
+    real_linear = onednn.linear
+
+    def recording(x, packed, bias=None):
+        warmed.add((tuple(packed.shape), bias is not None, onednn.padded_rows(x.shape[0])))
+        return real_linear(x, packed, bias)
+
+    monkeypatch.setattr(onednn, "linear", recording)
+    llm = LLM(model=tiny_model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256,
+              max_num_batched_tokens=200, max_num_seqs=12)
+    model = llm.llm_engine.model
+    shapes = {(tuple(m.weight.shape), m.bias is not None) for m in model.modules() if isinstance(m, LinearBase)}
+    expected = {(shape, bias, rows) for shape, bias in shapes for rows in onednn.row_counts(200)}
+    expected |= {(tuple(model.lm_head.packed.shape), False, rows) for rows in onednn.row_counts(12)}
+    assert warmed == expected
+    # Serving calls what was built: any step's GEMMs are at row counts already warmed.
+    warmed.clear()
+    llm.generate([{"prompt_token_ids": list(range(3, 60))}] * 3, use_tqdm=False)
+    assert warmed <= expected

@@ -186,9 +186,47 @@ def test_rotary_on_views_of_the_fused_qkv_output(lib, dtype):
     assert torch.equal(v, untouched_v)  # rows are strided: nothing outside q and k is written
 
 
+def _qkv_views(tokens, heads, kv_heads, dim, dtype, seed):
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=seed, device="cpu")
+    _q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    return k.reshape(tokens, kv_heads, dim), v.reshape(tokens, kv_heads, dim)  # strided, as in the model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_views_of_the_qkv_output_into_their_slots_only(lib, dtype):
+    blocks, block_size, kv_heads, dim, tokens = 12, 16, 3, 64, 50
+    k, v = _qkv_views(tokens, 9, kv_heads, dim, dtype, seed=7)
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(8))[:tokens]
+    slots[[3, 17, 40]] = -1  # padding rows: skipped
+    caches = [torch.full((blocks, block_size, kv_heads, dim), float("nan"), dtype=dtype) for _ in range(4)]
+    torch_ref.store_kv_cache(k, v, caches[0], caches[1], slots)
+    assert native_cpu.supports_store(k, v, caches[2], caches[3])
+    native_cpu.store_kv_cache(k, v, caches[2], caches[3], slots, lib)
+    for ours, reference in ((caches[2], caches[0]), (caches[3], caches[1])):
+        assert torch.equal(ours.isnan(), reference.isnan())  # the same slots written, every other left alone
+        assert torch.equal(ours.nan_to_num(), reference.nan_to_num())
+
+
+def test_store_kv_refuses_a_slot_past_the_cache_and_writes_nothing(lib):
+    k, v = _qkv_views(4, 8, 2, 64, torch.float32, seed=9)
+    k_cache, v_cache = torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64)
+    with pytest.raises(IndexError, match="slot 32 of token 2"):
+        native_cpu.store_kv_cache(k, v, k_cache, v_cache, torch.tensor([0, 1, 32, 3]), lib)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_store_kv_falls_back_for_other_layouts_and_dtypes():
+    k, v = _qkv_views(4, 8, 2, 64, torch.float32, seed=10)
+    cache = torch.zeros(2, 16, 2, 64)
+    assert not native_cpu.supports_store(k, v, cache.bfloat16(), cache.bfloat16())  # the reference casts
+    assert not native_cpu.supports_store(k.transpose(0, 1), v, cache, cache)
+    assert not native_cpu.supports_store(k, v, cache.transpose(1, 2), cache)
+    assert not native_cpu.supports_store(k, v, torch.zeros(2, 16, 4, 32), torch.zeros(2, 16, 4, 32))  # not its rows
+
+
 def test_torch_backend_routes_the_elementwise_kernels(lib):
     ops = get_ops("torch")
-    for name in ("fused_add_rms_norm", "silu_and_mul", "rotary_embedding"):
+    for name in ("fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "store_kv_cache"):
         assert getattr(ops.p, name) is not getattr(torch_ref, name)
     # float16 is not compiled in: the reference answers.
     x = randn(4, 64, dtype=torch.float16, seed=1, device="cpu")
