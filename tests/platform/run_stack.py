@@ -19,6 +19,7 @@ import pytest
 from tessera.embedded_redis import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+WEB_PROCESS = "-m tessera.web"  # what a web process's command line contains (the default WEB_SERVER)
 
 
 def descendants(pid: int) -> set[int]:
@@ -130,7 +131,7 @@ class RunStack:
         return found
 
     def redis_url(self) -> str:
-        return environ(self.pid("tessera.asgi:application"))["REDIS_URL"]
+        return environ(self.pid(WEB_PROCESS))["REDIS_URL"]
 
     def close(self) -> None:
         if self.process.poll() is None:  # the test failed midway: take everything down

@@ -2,9 +2,12 @@
 import os
 import re
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from django.contrib.auth import get_user_model
@@ -33,18 +36,60 @@ def test_service_commands_use_the_project_entry_points(tmp_path):
     assert (REPO / "platform/engine_client/management/commands/engine.py").exists()
     assert commands["worker"][1:6] == ["-m", "celery", "-A", "tessera", "worker"]
     assert commands["beat"][1:6] == ["-m", "celery", "-A", "tessera", "beat"]
-    assert commands["web"][-1] == "tessera.asgi:application" and "9002" in commands["web"]
+    assert commands["web"][1:] == ["-m", "tessera.web", "--host", "127.0.0.1", "--port", "9002"]
+    daphne = run.service_commands(run.RunConfig.from_env({"WEB_SERVER": "daphne", "TESSERA_VAR_DIR": str(tmp_path)}))
+    assert daphne["web"][1:] == ["-m", "daphne", "-b", "127.0.0.1", "-p", "8000", "tessera.asgi:application"]
+    with pytest.raises(SystemExit, match="WEB_SERVER='gunicorn'"):
+        run.RunConfig.from_env({"WEB_SERVER": "gunicorn", "TESSERA_VAR_DIR": str(tmp_path)})
 
 
-def test_several_web_processes_accept_on_one_shared_socket(tmp_path):
-    cfg = run.RunConfig.from_env({"WEB_PROCESSES": "3", "TESSERA_VAR_DIR": str(tmp_path)})
+@pytest.mark.parametrize("server", run.WEB_SERVERS)
+def test_several_web_processes_accept_on_one_shared_socket(tmp_path, server):
+    cfg = run.RunConfig.from_env({"WEB_PROCESSES": "3", "WEB_SERVER": server, "TESSERA_VAR_DIR": str(tmp_path)})
     commands = run.service_commands(cfg, web_fd=7)
     assert [name for name in commands if name.startswith("web")] == ["web", "web-2", "web-3"]
-    assert all(commands[name][-3:] == ["--fd", "7", "tessera.asgi:application"] for name in ("web", "web-2", "web-3"))
+    assert all(commands[name] == run.web_command(server, fd=7) for name in ("web", "web-2", "web-3"))
+    assert ["--fd", "7"] == run.web_command(server, fd=7)[3:5]
     with pytest.raises(ValueError):
         run.service_commands(cfg)  # no socket to share
     with pytest.raises(SystemExit):
         run.RunConfig.from_env({"WEB_PROCESSES": "0", "TESSERA_VAR_DIR": str(tmp_path)})
+
+
+def test_the_web_server_on_an_inherited_socket_sees_each_client_address(tmp_path):
+    """WEB_PROCESSES > 1: each web process accepts on the socket `make run` listens on, and the client's
+    own address reaches the request (the access log shows it), not one a client forges in
+    X-Forwarded-For: the login throttle counts failures per address (only compose, behind its
+    proxy, passes --proxy-headers)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tessera.settings.test", "TESSERA_VAR_DIR": str(tmp_path),
+           "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'platform'}"}
+    log = tmp_path / "web.log"
+    with open(log, "wb") as out:
+        web = subprocess.Popen(run.web_command("uvicorn", fd=listener.fileno()), pass_fds=(listener.fileno(),),
+                               cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the kernel queues connections on the socket until the server accepts them
+            assert web.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/accounts/login/", timeout=30,
+                                   headers={"X-Forwarded-For": "203.0.113.9"}).status_code
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        assert status == 200
+        access_line = re.compile(r'127\.0\.0\.1:\d+ - "GET /accounts/login/ HTTP/1\.1" 200')
+        while not access_line.search(log.read_text()):
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert "203.0.113.9" not in log.read_text()
+    finally:
+        web.terminate()
+        web.wait(30)
+        listener.close()
 
 
 def test_a_model_that_is_neither_a_folder_nor_a_gguf_file_is_refused(tmp_path):

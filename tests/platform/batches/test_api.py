@@ -2,7 +2,7 @@
 
 The client talks HTTP to the real Django application in-process (httpx's WSGI transport), so these
 run inside pytest-django's test transaction; tests/platform/batches/test_batches_live.py drives the
-same API against daphne, Celery and an engine worker.
+same API against the web server, Celery and an engine worker.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Batches end to end: the official `openai` client against daphne + a REAL Celery worker (and beat)
+"""Batches end to end: the official `openai` client against the web server + a REAL Celery worker (and beat)
 + an engine worker with the tiny model + a private Redis + a SQLite file.
 
 Covers: a 200-line batch (every custom_id exactly once; greedy outputs equal the same requests sent

@@ -1,5 +1,5 @@
 """Headless Debian Chromium (driven by Playwright) against the live stack in its own processes:
-daphne, a `manage.py engine` worker on the tiny model, a private redis-server and an SQLite file
+the web server (uvicorn), a `manage.py engine` worker on the tiny model, a private redis-server and an SQLite file
 (tests/platform/live_stack.py), started with the dev settings so that static files are served.
 
 Walks what a person does: sign up, chat and watch tokens arrive, stop, regenerate, find the

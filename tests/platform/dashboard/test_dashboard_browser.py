@@ -1,8 +1,8 @@
-"""The dashboard in headless Debian Chromium against a live daphne: charts drawn with data, and the
+"""The dashboard in headless Debian Chromium against a live web server: charts drawn with data, and the
 live engine panel updating from a heartbeat this test publishes in Redis (no engine worker needed).
 
 The stack runs in its own processes (own redis-server, SQLite file with 30 days of synthetic usage,
-a real engine worker on the tiny model, daphne serving the ASGI app and WhiteNoise static files from
+a real engine worker on the tiny model, the web server serving the ASGI app and WhiteNoise static files from
 `make assets`); the test also plays a second worker by writing heartbeats to that Redis itself.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ import redis
 
 from tessera import embedded_redis
 from tessera.embedded_redis import free_port
+from tessera.run import WEB_SERVERS, web_command
 from inference import protocol as redis_keys
 from tests.platform.browser_output import save_screenshot
 
@@ -110,7 +111,7 @@ def _answers(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    """Own redis-server, SQLite file with 30 days of usage, a real engine worker, and daphne."""
+    """Own redis-server, SQLite file with 30 days of usage, a real engine worker, and the web server."""
     assert (REPO / "var/assets/vendor/chart.umd.min.js").exists(), "chart.js missing: run `make assets`"
     tmp = tmp_path_factory.mktemp("dashboard-live")
     redis_url, redis_proc = embedded_redis.start(data_dir=str(tmp))
@@ -124,10 +125,9 @@ def server(tmp_path_factory, tiny_model_dir):
         api_key = _manage(env, "create_api_key", "staff", "--name", "browser-test").strip().splitlines()[-1]
         procs["engine"] = (_spawn(env, tmp / "engine.log", sys.executable, "manage.py", "engine"), tmp / "engine.log")
         port = free_port()
-        procs["daphne"] = (_spawn(env, tmp / "daphne.log", sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p",
-                                  str(port), "tessera.asgi:application"), tmp / "daphne.log")
+        procs["web"] = (_spawn(env, tmp / "web.log", *web_command(WEB_SERVERS[0], port=port)), tmp / "web.log")
         url = f"http://127.0.0.1:{port}"
-        _wait(lambda: _answers(url + "/dashboard/"), "daphne", procs)
+        _wait(lambda: _answers(url + "/dashboard/"), "the web server", procs)
         r = redis.Redis.from_url(redis_url)
         _wait(lambda: r.smembers(redis_keys.WORKERS_SET), "the engine worker", procs)
         yield Server(url=url, redis_url=redis_url, env=env, api_key=api_key)

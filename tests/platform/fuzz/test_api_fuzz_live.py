@@ -1,4 +1,4 @@
-"""schemathesis against a live stack (daphne + a tiny-model engine worker): the requests that pass every check
+"""schemathesis against a live stack (web server + a tiny-model engine worker): the requests that pass every check
 reach the engine here, so the sampling-parameter and engine-side paths are fuzzed too.
 """
 from __future__ import annotations

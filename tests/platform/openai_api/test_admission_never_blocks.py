@@ -75,7 +75,7 @@ async def _large_and_small(raw_key):
 
     holding = asyncio.ensure_future(generation.bookkeeping(hold, large=True)())
     await asyncio.to_thread(held.wait, 10)
-    # The API's own ASGI handler, as daphne runs it (the test client's stack adds browser middleware
+    # The API's own ASGI handler, as the web server runs it (the test client's stack adds browser middleware
     # that serializes requests on one thread).
     from tessera.asgi import api_asgi_app
 

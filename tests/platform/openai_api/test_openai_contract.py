@@ -1,4 +1,4 @@
-"""The official `openai` client against a live daphne + engine worker + Redis (tiny model)."""
+"""The official `openai` client against a live web server + engine worker + Redis (tiny model)."""
 from __future__ import annotations
 
 import httpx

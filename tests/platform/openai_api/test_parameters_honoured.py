@@ -114,7 +114,7 @@ def test_the_largest_64_bit_seed_is_honoured(client, live_stack):
 def test_harmless_openai_fields_are_logged_not_refused(client, live_stack):
     reply = chat(client, live_stack, HELLO, metadata={"k": "v"}, store=False, service_tier="auto")
     assert reply.choices[0].finish_reason == "length"
-    log = (live_stack.log_dir / "daphne.log").read_text()
+    log = (live_stack.log_dir / "web.log").read_text()
     assert "were present in the request but ignored: ['metadata', 'service_tier', 'store']" in log
 
 

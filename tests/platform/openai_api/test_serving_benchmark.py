@@ -63,7 +63,7 @@ def test_process_cpu_time_is_read_for_another_process_and_this_one():
 
 def test_cpu_table_sums_the_served_processes_and_subtracts_the_bare_engine():
     stats = {"mean": 1.0, "p50": 1.0, "p99": 1.0}
-    cpu = {"bare engine": 1000.0, "engine0": 1100.0, "daphne": 120.0, "redis": 20.0, "benchmark client": 40.0}
+    cpu = {"bare engine": 1000.0, "engine0": 1100.0, "web": 120.0, "redis": 20.0, "benchmark client": 40.0}
     report = {"machine": "m", "workload": {"stream_interval": 1}, "rates": {"inf": {
         "completed": 3, "failed": 0, "request_throughput": 1.0, "output_tok_s": 80.0, "ttft_ms": stats,
         "tpot_ms": stats, "itl_ms": stats, "cpu_us_per_token": cpu}}}

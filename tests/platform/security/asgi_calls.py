@@ -9,7 +9,7 @@ from django.conf import settings
 
 
 def call(method: str, path: str, **kwargs) -> httpx.Response:
-    """One request through tessera.asgi.application, as daphne would hand it over."""
+    """One request through tessera.asgi.application, as the web server hands it over."""
     return asyncio.run(_call(method, path, **kwargs))
 
 

@@ -1,4 +1,5 @@
-"""daphne on the real ASGI app (dev settings), with its own SQLite file and a redis-server a test may stop."""
+"""The web server (as `make run` starts it) on the real ASGI app (dev settings), with its own SQLite
+file and a redis-server a test may stop."""
 from __future__ import annotations
 
 import os
@@ -11,13 +12,15 @@ from pathlib import Path
 import httpx
 
 from tessera import embedded_redis
+from tessera.run import WEB_SERVERS, web_command
+from tessera.web import GRACEFUL_SHUTDOWN_S
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 USERNAME, PASSWORD = "outage", "pw-long-enough-1"
 
 
 class Server:
-    """daphne serving tessera.asgi:application for one test; start() migrates, makes a user and an API key."""
+    """The web server serving tessera.asgi:application for one test; start() migrates, makes a user and an API key."""
 
     def __init__(self, work_dir: Path, **env: str):
         self.work_dir = work_dir
@@ -28,8 +31,8 @@ class Server:
                     "REDIS_URL": self.redis_url, "DATABASE_URL": f"sqlite:///{work_dir / 'db.sqlite3'}",
                     "TESSERA_VAR_DIR": str(work_dir), "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}",
                     **env}
-        self.log_path = work_dir / "daphne.log"
-        self.daphne = None
+        self.log_path = work_dir / "web.log"
+        self.web = None
 
     def manage(self, *args: str) -> str:
         done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO_DIR, env=self.env, capture_output=True,
@@ -42,18 +45,17 @@ class Server:
                                    f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r})")
         api_key = self.manage("create_api_key", USERNAME).strip().splitlines()[-1]
         with open(self.log_path, "wb") as log:
-            self.daphne = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                                            "tessera.asgi:application"], cwd=REPO_DIR, env=self.env, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
+            self.web = subprocess.Popen(web_command(WEB_SERVERS[0], port=self.port), cwd=REPO_DIR, env=self.env,
+                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            assert self.daphne.poll() is None, self.log_path.read_text()
+            assert self.web.poll() is None, self.log_path.read_text()
             try:
                 httpx.get(self.url("/health"), timeout=2)
                 return api_key
             except httpx.TransportError:
                 time.sleep(0.2)
-        raise AssertionError("daphne did not answer within 120 s:\n" + self.log_path.read_text())
+        raise AssertionError("the web server did not answer within 120 s:\n" + self.log_path.read_text())
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -66,9 +68,11 @@ class Server:
         _url, self.redis = embedded_redis.start(port=self.redis_port, data_dir=str(self.work_dir))
 
     def stop(self) -> None:
-        if self.daphne is not None and self.daphne.poll() is None:
-            self.daphne.terminate()
-            self.daphne.wait(10)
+        if self.web is not None and self.web.poll() is None:
+            self.web.terminate()
+            # A refused websocket's consumer may still sit in channels_redis's BRPOP (5 s), which
+            # uvicorn waits out for at most GRACEFUL_SHUTDOWN_S.
+            self.web.wait(GRACEFUL_SHUTDOWN_S + 10)
         if self.redis.poll() is None:
             self.stop_redis()
 

@@ -1,6 +1,6 @@
 """Bad input on the machine-facing paths gets a 4xx in the OpenAI envelope, never a 500 (issue 21, item 3).
 
-Every request goes through the real ASGI application (the lean API handler daphne serves /v1 with).
+Every request goes through the real ASGI application (the lean API handler the web server serves /v1 with).
 """
 from __future__ import annotations
 

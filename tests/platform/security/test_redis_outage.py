@@ -1,4 +1,4 @@
-"""Redis going away under a live daphne (dev settings, DEBUG on, as `make run` serves): the machine paths
+"""Redis going away under a live web server (dev settings, DEBUG on, as `make run` serves): the machine paths
 answer 503 in the envelope, never a 500 or a DEBUG page, and recover once Redis is back, without a restart.
 """
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.platform.security.live_daphne import Server
+from tests.platform.security.live_web import Server
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The websockets accept only pages of this site: a cross-site page (or none) cannot open one with the
-user's cookie. Against a live daphne whose ALLOWED_HOSTS are set as in a deployment.
+user's cookie. Against a live web server whose ALLOWED_HOSTS are set as in a deployment.
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.platform.security.live_daphne import Server
+from tests.platform.security.live_web import Server
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,46 @@
+"""The web process: uvicorn (uvloop, httptools) serving tessera.asgi:application, HTTP and websockets.
+
+    python -m tessera.web --host 127.0.0.1 --port 8000
+    python -m tessera.web --fd 3          (accept on an inherited listening socket: WEB_PROCESSES > 1)
+
+Chosen over daphne by CPU time per streamed token (README, "Serving over HTTP"); WEB_SERVER=daphne
+still runs daphne. `make run`, compose and the Dockerfile all start this module, so the server's
+settings live here once.
+"""
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+ASGI_APP = "tessera.asgi:application"
+# On SIGTERM open streams get this long to finish (the engine drains meanwhile), then are closed.
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def config(*, host: str, port: int, fd: int | None, proxy_headers: bool) -> uvicorn.Config:
+    return uvicorn.Config(
+        ASGI_APP, host=host, port=port, fd=fd, loop="uvloop", http="httptools", ws="websockets",
+        lifespan="off",  # Django's ASGI handler does not speak the lifespan protocol
+        # As daphne: X-Forwarded-* is believed only when asked for (behind compose's proxy), then from any peer.
+        proxy_headers=proxy_headers, forwarded_allow_ips="*" if proxy_headers else None,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--fd", type=int, help="an inherited listening socket to accept on instead")
+    parser.add_argument("--proxy-headers", action="store_true", help="trust X-Forwarded-For/-Proto")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    uvicorn.Server(config(host=args.host, port=args.port, fd=args.fd, proxy_headers=args.proxy_headers)).run()
+
+
+if __name__ == "__main__":
+    main()
