@@ -73,6 +73,14 @@ def test_head_sizes(lib, head_dim, dtype):
     _check(lib, [3, 17, 40], 2, 3, head_dim, 8, dtype, seed=8)
 
 
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 2), (64, 3), (64, 4), (64, 5), (128, 1), (128, 2),
+                                            (128, 3)])
+def test_every_bfloat16_query_group_layout(lib, head_dim, group):
+    # The grouped V loop has an instance per group that fits in registers (64: up to 4 heads a
+    # KV head, 128: up to 2); the next group size up takes the general loop.
+    _check(lib, [1, 16, 17, 300], 2, group, head_dim, 16, torch.bfloat16, seed=11)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_many_sequences_any_thread_count(lib, threads):
     # More sequences than threads, very uneven lengths (dynamic sharing of the work), some long
