@@ -21,7 +21,6 @@ import functools
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -29,7 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.common import bench_model_dir, machine_line, print_table, random_workload
-from benchmarks.peers import HOW_TO, VLLM_ENV, engine_command, kill_group
+from benchmarks.peers import HOW_TO, engine_command, kill_group
 from benchmarks.serving import launch_stack, measure_rates, stack_pids
 from tessera.run import WEB_SERVERS  # platform/ is on sys.path once benchmarks.serving is imported
 

@@ -52,14 +52,14 @@ def row_counts(max_rows: int) -> list[int]:
     return sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
 
 
-def warm_up(gemms) -> int:
+def warm_up(gemms) -> None:
     """Build oneDNN's primitive of every GEMM shape a model will run, now, at start-up.
 
     gemms: (packed weight, bias or None, most rows) per linear layer. The first call of a shape
     builds its primitive: about 2 ms more per call in bfloat16 (AMX), 0.5 ms in float32, measured
     at 100..480 rows of a 512 -> 2816 weight. Without this a server pays it on requests, 4 GEMM
     shapes a layer on the first prompt of each padded length, which showed in its TTFT. Primitives
-    are cached by shape, not by weight, so one layer of each shape is enough. Returns how many.
+    are cached by shape, not by weight, so one layer of each shape is enough.
     """
     seen = set()
     for packed, bias, max_rows in gemms:
@@ -68,7 +68,6 @@ def warm_up(gemms) -> int:
             if key not in seen:
                 seen.add(key)
                 linear(torch.zeros(rows, packed.shape[1], dtype=packed.dtype), packed, bias)
-    return len(seen)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
