@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from inference import protocol as p
+from tessera.redis_async import pool_kwargs
 
 POLL_MS = 1000  # how long one XREAD blocks before liveness is re-checked
 NO_WORKER_GRACE_S = 5.0
@@ -466,8 +467,9 @@ ASYNC_POOL_WAIT_S = 20
 
 
 def _async_pool() -> aioredis.BlockingConnectionPool:
-    return aioredis.BlockingConnectionPool.from_url(settings.REDIS_URL, max_connections=ASYNC_POOL_CONNECTIONS,
-                                                    timeout=ASYNC_POOL_WAIT_S)
+    """Cancel-safe connections (tessera.redis_async): a cancelled stream or lease task really stops."""
+    return aioredis.BlockingConnectionPool(**pool_kwargs(settings.REDIS_URL, max_connections=ASYNC_POOL_CONNECTIONS,
+                                                         timeout=ASYNC_POOL_WAIT_S))
 
 
 # Read-only shortcuts for callers outside the generation path (dashboard, /metrics, chat's model list).

@@ -5,6 +5,7 @@ from pathlib import Path
 import dj_database_url
 
 from tessera.exposure import DEV_SECRET_KEY
+from tessera.redis_async import pool_kwargs
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 PLATFORM_DIR = REPO_DIR / "platform"
@@ -113,9 +114,10 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 def channel_layers(redis_url: str) -> dict:
     """The layer waits up to 5 s in BZPOPMIN, and redis-py >= 8 also gives up on a socket read after
     5 s by default: a reply a little late (a busy machine) crashed the websocket consumer, so its
-    reads get a longer timeout."""
+    reads get a longer timeout. Its connections are redis_async's, so a consumer's cancellation is
+    never lost (Python 3.11's wait_for can drop one)."""
     return {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                        "CONFIG": {"hosts": [{"address": redis_url, "socket_timeout": 30}]}}}
+                        "CONFIG": {"hosts": [pool_kwargs(redis_url, socket_timeout=30)]}}}
 
 
 CHANNEL_LAYERS = channel_layers(REDIS_URL)
