@@ -12,6 +12,7 @@ Both the channel layer and the engine client build their pools from pool_kwargs(
 from __future__ import annotations
 
 import asyncio
+
 import redis.asyncio as aioredis
 from redis.asyncio.connection import parse_url
 from redis.exceptions import TimeoutError as RedisTimeoutError

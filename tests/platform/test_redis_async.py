@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 
 import pytest
 import redis.asyncio as aioredis
@@ -18,40 +19,43 @@ from tessera import redis_async
 STEPS = 12  # loop turns to cancel after: from before the write starts to after it has finished
 
 
-async def swallowed_steps(connection_class) -> list[int]:
-    """The loop turns at which cancelling a task in a write let the task carry on."""
+async def cancel_at_every_turn(connection_class) -> tuple[list[int], list[int]]:
+    """(the loop turns at which a cancel found the writing task still running, those at which the
+    task then carried on regardless)."""
     pool = aioredis.ConnectionPool(**{**redis_async.pool_kwargs(settings.REDIS_URL), "connection_class": connection_class})
     connection = await pool.get_connection()
-    swallowed = []
+    landed, swallowed = [], []
+
+    async def drain_over_turns():  # a socket write that takes a few loop turns, as a full buffer does
+        for _ in range(3):
+            await asyncio.sleep(0)
+
     try:
         for step in range(STEPS):
-            carried_on = []
-
-            async def write():
-                await connection.send_command("PING")
-                carried_on.append(step)
-
-            task = asyncio.ensure_future(write())
+            connection._writer.drain = drain_over_turns
+            task = asyncio.ensure_future(connection.send_command("PING"))
             for _ in range(step):
                 await asyncio.sleep(0)
-            cancelled = task.cancel()
+            if task.cancel() and step > 0:  # step 0: cancelled before it began
+                landed.append(step)
             await asyncio.gather(task, return_exceptions=True)
-            if cancelled and not task.cancelled():
+            if step in landed and not task.cancelled():
                 swallowed.append(step)
             await connection.disconnect()  # a fresh connection for the next step (no PONG left unread)
             await connection.connect()
     finally:
         await pool.disconnect()
-    return swallowed
+    return landed, swallowed
 
 
 def test_a_cancelled_write_always_ends_the_task():
-    assert asyncio.run(swallowed_steps(redis_async.CancelSafeConnection)) == []
+    landed, swallowed = asyncio.run(cancel_at_every_turn(redis_async.CancelSafeConnection))
+    assert len(landed) >= 2 and swallowed == []  # cancels did land mid-write, and every one ended it
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="CPython 3.12 fixed wait_for")
 def test_the_probe_catches_stock_redis_py_losing_the_cancellation():
-    assert asyncio.run(swallowed_steps(aioredis.Connection)) != []
+    assert asyncio.run(cancel_at_every_turn(aioredis.Connection))[1] != []
 
 
 @pytest.mark.parametrize("url, expected", [
@@ -89,3 +93,27 @@ def test_the_channel_layer_and_the_engine_client_use_cancel_safe_connections():
         return layer_pool.connection_class, engine.aclient().r.connection_pool.connection_class
 
     assert asyncio.run(classes()) == (redis_async.CancelSafeConnection, redis_async.CancelSafeConnection)
+
+
+async def leave_receivers(layer, count: int, delay: float) -> None:
+    """What a test's event loop did: consumers still receiving when the loop ends (asyncio.run
+    then cancels them)."""
+    for _ in range(count):
+        asyncio.ensure_future(layer.receive(await layer.new_channel()))
+    await asyncio.sleep(delay)
+
+
+def test_receives_cancelled_by_asyncio_run_never_hang_it():
+    """The CI hang itself, loop after loop: with stock connections it hung within a few dozen."""
+    layer = get_channel_layer()
+    delays = [0, 0.0005, 0.002, 0.01, 0.03]
+
+    def loops():
+        for i in range(80):
+            asyncio.run(leave_receivers(layer, 1 + i % 3, delays[i % len(delays)]))
+
+    runner = threading.Thread(target=loops, daemon=True)  # daemon: a hang fails the test, not the run
+    runner.start()
+    runner.join(120)
+    assert not runner.is_alive(), "asyncio.run waited for ever on a cancelled channel-layer receive"
+    assert layer.receive_count == 0  # every receive ended
