@@ -102,7 +102,7 @@ def measure(servers: dict, dtype: str, work, rates: list[float], repeats: int) -
             for rate, s in measured.items():
                 print(f"{dtype} {engine} run {repeat + 1} rate {rate}: {s['output_tok_s']:,.0f} tok/s, "
                       f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, ITL p50 {s['itl_ms']['p50']:.1f} ms, "
-                      f"failed {s['failed']}", flush=True)
+                      f"failed {s['failed']}" + (f" {s['errors']}" if s["failed"] else ""), flush=True)
             runs[engine].append(measured)
     return runs
 

@@ -16,6 +16,10 @@ import uvicorn
 ASGI_APP = "tessera.asgi:application"
 # On SIGTERM open streams get this long to finish (the engine drains meanwhile), then are closed.
 GRACEFUL_SHUTDOWN_S = 10
+# An idle keep-alive connection stays open longer than clients keep theirs (httpx and the openai SDK
+# 5 s, aiohttp 15 s, load balancers 60 s). A server that closes first races a client's next request
+# on that connection, which then fails without ever reaching the server (uvicorn's default is 5 s).
+KEEP_ALIVE_S = 75
 
 
 def config(*, host: str, port: int, fd: int | None, proxy_headers: bool) -> uvicorn.Config:
@@ -24,7 +28,7 @@ def config(*, host: str, port: int, fd: int | None, proxy_headers: bool) -> uvic
         lifespan="off",  # Django's ASGI handler does not speak the lifespan protocol
         # As daphne: X-Forwarded-* is believed only when asked for (behind compose's proxy), then from any peer.
         proxy_headers=proxy_headers, forwarded_allow_ips="*" if proxy_headers else None,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
     )
 
 
