@@ -306,14 +306,15 @@ FINAL_TIMESTAMPS = {Batch.Status.COMPLETED: "completed_at", Batch.Status.CANCELL
 
 
 def finalize_batch(batch_id: int, final_status: str) -> None:
-    """-> finalizing -> completed | cancelled | expired, writing the output and error files atomically."""
+    """-> finalizing -> completed | expired, or cancelling -> cancelled, writing the output and error
+    files atomically. A cancelled batch reads "cancelling" until it is "cancelled" (as OpenAI's do):
+    "finalizing" would tell a client that polls it that the batch is completing."""
     batch = Batch.objects.select_related("user").get(pk=batch_id)
     if batch.is_terminal:
         return
-    now = timezone.now()
-    if batch.status != Batch.Status.FINALIZING:
-        Batch.objects.filter(pk=batch_id, status=batch.status).update(status=Batch.Status.FINALIZING,
-                                                                       finalizing_at=now)
+    writing = Batch.Status.CANCELLING if final_status == Batch.Status.CANCELLED else Batch.Status.FINALIZING
+    if batch.status != writing:  # a cancel is cancelling already
+        Batch.objects.filter(pk=batch_id, status=batch.status).update(status=writing, finalizing_at=timezone.now())
         progress.push(batch_id)
     # Read first, then write in one short transaction (SQLite: a reader that turns writer can be refused).
     output = _jsonl(output_line(line) for line in selectors.finished_lines(batch_id, [BatchLine.Status.COMPLETED]))
@@ -323,7 +324,7 @@ def finalize_batch(batch_id: int, final_status: str) -> None:
     with transaction.atomic():
         output_file = _result_file(batch.user, output, f"{base}_output.jsonl")
         error_file = _result_file(batch.user, errors, f"{base}_error.jsonl")
-        finished = Batch.objects.filter(pk=batch_id, status=Batch.Status.FINALIZING).update(
+        finished = Batch.objects.filter(pk=batch_id, status=writing).update(
             status=final_status, output_file=output_file, error_file=error_file, paused_reason="",
             lease_owner="", lease_until=None, **{FINAL_TIMESTAMPS[final_status]: timezone.now()})
         if not finished:  # someone else finalized it meanwhile: keep theirs, drop these files

@@ -96,14 +96,18 @@ def test_finalize_writes_output_and_error_files_with_every_line_once(user):
     assert Batch.objects.get(pk=batch.pk).status == Batch.Status.EXPIRED
 
 
-def test_cancel_transitions_and_refusals(user):
+def test_cancel_transitions_and_refusals(user, monkeypatch):
     batch = started_batch(user)
     cancelled = services.cancel_batch(user, batch.public_id)
     assert cancelled.status == Batch.Status.CANCELLING and cancelled.cancelling_at
     assert services.begin_cancel_or_expiry(batch.pk) == "cancelled"
     services.close_unfinished_lines(batch.pk, BatchLine.Status.CANCELLED, "batch_cancelled", "cancelled")
+    shown = []  # what each progress push (and so every poller) saw
+    monkeypatch.setattr(services.progress, "push", lambda pk: shown.append(Batch.objects.get(pk=pk).status))
     services.finalize_batch(batch.pk, Batch.Status.CANCELLED)
-    assert Batch.objects.get(pk=batch.pk).status == Batch.Status.CANCELLED
+    final = Batch.objects.get(pk=batch.pk)
+    assert final.status == Batch.Status.CANCELLED and final.finalizing_at is None
+    assert shown == [Batch.Status.CANCELLED]  # cancelling until cancelled, never "finalizing" (as OpenAI's)
     done = started_batch(user)
     Batch.objects.filter(pk=done.pk).update(status=Batch.Status.COMPLETED)
     with pytest.raises(Conflict):
