@@ -3,6 +3,9 @@
 - csrc/decode_attention.c: paged decode attention. In torch it must first gather every
   sequence's K/V out of the paged cache into a padded batch (write it, then read it again); the
   C kernel reads the blocks in place.
+- csrc/prefill_attention.c: paged prefill attention (flash attention over the blocks in place, in
+  tiles of query rows sized for the vector registers), where torch runs one SDPA per sequence on a
+  gathered copy at a fraction of the GEMMs' speed.
 - csrc/elementwise.c: residual add + RMSNorm, SiLU-and-multiply and rotary, one pass each where
   torch runs a chain of operators with a temporary per step; and the K/V store into the caches.
 
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "decode_attention.c", CSRC / "elementwise.c"]
+SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c", CSRC / "elementwise.c"]
 HEADERS = [CSRC / "bf16.h"]
 # -ffast-math lets gcc vectorise the dot products and call glibc's vector expf; the kernel never
 # relies on infinities or NaNs (softmax starts from the first score, not -inf). Compile only: linked
@@ -86,12 +89,13 @@ def open_library(path: Path):
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     declared = {
         "paged_decode_attention": [ptr] * 4 + [i64, ptr, ptr] + [i32] * 6 + [f32, i32],
+        "paged_prefill_attention": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i32] * 6 + [f32, i32],
         "fused_add_rms_norm": [ptr] * 5 + [i64, i32, f32, i32, i32],
         "silu_and_mul": [ptr, ptr, i64, i32, i32, i32],
         "rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i32, i32],
         "store_kv_cache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
     }
-    returns = {"paged_decode_attention": ctypes.c_int, "store_kv_cache": i64}
+    returns = {"paged_decode_attention": ctypes.c_int, "paged_prefill_attention": ctypes.c_int, "store_kv_cache": i64}
     for name, argtypes in declared.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
@@ -134,6 +138,36 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, l
         k_cache.shape[1], SUPPORTED_DTYPES[q.dtype], scale, torch.get_num_threads())
     if status:
         raise MemoryError("native decode attention could not allocate its scratch memory")
+    return out
+
+
+MAX_PREFILL_GROUP = 8  # query heads per KV head that the prefill kernel's tiles hold
+
+
+def supports_prefill(q, k_cache) -> bool:
+    """[T, Hq, D] queries whose heads are contiguous within a token, D a multiple of 16."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    return supports(q, k_cache) and head_dim % 16 == 0 and q.stride(2) == 1 and q.stride(1) == head_dim \
+        and num_heads // k_cache.shape[2] <= MAX_PREFILL_GROUP
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, library=None):
+    """Same meaning as torch_ref.paged_prefill_attention; `library` defaults to load()."""
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the paged caches must be contiguous")
+    out = torch.empty(q.shape, dtype=q.dtype)
+    if q.shape[0] == 0:
+        return out
+    status = (library or load()).paged_prefill_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0],
+        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], SUPPORTED_DTYPES[q.dtype], scale,
+        torch.get_num_threads())
+    if status:
+        raise MemoryError("native prefill attention could not allocate its scratch memory")
     return out
 
 

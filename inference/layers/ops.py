@@ -85,6 +85,10 @@ def torch_primitives():
         impl = native_cpu if native_cpu.supports(q, k_cache) else torch_ref
         return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
+    def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
+        impl = native_cpu if native_cpu.supports_prefill(q, k_cache) else torch_ref
+        return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+
     def fused_add_rms_norm(x, residual, weight, eps):
         tensors = (x, weight) if residual is None else (x, residual, weight)
         impl = native_cpu if native_cpu.supports_rows(*tensors) else torch_ref
@@ -103,7 +107,8 @@ def torch_primitives():
         impl.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     chosen = {name: getattr(torch_ref, name) for name in PRIMITIVES}
-    chosen.update(paged_decode_attention=paged_decode_attention, fused_add_rms_norm=fused_add_rms_norm,
+    chosen.update(paged_decode_attention=paged_decode_attention, paged_prefill_attention=paged_prefill_attention,
+                  fused_add_rms_norm=fused_add_rms_norm,
                   silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding, store_kv_cache=store_kv_cache)
     return SimpleNamespace(**chosen)
 

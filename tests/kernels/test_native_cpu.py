@@ -98,6 +98,75 @@ def test_empty_batch(lib):
     assert out.shape == (0, 8, 64)
 
 
+def _check_prefill(lib, cases, num_kv_heads, group, head_dim, block_size, dtype, seed=0, threads=None):
+    """cases: (cached prefix length, new tokens) per sequence. q is a view into a fused QKV output."""
+    lens = [ctx + n for ctx, n in cases]
+    paged = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, seed=seed, device="cpu")
+    q_lens = [n for _, n in cases]
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    heads = num_kv_heads * group
+    qkv = randn(sum(q_lens), (heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=seed + 100, device="cpu")
+    q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)
+    assert native_cpu.supports_prefill(q, paged.k_cache)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl, paged.seq_lens, head_dim ** -0.5)
+    expected = torch_ref.paged_prefill_attention(*args)
+    out = with_threads(threads, native_cpu.paged_prefill_attention, *args, lib)
+    assert out.dtype == q.dtype
+    assert_close(out, expected, "attention", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_prefill_matches_reference(lib, dtype, block_size, group):
+    cases = [
+        (0, 1),                 # a 1-token prompt
+        (0, block_size),        # a prompt ending exactly on a block boundary
+        (block_size, 1),        # one token past a cached full block
+        (block_size - 3, 20),   # an extend over a cached prefix (chunked prefill, a prefix-cache hit)
+        (2 * block_size, 0),    # no new tokens this step
+        (0, 70),                # a fresh prompt over 3 tiles of 32 tokens and 2 chunks of 64 keys
+        (100, 45),              # an extend whose tiles start mid-chunk
+    ]
+    _check_prefill(lib, cases, 2, group, 64, block_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [128, 80, 48])
+def test_prefill_head_sizes(lib, head_dim, dtype):
+    # 64 and 128 have unrolled instances; 80 and 48 run the head size as a variable (80: one pass of
+    # four vectors and one of one).
+    _check_prefill(lib, [(0, 33), (17, 9)], 1, 4, head_dim, 16, dtype, seed=7)
+    _check_prefill(lib, [(5, 70), (0, 3)], 3, 3, head_dim, 8, dtype, seed=8)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefill_long_uneven_batch_any_thread_count(lib, threads):
+    # A step's worth of work: long prompts and extends of very different sizes, shared out dynamically.
+    gen = torch.Generator().manual_seed(5)
+    cases = [(int(torch.randint(0, 600, (1,), generator=gen)), int(torch.randint(1, 400, (1,), generator=gen)))
+             for _ in range(9)]
+    _check_prefill(lib, cases, 2, 4, 64, 16, torch.float32, seed=9, threads=threads)
+    _check_prefill(lib, cases, 3, 3, 64, 16, torch.bfloat16, seed=9, threads=threads)
+
+
+def test_prefill_routing_in_the_torch_backend(lib):
+    ops = get_ops("torch")
+    assert ops.p.paged_prefill_attention is not torch_ref.paged_prefill_attention
+    cache = torch.zeros(4, 16, 2, 64)
+    assert native_cpu.supports_prefill(torch.zeros(5, 8, 64), cache)
+    assert not native_cpu.supports_prefill(torch.zeros(5, 8, 64, dtype=torch.float16), cache.half())
+    assert not native_cpu.supports_prefill(torch.zeros(5, 8, 72), torch.zeros(4, 16, 2, 72))  # not whole vectors
+    assert not native_cpu.supports_prefill(torch.zeros(5, 32, 64), cache)  # 16 query heads a KV head
+    assert not native_cpu.supports_prefill(torch.zeros(8, 5, 64).transpose(0, 1), cache)  # heads not contiguous
+    # What it does not take, the reference answers.
+    paged = make_paged_kv([20, 7], 1, 72, 16, torch.float32, device="cpu")
+    q = randn(27, 4, 72, dtype=torch.float32, seed=2, device="cpu")
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, torch.tensor([0, 20, 27], dtype=torch.int32),
+            paged.seq_lens, 72 ** -0.5)
+    torch.testing.assert_close(ops.p.paged_prefill_attention(*args), torch_ref.paged_prefill_attention(*args))
+
+
 def test_torch_backend_uses_it_on_cpu_and_falls_back_elsewhere(lib):
     ops = get_ops("torch")
     assert ops.p.paged_decode_attention is not torch_ref.paged_decode_attention
