@@ -26,7 +26,10 @@ class Sampler:
         # logits (a row-by-row retry after a failure must see them unchanged); else no copy at all.
         writes = any(s.params.uses_penalties or s.params.restricts_tokens or s.num_output_tokens < s.params.min_tokens
                      or s.matcher is not None for s in seqs)
-        logits = logits.to(torch.float32, copy=writes)
+        # Greedy rows with nothing to write read bfloat16 logits as they are: widening changes no value,
+        # and the [256, 49152] float32 copy cost more than the pick itself.
+        if writes or any(not s.params.greedy or s.params.logprobs is not None for s in seqs):
+            logits = logits.to(torch.float32, copy=writes)
         raw_logprobs = self._raw_logprobs(logits, seqs)
         self._mask_min_tokens(logits, seqs)
         self._apply_penalties(logits, seqs)

@@ -32,7 +32,7 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c", CSRC / "elementwise.c"]
-HEADERS = [CSRC / "bf16.h"]
+HEADERS = [CSRC / "bf16.h", CSRC / "vec.h"]
 # -ffast-math lets gcc vectorise the dot products and call glibc's vector expf; the kernel never
 # relies on infinities or NaNs (softmax starts from the first score, not -inf). Compile only: linked
 # with -ffast-math, gcc 12 adds crtfastmath.o, which turns on flush-to-zero for the whole process

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec.h"
 
 #define MIN_ROWS_PER_THREAD 8
 
@@ -74,15 +75,23 @@ void fused_add_rms_norm(const void *x, const void *residual, void *new_residual,
     DISPATCH(add_rms_norm_rows, x, residual, new_residual, weight, out, rows, hidden, eps, num_threads);
 }
 
+INLINE float silu_times(float gate, float up, const int is_bf16) { /* the reference's roundings */
+    return rounded(gate / (1.f + expf(-gate)), is_bf16) * up;
+}
+
 INLINE void silu_and_mul_rows(const void *x, void *out, int64_t rows, int inter, int num_threads, const int is_bf16) {
 #pragma omp parallel for num_threads(threads_for(rows, num_threads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t in = r * 2 * inter, at = r * inter;
-        for (int i = 0; i < inter; i++) {
-            const float gate = load(x, in + i, is_bf16);
-            const float silu = rounded(gate / (1.f + expf(-gate)), is_bf16);
-            store(out, at + i, silu * load(x, in + inter + i, is_bf16), is_bf16);
+        int i = 0;
+        for (; i + LANES <= inter; i += LANES) {
+            const vec gate = load_vec(x, in + i, is_bf16), up = load_vec(x, in + inter + i, is_bf16);
+            vec silu = gate / (1.f + exp_vec(-gate));
+            if (is_bf16) silu = round_bf16_vec(silu);
+            store_vec(out, at + i, silu * up, is_bf16);
         }
+        for (; i < inter; i++)
+            store(out, at + i, silu_times(load(x, in + i, is_bf16), load(x, in + inter + i, is_bf16), is_bf16), is_bf16);
     }
 }
 

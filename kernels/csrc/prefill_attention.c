@@ -16,8 +16,7 @@
  *   loaded feeds ROWS accumulators. A row block stops at its own last position (causal).
  * - Online softmax per row (running max and sum); the output is divided by the sum at the end.
  * Everything is computed in float32; bfloat16 inputs are widened and the output rounded once.
- * The vector type is GCC's generic vector, so the same source builds for any target (zmm on
- * AVX-512, two ymm or four xmm elsewhere).
+ * The vectors are vec.h's generic ones, so the same source builds for any target.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,15 +24,13 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec.h"
 
-#define LANES 16       /* floats in one vector */
 #define CHUNK 64       /* keys per step of the online softmax: CHUNK / LANES vectors of scores */
 #define ROWS 4         /* query rows computed together */
 #define TILE_TOKENS 32 /* query tokens per work item */
 #define MASKED -1e30f  /* a masked score; finite, as the library is built with -ffast-math */
 
-typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
@@ -87,39 +84,13 @@ static inline __attribute__((always_inline)) void load_chunk(const Prefill *job,
     }
 }
 
-static inline vec splat(float x) { return (vec){0} + x; }
-
-static inline vec pick(ivec mask, vec a, vec b) { /* mask lanes are all ones or zero */
-    return (vec)(((ivec)a & mask) | ((ivec)b & ~mask));
-}
-
-/* e^x lane by lane, Cephes' single-precision polynomial (about 1 ulp); lanes below -87 give 0.
- * Written out rather than calling expf in a loop, which gcc left scalar here. */
-static inline vec exp_vec(vec x) {
-    const ivec underflow = x < splat(-87.0f);
-    x = pick(underflow, splat(-87.0f), x);
-    const vec scaled = x * 1.44269504088896341f + 0.5f;
-    vec n = __builtin_convertvector(__builtin_convertvector(scaled, ivec), vec);
-    n = pick(n > scaled, n - 1.0f, n); /* truncation -> floor */
-    const vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vec y = splat(1.9875691500e-4f);
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    const ivec two_n = (__builtin_convertvector(n, ivec) + 127) << 23;
-    return pick(underflow, splat(0.f), y * (vec)two_n);
-}
-
-static inline float max_lane(vec x) {
+static inline __attribute__((always_inline)) float max_lane(vec x) {
     float top = x[0];
     for (int k = 1; k < LANES; k++) top = x[k] > top ? x[k] : top;
     return top;
 }
 
-static inline float sum_lanes(vec x) {
+static inline __attribute__((always_inline)) float sum_lanes(vec x) {
     float total = 0.f;
     for (int k = 0; k < LANES; k++) total += x[k];
     return total;

@@ -54,6 +54,22 @@ def test_greedy_is_argmax_for_every_row():
     assert logprobs == [None] * 16
 
 
+def test_greedy_reads_bfloat16_logits_as_they_are_and_mixed_batches_still_widen():
+    torch.manual_seed(1)
+    logits = torch.randn(32, 300).bfloat16()
+    logits[3, [7, 200]] = 50.0  # a tie: the first index wins, as argmax
+    greedy = [make_seq(temperature=0.0) for _ in range(32)]
+    tokens, _ = Sampler(300, [EOS])(logits, greedy)
+    assert tokens == logits.float().argmax(dim=-1).tolist()
+    assert tokens[3] == 7
+    # With a sampled row or logprobs in the batch the logits are widened, and greedy rows keep their picks.
+    mixed = [make_seq(temperature=0.0, logprobs=2)] + [make_seq(temperature=0.0) for _ in range(30)] + \
+        [make_seq(temperature=1.0, seed=5)]
+    mixed_tokens, entries = Sampler(300, [EOS])(logits, mixed)
+    assert mixed_tokens[:31] == tokens[:31]
+    assert entries[0][tokens[0]].logprob == pytest.approx(float(torch.log_softmax(logits[0].float(), -1)[tokens[0]]))
+
+
 def test_greedy_ignores_the_generator_and_top_filters():
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]])
     seq = make_seq(temperature=0.0, top_k=1, top_p=0.1, seed=3)
