@@ -8,6 +8,13 @@ Design after vLLM v1's BlockPool + KVCacheManager:
   against the stored tokens so a hash collision can never reuse the wrong K/V;
 - blocks are shared by ref count (prefix hits, n > 1 forks); a shared partially filled block is
   copied before a sequence writes into it (copy on write).
+
+Placement: a sequence grows into the block right after its last one when that block is free and
+empty (no cached prefix), and new runs start at points spread over the pool, so one sequence's
+K/V mostly lies in consecutive memory. The CPU decode kernel reads a sequence's blocks in order,
+and on shuffled 4 KiB blocks it waited on memory: 256 bfloat16 sequences took 4.1-4.5 ms a call
+on shuffled blocks and 2.5-2.9 ms on ordered ones (docs/kernels.md). Only empty blocks are placed
+this way; freed blocks that hold a cached prefix are still evicted in LRU order.
 """
 from __future__ import annotations
 
@@ -28,6 +35,10 @@ class KVBlock:
     token_ids: tuple[int, ...] | None = None  # kept to verify prefix-cache hits
 
 
+GOLDEN_STEP = 0.6180339887498949  # any n points of the sequence k * GOLDEN_STEP mod 1 are near evenly spread
+SPREAD_PROBES = 32  # empty blocks looked for at spread points before falling back to the LRU head
+
+
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
@@ -42,6 +53,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.hash_fn = chain_hash
+        self._spread = 0.0  # where _spread_start looks next, as a fraction of the pool
 
     @property
     def num_blocks(self) -> int:
@@ -52,17 +64,42 @@ class BlockPool:
         """Blocks with no holder, cached or not: what an allocation may take."""
         return len(self.free_queue)
 
-    def allocate(self, count: int) -> list[KVBlock]:
+    def allocate(self, count: int, after: int | None = None) -> list[KVBlock]:
+        """count blocks, continuing from block id `after` (a sequence's last block) where possible."""
         if count > len(self.free_queue):
             raise BlockAllocationError(f"asked for {count} blocks, {len(self.free_queue)} free")
         taken = []
+        wanted = after + 1 if after is not None else None
         for _ in range(count):
-            block_id, _ = self.free_queue.popitem(last=False)
+            if wanted is None or not self._empty_and_free(wanted):
+                wanted = self._spread_start()
+            if wanted is None:  # no empty block found: the LRU head, evicting its cached prefix
+                block_id, _ = self.free_queue.popitem(last=False)
+            else:
+                block_id = wanted
+                del self.free_queue[block_id]
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
+            wanted = block_id + 1
         return taken
+
+    def _empty_and_free(self, block_id: int) -> bool:
+        if not 0 <= block_id < len(self.blocks):
+            return False
+        block = self.blocks[block_id]
+        return block.ref_cnt == 0 and block.block_hash is None
+
+    def _spread_start(self) -> int | None:
+        """An empty free block at the next of a sequence of well-spread points (golden-ratio steps),
+        so that runs started one after another lie far apart and each has room to grow."""
+        for _ in range(SPREAD_PROBES):
+            self._spread = (self._spread + GOLDEN_STEP) % 1.0
+            block_id = int(self._spread * len(self.blocks))
+            if self._empty_and_free(block_id):
+                return block_id
+        return None
 
     def touch(self, blocks) -> None:
         """Add a holder to each block (a prefix hit or a fork); free ones leave the free queue."""
@@ -174,7 +211,7 @@ class KVCacheManager:
         for index in shared:
             self._copy_on_write(table, index)
         if num_new_blocks > 0:
-            table.extend(self.pool.allocate(num_new_blocks))
+            table.extend(self.pool.allocate(num_new_blocks, after=table[-1].block_id if table else None))
         return True
 
     def _shared_blocks_to_write(self, seq, table: list[KVBlock]) -> list[int]:

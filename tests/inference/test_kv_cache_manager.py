@@ -449,3 +449,55 @@ def test_state_codes_show_free_cached_used_and_shared():
     assert codes[kv.block_ids(single)[0]] == 2
     assert codes.count(1) == 1  # the freed full block, still cached
     assert codes.count(0) == 6 - 2 - 1 - 1
+
+
+# ---- placement: one sequence's blocks in consecutive memory ------------------------------------------
+
+
+def runs_of(ids: list[int]) -> int:
+    return 1 + sum(1 for a, b in zip(ids, ids[1:]) if b != a + 1)
+
+
+def test_sequences_decoding_side_by_side_each_grow_into_consecutive_blocks():
+    # 8 sequences start at once and then take one block in turn, as a batch of decodes does. In
+    # allocation order they would interleave (a run of 1 block each); placed, each is one run.
+    kv = KVCacheManager(num_blocks=256, block_size=BS)
+    seqs = [run_prompt(kv, range(100 * i, 100 * i + 6)) for i in range(8)]
+    for step in range(40):
+        for i, seq in enumerate(seqs):
+            assert decode_one(kv, seq, token=step)
+    for seq in seqs:
+        ids = kv.block_ids(seq)
+        assert len(ids) == 12 and runs_of(ids) == 1, ids
+    assert_consistent(kv)
+
+
+def test_runs_started_one_after_another_are_spread_over_the_pool():
+    kv = KVCacheManager(num_blocks=1000, block_size=BS)
+    starts = sorted(kv.block_ids(run_prompt(kv, range(100 * i, 100 * i + 3)))[0] for i in range(10))
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 50  # room for each to grow
+
+
+def test_placement_never_takes_a_cached_block_out_of_lru_order():
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    grower = run_prompt(kv, range(3))
+    (tail,) = kv.block_ids(grower)
+    # Make every other block hold a cached prefix, then free them: the LRU queue now holds them.
+    cached = run_prompt(kv, range(100, 100 + 7 * BS))
+    cached_ids = kv.block_ids(cached)
+    kv.free(cached)
+    assert tail + 1 in cached_ids or tail + 1 >= 8
+    # The grower's next block is the LRU head (the freed request's tail block, evicted first), not
+    # the cached block that happens to follow its own.
+    assert decode_one(kv, grower) and decode_one(kv, grower)
+    assert kv.block_ids(grower)[1] == cached_ids[-1]
+    assert kv.get_computed_blocks(make_seq(range(100, 100 + 6 * BS + 1)))[1] == 6 * BS
+    assert_consistent(kv)
+
+
+def test_a_full_pool_still_hands_out_every_block():
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    seqs = [run_prompt(kv, range(100 * i, 100 * i + 2)) for i in range(16)]
+    assert kv.pool.num_free == 0
+    assert sorted(i for s in seqs for i in kv.block_ids(s)) == list(range(16))
+    assert not kv.allocate_slots(make_seq(range(5)), 5)
