@@ -15,7 +15,10 @@
  * - Rows go ROWS at a time, so the dot products are ROWS independent FMA chains, and each V vector
  *   loaded feeds ROWS accumulators. A row block stops at its own last position (causal).
  * - Online softmax per row (running max and sum); the output is divided by the sum at the end.
- * Everything is computed in float32; bfloat16 inputs are widened and the output rounded once.
+ * float32 inputs are computed in float32. bfloat16 ones, on CPUs with AVX512-BF16, multiply
+ * bfloat16 pairs into float32 sums with vdpbf16ps (Q.K over pairs of head dimensions, P.V over
+ * pairs of keys, P rounded to bfloat16 as torch's own flash attention does): half the
+ * instructions of widening to float32. Elsewhere bfloat16 is widened. The output is rounded once.
  * The vectors are vec.h's generic ones, so the same source builds for any target.
  */
 #include <math.h>
@@ -25,6 +28,13 @@
 
 #include "bf16.h"
 #include "vec.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define BF16_PAIRS 1
+#else
+#define BF16_PAIRS 0
+#endif
 
 #define CHUNK 64       /* keys per step of the online softmax: CHUNK / LANES vectors of scores */
 #define ROWS 4         /* query rows computed together */
@@ -84,6 +94,28 @@ static inline __attribute__((always_inline)) void load_chunk(const Prefill *job,
     }
 }
 
+/* load_chunk for bfloat16 pairs: kt as [D / 2][CHUNK] pairs (dimensions 2i, 2i + 1 of one key), v as
+ * [CHUNK / 2][D] pairs (one dimension of keys 2m, 2m + 1), both raw bfloat16, zero past n. */
+static inline __attribute__((always_inline)) void load_chunk_pairs(const Prefill *job, const int32_t *table, int t0,
+                                                                   int n, int g, uint32_t *kt, uint16_t *v,
+                                                                   const int d) {
+    const int bs = job->block_size, padded = (n + LANES - 1) / LANES * LANES;
+    const int64_t width = (int64_t)job->num_kv_heads * d;
+    for (int k = 0; k < padded; k++) {
+        uint16_t *v_pairs = v + (int64_t)(k / 2) * d * 2 + (k & 1);
+        if (k >= n) {
+            for (int i = 0; i < d / 2; i++) kt[i * CHUNK + k] = 0;
+            for (int i = 0; i < d; i++) v_pairs[2 * i] = 0;
+            continue;
+        }
+        const int t = t0 + k;
+        const int64_t row = ((int64_t)table[t / bs] * bs + t % bs) * width + (int64_t)g * d;
+        const uint16_t *k_row = (const uint16_t *)job->k_cache + row, *v_row = (const uint16_t *)job->v_cache + row;
+        for (int i = 0; i < d / 2; i++) kt[i * CHUNK + k] = (uint32_t)k_row[2 * i] | (uint32_t)k_row[2 * i + 1] << 16;
+        for (int i = 0; i < d; i++) v_pairs[2 * i] = v_row[i];
+    }
+}
+
 static inline __attribute__((always_inline)) float max_lane(vec x) {
     float top = x[0];
     for (int k = 1; k < LANES; k++) top = x[k] > top ? x[k] : top;
@@ -99,17 +131,35 @@ static inline __attribute__((always_inline)) float sum_lanes(vec x) {
 /* Rows [r0, r0 + ROWS) against keys [t0, t0 + n) of the chunk: scores, the online softmax, and
  * P.V into o. Only the vectors of keys that some row of the block sees are computed. */
 static inline __attribute__((always_inline)) void row_block(const Scratch *s, int r0, int nr, const int *positions,
-                                                            int t0, int n, const int d) {
+                                                            int t0, int n, float scale, const int pairs, const int d) {
     const int seen_by_block = min_int(n, positions[r0 + nr - 1] - t0 + 1);
     const int nv = (seen_by_block + LANES - 1) / LANES;
     vec scores[ROWS][CHUNK / LANES] = {0};
-    for (int i = 0; i < d; i++) {
-        for (int j = 0; j < CHUNK / LANES; j++) {
-            if (j >= nv) break;
-            const vec k = *(const vec *)(s->kt + i * CHUNK + j * LANES);
-            for (int r = 0; r < ROWS; r++) scores[r][j] += s->q[(int64_t)(r0 + r) * d + i] * k;
+#if BF16_PAIRS
+    if (pairs) { /* q rows and kt hold bfloat16 pairs */
+        const uint32_t *q = (const uint32_t *)s->q, *kt = (const uint32_t *)s->kt;
+        for (int i = 0; i < d / 2; i++) {
+            for (int j = 0; j < CHUNK / LANES; j++) {
+                if (j >= nv) break;
+                const __m512bh k = (__m512bh)_mm512_load_si512(kt + i * CHUNK + j * LANES);
+                for (int r = 0; r < ROWS; r++)
+                    scores[r][j] = (vec)_mm512_dpbf16_ps((__m512)scores[r][j],
+                                                         (__m512bh)_mm512_set1_epi32((int)q[(int64_t)(r0 + r) * d / 2 + i]), k);
+            }
         }
     }
+#endif
+    if (!pairs) {
+        for (int i = 0; i < d; i++) {
+            for (int j = 0; j < CHUNK / LANES; j++) {
+                if (j >= nv) break;
+                const vec k = *(const vec *)(s->kt + i * CHUNK + j * LANES);
+                for (int r = 0; r < ROWS; r++) scores[r][j] += s->q[(int64_t)(r0 + r) * d + i] * k;
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int j = 0; j < nv; j++) scores[r][j] *= scale;
     ivec lane;
     for (int k = 0; k < LANES; k++) lane[k] = k;
     float alpha[ROWS];
@@ -137,6 +187,33 @@ static inline __attribute__((always_inline)) void row_block(const Scratch *s, in
         s->sum[r0 + r] = s->sum[r0 + r] * alpha[r] + sum_lanes(total);
     }
     const int keys = nv * LANES;
+#if BF16_PAIRS
+    if (pairs) { /* P rounded to bfloat16 pairs of keys, times v's pairs */
+        uint32_t p_pairs[ROWS][CHUNK / 2];
+        for (int r = 0; r < ROWS; r++)
+            for (int j = 0; j < nv; j++)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)p_pairs[r] + j * LANES),
+                                    (__m256i)_mm512_cvtneps_pbh(*(const __m512 *)(s->p + r * CHUNK + j * LANES)));
+        const uint32_t *v = (const uint32_t *)s->v;
+        for (int j0 = 0; j0 < d; j0 += 4 * LANES) {
+            __m512 acc[ROWS][4];
+            const int hv = min_int((d - j0) / LANES, 4);
+            for (int r = 0; r < ROWS; r++)
+                for (int j = 0; j < hv; j++)
+                    acc[r][j] = (__m512)(*(vec *)(s->o + (int64_t)(r0 + r) * d + j0 + j * LANES) * alpha[r]);
+            for (int m = 0; m < keys / 2; m++) {
+                for (int j = 0; j < hv; j++) {
+                    const __m512bh pair = (__m512bh)_mm512_load_si512(v + (int64_t)m * d + j0 + j * LANES);
+                    for (int r = 0; r < ROWS; r++)
+                        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)_mm512_set1_epi32((int)p_pairs[r][m]), pair);
+                }
+            }
+            for (int r = 0; r < ROWS; r++)
+                for (int j = 0; j < hv; j++) *(vec *)(s->o + (int64_t)(r0 + r) * d + j0 + j * LANES) = (vec)acc[r][j];
+        }
+        return;
+    }
+#endif
     for (int j0 = 0; j0 < d; j0 += 4 * LANES) { /* four vectors of the head at a time */
         vec acc[ROWS][4];
         const int hv = min_int((d - j0) / LANES, 4);
@@ -155,6 +232,7 @@ static inline __attribute__((always_inline)) void row_block(const Scratch *s, in
 
 static inline __attribute__((always_inline)) void run_tile(const Prefill *job, const Tile *tile, const Scratch *s,
                                                            const int is_bf16, const int d) {
+    const int pairs = BF16_PAIRS && is_bf16;
     const int group = job->num_heads / job->num_kv_heads;
     const int rows = tile->count * group, padded = (rows + ROWS - 1) / ROWS * ROWS;
     const int ctx = context_before(job, tile->seq), first_token = job->query_start_loc[tile->seq] + tile->first;
@@ -162,7 +240,7 @@ static inline __attribute__((always_inline)) void run_tile(const Prefill *job, c
     int positions[TILE_TOKENS * 8 + ROWS]; /* group <= 8 (checked by the caller) */
 
     for (int r = 0; r < padded; r++) { /* row r: query token r / group, head g * group + r % group */
-        float *dst = s->q + (int64_t)r * d;
+        float *dst = s->q + (int64_t)r * d; /* pairs: d bfloat16 values in the first half of the row's room */
         positions[r] = ctx + tile->first + (r < rows ? r / group : tile->count - 1);
         if (r >= rows) {
             memset(dst, 0, sizeof(float) * d);
@@ -170,7 +248,8 @@ static inline __attribute__((always_inline)) void run_tile(const Prefill *job, c
         }
         const int64_t src = (int64_t)(first_token + r / group) * job->q_stride
                             + (int64_t)(tile->kv_head * group + r % group) * d;
-        for (int i = 0; i < d; i++) dst[i] = load1(job->q, src + i, is_bf16) * job->scale;
+        if (pairs) memcpy((uint16_t *)s->q + (int64_t)r * d, (const uint16_t *)job->q + src, sizeof(uint16_t) * d);
+        else for (int i = 0; i < d; i++) dst[i] = load1(job->q, src + i, is_bf16);
         s->max[r] = MASKED;
         s->sum[r] = 0.f;
     }
@@ -178,11 +257,12 @@ static inline __attribute__((always_inline)) void run_tile(const Prefill *job, c
     const int last = positions[rows - 1];
     for (int t0 = 0; t0 <= last; t0 += CHUNK) {
         const int n = min_int(last - t0 + 1, CHUNK);
-        load_chunk(job, table, t0, n, tile->kv_head, s->kt, s->v, is_bf16, d);
+        if (pairs) load_chunk_pairs(job, table, t0, n, tile->kv_head, (uint32_t *)s->kt, (uint16_t *)s->v, d);
+        else load_chunk(job, table, t0, n, tile->kv_head, s->kt, s->v, is_bf16, d);
         for (int r0 = 0; r0 < rows; r0 += ROWS) {
             const int nr = rows - r0 < ROWS ? rows - r0 : ROWS;
             if (positions[r0 + nr - 1] < t0) continue; /* none of the block's rows sees this chunk */
-            row_block(s, r0, nr, positions, t0, n, d);
+            row_block(s, r0, nr, positions, t0, n, job->scale, pairs, d);
         }
     }
     for (int r = 0; r < rows; r++) {
