@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec.h"
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
@@ -345,17 +346,9 @@ static inline __attribute__((always_inline)) void run_sequence_avx512(const Job 
     }
 }
 
-/* Instances for the common head sizes, where every loop over the head unrolls into registers
- * (with a run-time size, gcc spilled the accumulators to the stack); other sizes run the same code
- * with the size as a variable. */
 #define RUN(bf16, d) run_sequence_avx512(job, seq, next, scores, acc, qf, widened, bf16, d)
 static void run_sequence_fast(const Job *job, int seq, int next, float *scores, float *acc, float *qf, float *widened) {
-    const int d = job->head_dim;
-    if (job->is_bf16) {
-        if (d == 64) RUN(1, 64); else if (d == 128) RUN(1, 128); else RUN(1, d);
-    } else {
-        if (d == 64) RUN(0, 64); else if (d == 128) RUN(0, 128); else RUN(0, d);
-    }
+    DISPATCH_HEAD_SIZE(RUN, job->is_bf16, job->head_dim);
 }
 #undef RUN
 #define HAS_FAST_PATH 1

@@ -276,15 +276,9 @@ static inline __attribute__((always_inline)) void run_tile(const Prefill *job, c
     }
 }
 
-/* The common head sizes as constants, so the loops over the head unroll. */
 #define RUN(bf16, dim) run_tile(job, tile, s, bf16, dim)
 static void run_tile_any(const Prefill *job, const Tile *tile, const Scratch *s) {
-    const int d = job->head_dim;
-    if (job->is_bf16) {
-        if (d == 64) RUN(1, 64); else if (d == 128) RUN(1, 128); else RUN(1, d);
-    } else {
-        if (d == 64) RUN(0, 64); else if (d == 128) RUN(0, 128); else RUN(0, d);
-    }
+    DISPATCH_HEAD_SIZE(RUN, job->is_bf16, job->head_dim);
 }
 #undef RUN
 

@@ -70,4 +70,15 @@ static inline __attribute__((always_inline)) void store_vec(void *base, int64_t 
     }
 }
 
+/* RUN(is_bf16, head_dim) with both as constants for the common head sizes, so that every loop over
+ * the head unrolls into registers (with a run-time size gcc spilled the accumulators to the
+ * stack); other sizes run the same code with the size as a variable. */
+#define DISPATCH_HEAD_SIZE(RUN, is_bf16, d) do {                                  \
+        if (is_bf16) {                                                              \
+            if ((d) == 64) RUN(1, 64); else if ((d) == 128) RUN(1, 128); else RUN(1, d); \
+        } else {                                                                    \
+            if ((d) == 64) RUN(0, 64); else if ((d) == 128) RUN(0, 128); else RUN(0, d); \
+        }                                                                           \
+    } while (0)
+
 #endif
