@@ -10,11 +10,12 @@
  * Flash attention, tiled for the CPU's vector registers:
  * - A work item (Tile) is up to TILE_TOKENS query tokens of one sequence and one KV head, with all
  *   the query heads of that KV head's group: TILE_TOKENS * G rows of one query each.
- * - Keys go 16 at a time (one vector of scores). Each chunk of K is transposed once ([D][16]) and
- *   V widened once into float32, then used by every row of the tile.
+ * - Keys go CHUNK at a time (CHUNK / 16 vectors of scores). Each chunk of K is transposed once
+ *   ([D][CHUNK]) and V laid out once, then used by every row of the tile.
  * - Rows go ROWS at a time, so the dot products are ROWS independent FMA chains, and each V vector
- *   loaded feeds ROWS accumulators. A row block stops at its own last position (causal).
+ *   loaded feeds ROWS accumulators. A row block reads only the key vectors one of its rows sees.
  * - Online softmax per row (running max and sum); the output is divided by the sum at the end.
+ * - Tiles are started heaviest first and shared out dynamically over torch's OpenMP threads.
  * float32 inputs are computed in float32. bfloat16 ones, on CPUs with AVX512-BF16, multiply
  * bfloat16 pairs into float32 sums with vdpbf16ps (Q.K over pairs of head dimensions, P.V over
  * pairs of keys, P rounded to bfloat16 as torch's own flash attention does): half the
@@ -40,7 +41,6 @@
 #define ROWS 4         /* query rows computed together */
 #define TILE_TOKENS 32 /* query tokens per work item */
 #define MASKED -1e30f  /* a masked score; finite, as the library is built with -ffast-math */
-
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
