@@ -70,9 +70,11 @@ class BlockPool:
             raise BlockAllocationError(f"asked for {count} blocks, {len(self.free_queue)} free")
         taken = []
         wanted = after + 1 if after is not None else None
+        spread = True  # until the probes find no empty block: then not again in this call
         for _ in range(count):
             if wanted is None or not self._empty_and_free(wanted):
-                wanted = self._spread_start()
+                wanted = self._spread_start() if spread else None
+                spread = wanted is not None
             if wanted is None:  # no empty block found: the LRU head, evicting its cached prefix
                 block_id, _ = self.free_queue.popitem(last=False)
             else:

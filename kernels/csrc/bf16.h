@@ -23,4 +23,14 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as tor
 /* The value a float32 result has once stored as bfloat16 and read back. */
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
+/* Element i of a float32 or bfloat16 array, as float32; and the store back (rounded for bfloat16). */
+static inline __attribute__((always_inline)) float load_float(const void *base, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline __attribute__((always_inline)) void store_float(void *base, int64_t i, float x, int is_bf16) {
+    if (is_bf16) ((uint16_t *)base)[i] = float_to_bf16(x);
+    else ((float *)base)[i] = x;
+}
+
 #endif

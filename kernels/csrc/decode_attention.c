@@ -62,7 +62,7 @@ static void run_sequence(const Job *job, int seq, float *scores, float *acc, flo
     const int64_t q_offset = (int64_t)seq * hq * d;
 
     for (int i = 0; i < hq * d; i++)
-        qf[i] = job->is_bf16 ? bf16_to_float(((const uint16_t *)job->q)[q_offset + i]) : ((const float *)job->q)[q_offset + i];
+        qf[i] = load_float(job->q, q_offset + i, job->is_bf16);
     stage_rows(job, job->k_cache, table, len, stage);
     for (int t = 0; t < len; t++) { /* scores = q . k * scale; query head h reads KV head h / group */
         const float *k = stage + (size_t)t * width;
@@ -84,10 +84,7 @@ static void run_sequence(const Job *job, int seq, float *scores, float *acc, flo
             for (int i = 0; i < d; i++) a[i] += p * vh[i];
         }
     }
-    for (int i = 0; i < hq * d; i++) {
-        if (job->is_bf16) ((uint16_t *)job->out)[q_offset + i] = float_to_bf16(acc[i]);
-        else ((float *)job->out)[q_offset + i] = acc[i];
-    }
+    for (int i = 0; i < hq * d; i++) store_float(job->out, q_offset + i, acc[i], job->is_bf16);
 }
 
 #if defined(__AVX512F__)
@@ -153,8 +150,6 @@ static inline int prefetch_distance(const Job *job) {
     const int rows = (256 * 1024 / row_bytes) / CHUNK * CHUNK;
     return rows > CHUNK ? rows : CHUNK;
 }
-
-static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 /* float32 views of KV head g in n rows: the cache itself (float32) or rows widened into `widened`. */
 static inline __attribute__((always_inline)) void head_rows(const Job *job, const void *cache, const size_t *rows,
@@ -310,7 +305,7 @@ static inline __attribute__((always_inline)) void run_sequence_avx512(const Job 
     size_t rows[CHUNK];
 
     for (int i = 0; i < hq * d; i++)
-        qf[i] = is_bf16 ? bf16_to_float(((const uint16_t *)job->q)[q_offset + i]) : ((const float *)job->q)[q_offset + i];
+        qf[i] = load_float(job->q, q_offset + i, is_bf16);
     const int ahead = prefetch_distance(job);
     prefetch_rows(job, job->k_cache, table, 0, min_int(ahead, len));
     for (int t0 = 0; t0 < len; t0 += CHUNK) {
@@ -338,11 +333,7 @@ static inline __attribute__((always_inline)) void run_sequence_avx512(const Job 
         for (int g = 0; g < hkv; g++) chunk_values(job, scores, rows, n, g, t0, len, acc, widened, is_bf16, d);
     }
     for (int h = 0; h < hq; h++) {
-        for (int i = 0; i < d; i++) {
-            const float x = acc[(size_t)h * d + i] * qf[h];
-            if (is_bf16) ((uint16_t *)job->out)[q_offset + (size_t)h * d + i] = float_to_bf16(x);
-            else ((float *)job->out)[q_offset + (size_t)h * d + i] = x;
-        }
+        for (int i = 0; i < d; i++) store_float(job->out, q_offset + (size_t)h * d + i, acc[(size_t)h * d + i] * qf[h], is_bf16);
     }
 }
 

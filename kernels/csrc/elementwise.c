@@ -16,15 +16,6 @@
 
 #define MIN_ROWS_PER_THREAD 8
 
-static inline __attribute__((always_inline)) float load(const void *base, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline __attribute__((always_inline)) void store(void *base, int64_t i, float x, int is_bf16) {
-    if (is_bf16) ((uint16_t *)base)[i] = float_to_bf16(x);
-    else ((float *)base)[i] = x;
-}
-
 static inline float rounded(float x, int is_bf16) { return is_bf16 ? round_bf16(x) : x; }
 
 static inline int threads_for(int64_t rows, int num_threads) {
@@ -42,21 +33,21 @@ INLINE void add_rms_norm_row(const void *x, const void *residual, void *new_resi
     float squares = 0.f;
     if (residual) {
         for (int i = 0; i < hidden; i++) {
-            const float v = rounded(load(x, base + i, is_bf16) + load(residual, base + i, is_bf16), is_bf16);
-            store(new_residual, base + i, v, is_bf16);
+            const float v = rounded(load_float(x, base + i, is_bf16) + load_float(residual, base + i, is_bf16), is_bf16);
+            store_float(new_residual, base + i, v, is_bf16);
             squares += v * v;
         }
     } else {
         for (int i = 0; i < hidden; i++) {
-            const float v = load(x, base + i, is_bf16);
+            const float v = load_float(x, base + i, is_bf16);
             squares += v * v;
         }
     }
     const float inv = 1.f / sqrtf(squares / hidden + eps);
     const void *summed = residual ? new_residual : x;
     for (int i = 0; i < hidden; i++) {
-        const float normed = rounded(load(summed, base + i, is_bf16) * inv, is_bf16);
-        store(out, base + i, load(weight, i, is_bf16) * normed, is_bf16);
+        const float normed = rounded(load_float(summed, base + i, is_bf16) * inv, is_bf16);
+        store_float(out, base + i, load_float(weight, i, is_bf16) * normed, is_bf16);
     }
 }
 
@@ -91,7 +82,7 @@ INLINE void silu_and_mul_rows(const void *x, void *out, int64_t rows, int inter,
             store_vec(out, at + i, silu * up, is_bf16);
         }
         for (; i < inter; i++)
-            store(out, at + i, silu_times(load(x, in + i, is_bf16), load(x, in + inter + i, is_bf16), is_bf16), is_bf16);
+            store_float(out, at + i, silu_times(load_float(x, in + i, is_bf16), load_float(x, in + inter + i, is_bf16), is_bf16), is_bf16);
     }
 }
 
@@ -112,9 +103,9 @@ INLINE void rotate(void *x, int64_t row_stride, int heads, const int64_t *positi
         for (int h = 0; h < heads; h++) {
             const int64_t base = r * row_stride + (int64_t)h * head_dim;
             for (int i = 0; i < half; i++) {
-                const float x1 = load(x, base + i, is_bf16), x2 = load(x, base + half + i, is_bf16);
-                store(x, base + i, x1 * cos[i] - x2 * sin[i], is_bf16);
-                store(x, base + half + i, x2 * cos[i] + x1 * sin[i], is_bf16);
+                const float x1 = load_float(x, base + i, is_bf16), x2 = load_float(x, base + half + i, is_bf16);
+                store_float(x, base + i, x1 * cos[i] - x2 * sin[i], is_bf16);
+                store_float(x, base + half + i, x2 * cos[i] + x1 * sin[i], is_bf16);
             }
         }
     }

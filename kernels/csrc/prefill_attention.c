@@ -60,12 +60,6 @@ typedef struct { /* per-thread scratch, 64-byte aligned rows */
     float *q, *o, *max, *sum, *kt, *v, *p;
 } Scratch;
 
-static inline float load1(const void *base, int64_t i, const int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline int min_int(int a, int b) { return a < b ? a : b; }
-
 static inline int query_len(const Prefill *job, int seq) {
     return job->query_start_loc[seq + 1] - job->query_start_loc[seq];
 }
@@ -89,8 +83,8 @@ static inline __attribute__((always_inline)) void load_chunk(const Prefill *job,
         }
         const int t = t0 + k;
         const int64_t row = ((int64_t)table[t / bs] * bs + t % bs) * width + (int64_t)g * d;
-        for (int i = 0; i < d; i++) kt[i * CHUNK + k] = load1(job->k_cache, row + i, is_bf16);
-        for (int i = 0; i < d; i++) v[k * d + i] = load1(job->v_cache, row + i, is_bf16);
+        for (int i = 0; i < d; i++) kt[i * CHUNK + k] = load_float(job->k_cache, row + i, is_bf16);
+        for (int i = 0; i < d; i++) v[k * d + i] = load_float(job->v_cache, row + i, is_bf16);
     }
 }
 
@@ -160,8 +154,7 @@ static inline __attribute__((always_inline)) void row_block(const Scratch *s, in
     }
     for (int r = 0; r < ROWS; r++)
         for (int j = 0; j < nv; j++) scores[r][j] *= scale;
-    ivec lane;
-    for (int k = 0; k < LANES; k++) lane[k] = k;
+    const ivec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     float alpha[ROWS];
     for (int r = 0; r < ROWS; r++) {
         vec *p = (vec *)(s->p + r * CHUNK);
@@ -249,7 +242,7 @@ static inline __attribute__((always_inline)) void run_tile(const Prefill *job, c
         const int64_t src = (int64_t)(first_token + r / group) * job->q_stride
                             + (int64_t)(tile->kv_head * group + r % group) * d;
         if (pairs) memcpy((uint16_t *)s->q + (int64_t)r * d, (const uint16_t *)job->q + src, sizeof(uint16_t) * d);
-        else for (int i = 0; i < d; i++) dst[i] = load1(job->q, src + i, is_bf16);
+        else for (int i = 0; i < d; i++) dst[i] = load_float(job->q, src + i, is_bf16);
         s->max[r] = MASKED;
         s->sum[r] = 0.f;
     }
@@ -260,7 +253,7 @@ static inline __attribute__((always_inline)) void run_tile(const Prefill *job, c
         if (pairs) load_chunk_pairs(job, table, t0, n, tile->kv_head, (uint32_t *)s->kt, (uint16_t *)s->v, d);
         else load_chunk(job, table, t0, n, tile->kv_head, s->kt, s->v, is_bf16, d);
         for (int r0 = 0; r0 < rows; r0 += ROWS) {
-            const int nr = rows - r0 < ROWS ? rows - r0 : ROWS;
+            const int nr = min_int(rows - r0, ROWS);
             if (positions[r0 + nr - 1] < t0) continue; /* none of the block's rows sees this chunk */
             row_block(s, r0, nr, positions, t0, n, job->scale, pairs, d);
         }
@@ -268,11 +261,7 @@ static inline __attribute__((always_inline)) void run_tile(const Prefill *job, c
     for (int r = 0; r < rows; r++) {
         const float inv = 1.f / s->sum[r];
         const int64_t at = ((int64_t)(first_token + r / group) * job->num_heads + tile->kv_head * group + r % group) * d;
-        for (int i = 0; i < d; i++) {
-            const float x = s->o[(int64_t)r * d + i] * inv;
-            if (is_bf16) ((uint16_t *)job->out)[at + i] = float_to_bf16(x);
-            else ((float *)job->out)[at + i] = x;
-        }
+        for (int i = 0; i < d; i++) store_float(job->out, at + i, s->o[(int64_t)r * d + i] * inv, is_bf16);
     }
 }
 
@@ -296,7 +285,7 @@ static Tile *make_tiles(const Prefill *job, int num_seqs, int *count) {
     for (int s = 0; s < num_seqs; s++)
         for (int first = 0; first < query_len(job, s); first += TILE_TOKENS)
             for (int g = 0; g < job->num_kv_heads; g++) {
-                const int count = query_len(job, s) - first < TILE_TOKENS ? query_len(job, s) - first : TILE_TOKENS;
+                const int count = min_int(query_len(job, s) - first, TILE_TOKENS);
                 tiles[n++] = (Tile){s, g, first, count, (int64_t)(context_before(job, s) + first + count) * count};
             }
     qsort(tiles, n, sizeof(Tile), heavier_first);

@@ -13,6 +13,8 @@ typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
 typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t))));
 
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
 static inline __attribute__((always_inline)) vec splat(float x) { return (vec){0} + x; }
 
 static inline __attribute__((always_inline)) vec pick(ivec mask, vec a, vec b) { /* mask lanes are all ones or zero */
