@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -26,6 +27,46 @@ from inference import protocol as p
 from inference.sampling_params import SamplingParams
 
 log = logging.getLogger("tessera.worker")
+
+
+class OutputWriter:
+    """Sends a step's output pipeline (deltas, finishes, XACKs) from a thread of its own, in order,
+    so the next engine step runs while Redis takes this one's. Waiting for that reply took 1.1 ms
+    of every 6.5 ms step at 4 requests/s on a 2-core host: Redis and the web process it wakes
+    share the cores the engine fills. A failed write stops the worker at its next send or flush,
+    as a synchronous one did."""
+
+    def __init__(self):
+        self._pipes: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.error: Exception | None = None
+
+    def send(self, pipe) -> None:
+        self._raise_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write, name="engine-output", daemon=True)
+            self._thread.start()
+        self._pipes.put(pipe)
+
+    def flush(self) -> None:
+        """Wait until everything sent so far is in Redis (before a write that must come after it)."""
+        self._pipes.join()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _write(self) -> None:
+        while True:
+            pipe = self._pipes.get()
+            try:
+                if self.error is None:
+                    pipe.execute()
+            except Exception as exc:  # kept for the main thread to raise: this thread must keep draining
+                self.error = exc
+            finally:
+                self._pipes.task_done()
 
 @dataclass
 class WorkerConfig:
@@ -113,6 +154,7 @@ class EngineWorker:
         self._step_ms = 0.0
         self._pubsub = None
         self._heartbeat_thread: threading.Thread | None = None
+        self.output = OutputWriter()
         self.max_inflight = self.config.max_inflight or 2 * self._engine_max_num_seqs()
 
     # ------------------------------------------------------------ lifecycle
@@ -167,6 +209,10 @@ class EngineWorker:
     def shutdown(self) -> None:
         self._stopping.set()
         self.fail_all("worker_shutdown", "the engine worker shut down before this request finished")
+        try:
+            self.output.flush()  # the last step's finishes, before this process goes
+        except redis.RedisError as exc:
+            log.warning("the last outputs could not be written: %s", exc)
         if self._heartbeat_thread:
             self._heartbeat_thread.join(timeout=2)
         pipe = self.r.pipeline(transaction=False)
@@ -313,6 +359,7 @@ class EngineWorker:
         reasons = [r or "abort" for r in state.finish_reasons]
         pipe = self.r.pipeline(transaction=False)
         self._end(pipe, state, p.finish_event(reasons, state.usage(), state.metrics()))
+        self.output.flush()  # its last deltas before its finish
         pipe.execute()
 
     # ------------------------------------------------------------ stepping
@@ -333,7 +380,7 @@ class EngineWorker:
             state = self.states.get(output.request_id)
             if state is not None:
                 self.publish_output(pipe, state, output)
-        pipe.execute()
+        self.output.send(pipe)
         elapsed = (time.perf_counter() - started) * 1000
         self._step_ms = 0.9 * self._step_ms + 0.1 * elapsed if self._step_ms else elapsed
 
@@ -435,6 +482,7 @@ class EngineWorker:
             self.counters["errors_total"] += 1
         self.states.clear()
         try:
+            self.output.flush()  # this step's deltas first: an error after them, never before
             pipe.execute()
         except redis.RedisError:
             log.exception("could not publish %s errors", code)

@@ -32,12 +32,22 @@ def authenticate_api_key(raw: str | None) -> ApiKey | None:
         return None
     key = ApiKey.objects.select_related("user").filter(hashed_key=hash_key(raw)).first()
     now = timezone.now()
-    if key is None or not key.is_active(now) or not key.user.is_active:
+    if key is None or not is_usable(key, now):
         return None
+    touch_api_key(key, now)
+    return key
+
+
+def is_usable(key: ApiKey, now) -> bool:
+    """Neither revoked nor expired, and its user still active."""
+    return key.is_active(now) and key.user.is_active
+
+
+def touch_api_key(key: ApiKey, now) -> None:
+    """Record the key's use: at most one write per LAST_USED_RESOLUTION (an update, so no save signal)."""
     if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
         ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
         key.last_used_at = now
-    return key
 
 
 def revoke_api_key(key: ApiKey) -> ApiKey:

@@ -163,7 +163,7 @@ def admit(call: ApiCall, plan) -> None:
         if exc.code == "max_tokens_exceeded" and call.n > 1:
             exc.message += f" With n={call.n}, n x max_tokens counts against that cap."
         raise
-    call.headers = quotas.rate_limit_headers(call.gen.user, plan)
+    call.headers = quotas.rate_limit_headers(call.gen.user, plan, call.gen.reservation.usage)
 
 
 # ---------------------------------------------------------------- prompts

@@ -8,6 +8,8 @@ Async-capable, so the streaming views stay on the event loop.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
@@ -55,8 +57,14 @@ class OpenAIErrorMiddleware:
         started = time.perf_counter()
         response = self.before_view(request) or await self.get_response(request)
         response = self.fix(request, response)
-        if request.path.startswith(API_PREFIX):
-            await metrics.acount_request(request, response.status_code, time.perf_counter() - started)
+        if not request.path.startswith(API_PREFIX):
+            return response
+        seconds = time.perf_counter() - started
+        if response.streaming and response.is_async:  # the count's Redis round trip must not delay the first token
+            response.streaming_content = counted_at_end(response.streaming_content, request, response.status_code,
+                                                        seconds)
+        else:
+            await metrics.acount_request(request, response.status_code, seconds)
         return response
 
     def before_view(self, request):
@@ -89,6 +97,16 @@ class OpenAIErrorMiddleware:
             return error_json(400, f"Bad request: {exception}", "bad_request")
         log.exception("unhandled error on %s", request.path, exc_info=exception)
         return error_json(500, SERVER_ERROR, None, "server_error")
+
+
+async def counted_at_end(content, request, status: int, seconds: float):
+    """A stream's chunks, then its count for /metrics (also when the client hung up: shielded)."""
+    try:
+        async with contextlib.aclosing(content) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    finally:
+        await asyncio.shield(metrics.acount_request(request, status, seconds))
 
 
 def options_response(request):

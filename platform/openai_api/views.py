@@ -21,15 +21,13 @@ from rest_framework.parsers import JSONParser
 from rest_framework.views import APIView
 
 from accounts.authentication import ApiKeyAuthentication, bearer_token
-from accounts.services import authenticate_api_key
 from engine_client import client as engine
 from errors import AuthenticationFailed, EngineFailure, InvalidRequest, NotFound, ServiceError
 from generation import catalog, tokenization
 from generation import services as generation
 from generation.services import bookkeeping
-from quotas.selectors import plan_for
 
-from . import calls, formatting, metrics
+from . import calls, credentials, formatting, metrics
 from .errors import error_response, sse_error
 from .serializers import (ChatCompletionRequestSerializer, ChatCompletionSerializer, CompletionRequestSerializer,
                           CompletionSerializer, DetokenizeRequestSerializer, DetokenizeSerializer, ErrorSerializer,
@@ -162,15 +160,15 @@ class MetricsView(AsyncAPIView):
 # ---------------------------------------------------------------- a generation over HTTP
 
 def authenticate(request):
-    """The request's API key (401 without a valid one)."""
+    """The request's API key and its user's plan (401 without a valid key)."""
     raw = bearer_token(request.headers.get("Authorization"))
     if raw is None:
         raise AuthenticationFailed("You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.",
                                    code="missing_api_key")
-    key = authenticate_api_key(raw)
-    if key is None:
+    known = credentials.caller(raw)
+    if known is None:
         raise AuthenticationFailed("Incorrect API key provided.")
-    return key
+    return known
 
 
 def parse_json(request) -> dict:
@@ -190,8 +188,7 @@ def admit(request, kind: str) -> calls.ApiCall:
     cost about a millisecond of TTFT, and there were five). A refusal by the quota is recorded as
     the request's usage row (the dashboard charts error rates).
     """
-    key = authenticate(request)
-    plan = plan_for(key.user)
+    key, plan = authenticate(request)
     call = calls.build_call(kind=kind, body=parse_json(request), user=key.user, api_key=key, plan=plan)
     try:
         calls.admit(call, plan)

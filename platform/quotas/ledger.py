@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 
 import redis
@@ -73,7 +73,8 @@ redis.call('INCRBY', KEYS[4], tokens)
 redis.call('EXPIRE', KEYS[4], ARGV[11])
 redis.call('HSET', KEYS[5], 'tokens', tokens, 'settled', '0', 'created_ms', now)
 redis.call('EXPIRE', KEYS[5], ARGV[12])
-return {'ok', rpm_used + 1, conc_used + 1, day_used + tokens, month_used + tokens, now}
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+return {'ok', rpm_used + 1, conc_used + 1, day_used + tokens, month_used + tokens, tonumber(oldest[2]) + 60000 - now}
 """
 
 # Replaces the reserved tokens by the actual ones and frees the slot, once.
@@ -104,8 +105,20 @@ return 1
 
 
 @dataclass(frozen=True)
+class Usage:
+    """Live counters of one user."""
+
+    requests_last_minute: int
+    concurrent: int
+    tokens_today: int
+    tokens_this_month: int
+    requests_reset_s: float
+
+
+@dataclass(frozen=True)
 class Reservation:
-    """A handle to reserved quota; serialisable (as_dict/from_dict) so a task can settle it later."""
+    """A handle to reserved quota; serialisable (as_dict/from_dict) so a task can settle it later.
+    `usage` is the user's counters right after this admission (the x-ratelimit headers), not serialised."""
 
     id: str
     user_id: int
@@ -119,9 +132,10 @@ class Reservation:
     day_key: str
     month_key: str
     res_key: str
+    usage: Usage | None = field(default=None, compare=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {name: value for name, value in asdict(self).items() if name != "usage"}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Reservation":
@@ -132,17 +146,6 @@ class Reservation:
 class Refusal:
     limit: str
     retry_after_s: int
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Live counters of one user."""
-
-    requests_last_minute: int
-    concurrent: int
-    tokens_today: int
-    tokens_this_month: int
-    requests_reset_s: float
 
 
 def seconds_until_next_day(now: datetime) -> int:
@@ -197,9 +200,12 @@ class QuotaLedger:
         status = _text(result[0])
         if status != "ok":
             return Refusal(limit=_text(result[1]), retry_after_s=max(1, -(-int(result[2]) // 1000)))
+        usage = Usage(requests_last_minute=int(result[1]), concurrent=int(result[2]), tokens_today=int(result[3]),
+                      tokens_this_month=int(result[4]), requests_reset_s=max(0.0, int(result[5]) / 1000))
         return Reservation(id=rid, user_id=user_id, model=model, source=source, prompt_tokens=prompt_tokens,
                            max_tokens=max_tokens, reserved_tokens=int(tokens), rpm_key=keys["rpm"],
-                           conc_key=keys["conc"], day_key=keys["day"], month_key=keys["month"], res_key=res_key)
+                           conc_key=keys["conc"], day_key=keys["day"], month_key=keys["month"], res_key=res_key,
+                           usage=usage)
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> bool:
         """Charge the actual tokens instead of the reserved ones and free the slot; False if already settled.

@@ -100,6 +100,9 @@ def headers_for(status: QuotaStatus) -> dict[str, str]:
     return headers
 
 
-def rate_limit_headers(user, plan: PlanLimits | None = None) -> dict[str, str]:
-    """x-ratelimit-* headers for every /v1 response (unlimited limits are left out)."""
+def rate_limit_headers(user, plan: PlanLimits | None = None, usage: Usage | None = None) -> dict[str, str]:
+    """x-ratelimit-* headers for every /v1 response (unlimited limits are left out). `usage`: the
+    counters an admission just read (Reservation.usage), so no second round trip to Redis."""
+    if usage is not None and plan is not None:
+        return headers_for(QuotaStatus(plan=plan, usage=usage))
     return headers_for(quota_status(user, plan))

@@ -284,3 +284,29 @@ def test_stream_interval_groups_each_choice_of_n2(llm, r):
         sizes = [len(e["token_ids"]) for e in events if e["type"] == "delta" and e["index"] == index]
         assert sizes == [1, 4, 4, 2], (index, sizes)
     assert events[-1]["usage"]["completion_tokens"] == 22
+
+
+def test_the_output_writer_keeps_the_order_it_was_given_and_stops_at_a_failed_write(r):
+    """A step's pipeline goes out on the writer's thread while the next step runs: in the order sent,
+    everything in Redis after flush(), and a failed write raised at the next send as a synchronous
+    write would have."""
+    writer = worker_module.OutputWriter()
+    key = protocol.output_stream("writer-order-test")
+    try:
+        for i in range(200):
+            pipe = r.pipeline(transaction=False)
+            pipe.xadd(key, {"i": i})
+            writer.send(pipe)
+        writer.flush()
+        assert [int(fields[b"i"]) for _, fields in r.xrange(key)] == list(range(200))
+
+        r.set("writer-order-test-string", "x")
+        broken = r.pipeline(transaction=False)
+        broken.xadd("writer-order-test-string", {"i": 0})  # WRONGTYPE: the write fails in Redis
+        writer.send(broken)
+        with pytest.raises(redis.RedisError):
+            writer.flush()
+        with pytest.raises(redis.RedisError):
+            writer.send(r.pipeline(transaction=False))
+    finally:
+        r.delete(key, "writer-order-test-string")

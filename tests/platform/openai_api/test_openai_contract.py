@@ -170,6 +170,23 @@ def test_every_v1_answer_carries_rate_limit_headers(live_stack):
     assert any(name.lower().startswith("x-ratelimit-") for name in response.headers)
 
 
+def test_a_stream_is_counted_for_metrics_once_it_has_ended(live_stack):
+    """The count is written after the last chunk (not before the first token), and before the response ends."""
+    def completions_200s() -> float:
+        text = httpx.get(live_stack.base_url + "/metrics").text
+        wanted = {"route": "/v1/completions", "method": "POST", "status": "200"}.items()
+        return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                   if s.name == "tessera_http_requests_total" and wanted <= s.labels.items())
+
+    before = completions_200s()
+    body = {"model": live_stack.model_name, "prompt": PROMPT_IDS, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", live_stack.base_url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {live_stack.api_key}"}) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert completions_200s() == before + 1
+
+
 def test_health_and_prometheus_metrics(live_stack):
     health = httpx.get(live_stack.base_url + "/health").json()
     assert health["status"] == "ok" and len(health["workers"]) == 1

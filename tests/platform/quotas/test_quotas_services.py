@@ -7,7 +7,7 @@ from django.contrib.auth import get_user_model
 from errors import PlanViolation, QuotaExceeded
 from openai_api.errors import error_body
 from quotas import selectors, services
-from quotas.ledger import QuotaLedger
+from quotas.ledger import QuotaLedger, Usage
 from quotas.models import Plan, UserPlan
 
 pytestmark = pytest.mark.django_db
@@ -138,6 +138,23 @@ def test_rate_limit_headers_report_remaining(user, small_plan, isolated_quota_pr
     assert headers["x-ratelimit-limit-tokens"] == "300"
     assert headers["x-ratelimit-remaining-tokens"] == "250"
     assert headers["x-ratelimit-reset-requests"].endswith("s")
+
+
+def test_an_admission_carries_the_headers_a_read_back_would_give(user, small_plan, isolated_quota_prefix):
+    """The reservation script returns the counters it just wrote: the /v1 headers need no second read."""
+    services.reserve(user, "tiny", 5, 5, source="test")
+    second = services.reserve(user, "tiny", 20, 30, source="test")
+    assert second.usage == Usage(requests_last_minute=2, concurrent=2, tokens_today=60, tokens_this_month=60,
+                                 requests_reset_s=second.usage.requests_reset_s)
+    assert 50 < second.usage.requests_reset_s <= 60  # the oldest admission leaves the window a minute on
+    plan = selectors.plan_for(user)
+    from_admission = services.rate_limit_headers(user, plan, second.usage)
+    read_back = services.rate_limit_headers(user, plan)
+    resets = from_admission.pop("x-ratelimit-reset-requests"), read_back.pop("x-ratelimit-reset-requests")
+    assert from_admission == read_back and all(reset.endswith("s") for reset in resets)
+    assert from_admission["x-ratelimit-remaining-requests"] == "1"
+    assert from_admission["x-ratelimit-remaining-tokens"] == "240"
+    assert "usage" not in second.as_dict() and type(second).from_dict(second.as_dict()) == second
 
 
 def test_unlimited_plans_send_no_limit_headers(user, settings, isolated_quota_prefix):
