@@ -472,7 +472,8 @@ def _async_pool() -> aioredis.BlockingConnectionPool:
                                                          timeout=ASYNC_POOL_WAIT_S))
 
 
-# Read-only shortcuts for callers outside the generation path (dashboard, /metrics, chat's model list).
+# Shortcuts for callers outside the engine protocol (dashboard, /metrics, chat's model list, the API's
+# credential cache): this process's Redis connections, shared.
 
 def redis_client() -> redis.Redis:
     return client().r

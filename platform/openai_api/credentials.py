@@ -8,8 +8,6 @@ its next request. Only accepted keys are cached: a refused one is looked up agai
 """
 from __future__ import annotations
 
-import redis
-from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.db.models.signals import post_delete, post_save
@@ -17,6 +15,7 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from accounts.services import KEY_PREFIX, authenticate_api_key, hash_key, is_usable, touch_api_key
+from engine_client import client as engine
 from quotas.limits import PlanLimits
 from quotas.models import Plan, UserPlan
 from quotas.selectors import plan_for
@@ -28,7 +27,6 @@ _CHANGED_HERE = object()  # never equal to a value read from Redis: the next loo
 # (the Redis counter's value, key digest -> (key, plan)). A new dict when the counter moves: a
 # lookup that loaded rows under the older value stores them into a dict nobody reads any more.
 _cache: tuple[object, dict[str, tuple[ApiKey, PlanLimits]]] = (_CHANGED_HERE, {})
-_clients: dict[str, redis.Redis] = {}
 
 
 def caller(raw: str | None) -> tuple[ApiKey, PlanLimits] | None:
@@ -51,24 +49,17 @@ def caller(raw: str | None) -> tuple[ApiKey, PlanLimits] | None:
 
 def _entries() -> dict:
     global _cache
-    epoch = _redis().get(EPOCH_KEY)
+    epoch = engine.redis_client().get(EPOCH_KEY)
     if _cache[0] != epoch:
         _cache = (epoch, {})
     return _cache[1]
-
-
-def _redis() -> redis.Redis:
-    url = settings.REDIS_URL
-    if url not in _clients:
-        _clients[url] = redis.Redis.from_url(url)
-    return _clients[url]
 
 
 def forget(**_kwargs) -> None:
     """A credential changed: this process forgets now, every process once the change commits."""
     global _cache
     _cache = (_CHANGED_HERE, {})
-    transaction.on_commit(lambda: _redis().incr(EPOCH_KEY), robust=True)
+    transaction.on_commit(lambda: engine.redis_client().incr(EPOCH_KEY), robust=True)
 
 
 def connect_signals() -> None:
