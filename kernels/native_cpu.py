@@ -123,15 +123,16 @@ def supports(q, k_cache) -> bool:
     return q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in SUPPORTED_DTYPES
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, library=None):
-    """Same meaning as torch_ref.paged_decode_attention; `library` defaults to load()."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, library=None, out=None):
+    """Same meaning as torch_ref.paged_decode_attention; `library` defaults to load(); `out` (contiguous,
+    q's shape) receives the result when given."""
     q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the paged caches must be contiguous")
     batch, num_heads, head_dim = q.shape
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     status = (library or load()).paged_decode_attention(
@@ -153,14 +154,16 @@ def supports_prefill(q, k_cache) -> bool:
         and num_heads // k_cache.shape[2] <= MAX_PREFILL_GROUP
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, library=None):
-    """Same meaning as torch_ref.paged_prefill_attention; `library` defaults to load()."""
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, library=None,
+                            out=None):
+    """Same meaning as torch_ref.paged_prefill_attention; `library` defaults to load(); `out` as in
+    paged_decode_attention."""
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the paged caches must be contiguous")
-    out = torch.empty(q.shape, dtype=q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     if q.shape[0] == 0:
         return out
     status = (library or load()).paged_prefill_attention(
@@ -180,11 +183,12 @@ def supports_rows(*tensors) -> bool:
         and first.dtype in SUPPORTED_DTYPES
 
 
-def fused_add_rms_norm(x, residual, weight, eps, library=None):
-    """Same meaning as torch_ref.fused_add_rms_norm: returns (normed, x + residual)."""
+def fused_add_rms_norm(x, residual, weight, eps, library=None, out=None):
+    """Same meaning as torch_ref.fused_add_rms_norm: returns (normed, x + residual); `out` (contiguous,
+    x's shape) receives normed when given."""
     x = x.contiguous()
     new_residual = x if residual is None else torch.empty_like(x)
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     (library or load()).fused_add_rms_norm(
         x.data_ptr(), None if residual is None else residual.contiguous().data_ptr(), new_residual.data_ptr(),
         weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
@@ -192,11 +196,11 @@ def fused_add_rms_norm(x, residual, weight, eps, library=None):
     return out, new_residual
 
 
-def silu_and_mul(x, library=None):
-    """Same meaning as torch_ref.silu_and_mul: [..., 2I] -> [..., I]."""
+def silu_and_mul(x, library=None, out=None):
+    """Same meaning as torch_ref.silu_and_mul: [..., 2I] -> [..., I]; `out` (contiguous) receives it when given."""
     x = x.contiguous()
     inter = x.shape[-1] // 2
-    out = x.new_empty(*x.shape[:-1], inter)
+    out = x.new_empty(*x.shape[:-1], inter) if out is None else out
     (library or load()).silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter,
                                      SUPPORTED_DTYPES[x.dtype], torch.get_num_threads())
     return out

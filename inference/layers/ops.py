@@ -76,27 +76,36 @@ def torch_primitives():
 
     Each C kernel takes float32 and bfloat16 on CPU; any other input goes to its reference.
     """
+    from inference.layers import onednn
     from kernels import native_cpu, torch_ref
 
     if native_cpu.load() is None:
         return torch_ref
 
+    # The C kernels write into outputs with room for the next GEMM's padded rows (onednn.empty_rows).
     def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
-        impl = native_cpu if native_cpu.supports(q, k_cache) else torch_ref
-        return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        if not native_cpu.supports(q, k_cache):
+            return torch_ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return native_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                 out=onednn.empty_rows(*q.shape, like=q))
 
     def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
-        impl = native_cpu if native_cpu.supports_prefill(q, k_cache) else torch_ref
-        return impl.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        if not native_cpu.supports_prefill(q, k_cache):
+            return torch_ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                                                     scale)
+        return native_cpu.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+                                                  out=onednn.empty_rows(*q.shape, like=q))
 
     def fused_add_rms_norm(x, residual, weight, eps):
         tensors = (x, weight) if residual is None else (x, residual, weight)
-        impl = native_cpu if native_cpu.supports_rows(*tensors) else torch_ref
-        return impl.fused_add_rms_norm(x, residual, weight, eps)
+        if not native_cpu.supports_rows(*tensors):
+            return torch_ref.fused_add_rms_norm(x, residual, weight, eps)
+        return native_cpu.fused_add_rms_norm(x, residual, weight, eps, out=onednn.empty_rows(*x.shape, like=x))
 
     def silu_and_mul(x):
-        impl = native_cpu if native_cpu.supports_rows(x) else torch_ref
-        return impl.silu_and_mul(x)
+        if not native_cpu.supports_rows(x):
+            return torch_ref.silu_and_mul(x)
+        return native_cpu.silu_and_mul(x, out=onednn.empty_rows(*x.shape[:-1], x.shape[-1] // 2, like=x))
 
     def rotary_embedding(positions, q, k, cos_sin_cache):
         impl = native_cpu if native_cpu.supports_rotary(q, k, cos_sin_cache) else torch_ref

@@ -28,24 +28,38 @@ static inline int threads_for(int64_t rows, int num_threads) {
 #define INLINE static inline __attribute__((always_inline))
 #define DISPATCH(body, ...) do { if (is_bf16) body(__VA_ARGS__, 1); else body(__VA_ARGS__, 0); } while (0)
 
+/* Whole vectors first (vec.h's bfloat16 conversions), then the tail one value at a time. */
 INLINE void add_rms_norm_row(const void *x, const void *residual, void *new_residual, const void *weight, void *out,
                              int64_t base, int hidden, float eps, const int is_bf16) {
+    const void *summed = residual ? new_residual : x;
+    const int whole = hidden / LANES * LANES;
+    vec square_lanes = splat(0.f);
+    for (int i = 0; i < whole; i += LANES) {
+        vec v = load_vec(x, base + i, is_bf16);
+        if (residual) {
+            v += load_vec(residual, base + i, is_bf16);
+            if (is_bf16) v = round_bf16_vec(v);
+            store_vec(new_residual, base + i, v, is_bf16);
+        }
+        square_lanes += v * v;
+    }
     float squares = 0.f;
-    if (residual) {
-        for (int i = 0; i < hidden; i++) {
-            const float v = rounded(load_float(x, base + i, is_bf16) + load_float(residual, base + i, is_bf16), is_bf16);
+    for (int k = 0; k < LANES; k++) squares += square_lanes[k];
+    for (int i = whole; i < hidden; i++) {
+        float v = load_float(x, base + i, is_bf16);
+        if (residual) {
+            v = rounded(v + load_float(residual, base + i, is_bf16), is_bf16);
             store_float(new_residual, base + i, v, is_bf16);
-            squares += v * v;
         }
-    } else {
-        for (int i = 0; i < hidden; i++) {
-            const float v = load_float(x, base + i, is_bf16);
-            squares += v * v;
-        }
+        squares += v * v;
     }
     const float inv = 1.f / sqrtf(squares / hidden + eps);
-    const void *summed = residual ? new_residual : x;
-    for (int i = 0; i < hidden; i++) {
+    for (int i = 0; i < whole; i += LANES) {
+        vec normed = load_vec(summed, base + i, is_bf16) * inv;
+        if (is_bf16) normed = round_bf16_vec(normed);
+        store_vec(out, base + i, load_vec(weight, i, is_bf16) * normed, is_bf16);
+    }
+    for (int i = whole; i < hidden; i++) {
         const float normed = rounded(load_float(summed, base + i, is_bf16) * inv, is_bf16);
         store_float(out, base + i, load_float(weight, i, is_bf16) * normed, is_bf16);
     }
@@ -77,7 +91,7 @@ INLINE void silu_and_mul_rows(const void *x, void *out, int64_t rows, int inter,
         int i = 0;
         for (; i + LANES <= inter; i += LANES) {
             const vec gate = load_vec(x, in + i, is_bf16), up = load_vec(x, in + inter + i, is_bf16);
-            vec silu = gate / (1.f + exp_vec(-gate));
+            vec silu = gate * reciprocal(1.f + exp_vec(-gate));
             if (is_bf16) silu = round_bf16_vec(silu);
             store_vec(out, at + i, silu * up, is_bf16);
         }

@@ -3,7 +3,7 @@
     gen = Generation(source="api", endpoint="/v1/chat/completions", user=user, model="smollm2",
                      prompts=[prompt_ids], sampling_params={"max_tokens": 64}, max_tokens=64)
     admit(gen)                        # the quota reservation: QuotaExceeded / PlanViolation
-    await asubmit(gen)                # submit(gen) from a thread (the batch runner)
+    submit(gen, follower=engine.aclient().lease())  # on the bookkeeping thread; the batch runner: no follower
     async for event in follow(gen):   # each event is already folded into gen.result
         ...                           # the front door turns it into a frame, an SSE chunk or nothing
     await afinish(gen)                # the usage row and the quota settlement, exactly once
@@ -155,16 +155,14 @@ def _engine_requests(gen: Generation) -> list[dict]:
             for request_id, prompt in zip(gen.engine_request_ids, gen.prompts)]
 
 
-def submit(gen: Generation) -> None:
-    """Queue the engine requests from a thread; nothing follows them but the caller's polling."""
-    for request in _engine_requests(gen):
-        engine.client().submit(**request)
+def submit(gen: Generation, *, follower: str | None = None) -> None:
+    """Queue the engine requests (from a thread: the bookkeeping one, or the batch runner's).
 
-
-async def asubmit(gen: Generation) -> None:
-    """Queue the engine requests with this process's follower lease: follow() them, or they are aborted."""
+    follower: the lease of the event loop that will follow() them (engine.aclient().lease()); the
+    worker aborts them when it lapses. The batch runner polls its requests and passes none.
+    """
     for request in _engine_requests(gen):
-        await engine.aclient().submit(**request)
+        engine.client().submit(follower=follower, **request)
 
 
 async def abort(gen: Generation) -> None:

@@ -181,8 +181,9 @@ def parse_json(request) -> dict:
     return body
 
 
-def admit(request, kind: str) -> calls.ApiCall:
-    """Everything that can refuse a request (401, 400, 404, 503, 429), then the quota reservation.
+def admit(request, kind: str, follower: str) -> calls.ApiCall:
+    """Everything that can refuse a request (401, 400, 404, 503, 429), the quota reservation, then
+    the engine requests, submitted with the event loop's follower lease.
 
     Synchronous on purpose: the view runs it in one hop to the bookkeeping thread (each thread hop
     cost about a millisecond of TTFT, and there were five). A refusal by the quota is recorded as
@@ -192,6 +193,7 @@ def admit(request, kind: str) -> calls.ApiCall:
     call = calls.build_call(kind=kind, body=parse_json(request), user=key.user, api_key=key, plan=plan)
     try:
         calls.admit(call, plan)
+        generation.submit(call.gen, follower=follower)
     except Exception as exc:  # a refusal, or Redis gone mid-admission (the middleware answers 503)
         status, code = (exc.status, exc.code) if isinstance(exc, ServiceError) else (503, "service_unavailable")
         call.gen.fail(status, code)
@@ -206,15 +208,10 @@ LARGE_BODY_BYTES = 64 * 1024  # about 16k tokens of text: tokenizing it takes te
 async def generate(request, kind: str):
     """POST /v1/chat/completions and /v1/completions."""
     try:
-        call = await bookkeeping(admit, large=len(request.body) > LARGE_BODY_BYTES)(request, kind)
+        call = await bookkeeping(admit, large=len(request.body) > LARGE_BODY_BYTES)(
+            request, kind, engine.aclient().lease())
     except ServiceError as error:
         return _with_headers(error_response(error), error.headers)
-    try:
-        await generation.asubmit(call.gen)
-    except Exception:  # e.g. Redis went away after admission (the middleware answers 503)
-        call.gen.fail(503, "service_unavailable")
-        await _finish(call.gen)  # settled now (or once Redis is back), not when its lease ends
-        raise
     events = _events(call.gen)
     try:
         if call.stream:

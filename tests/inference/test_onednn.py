@@ -34,6 +34,29 @@ def test_packed_linear_equals_dense(dtype, tol, bias):
         torch.testing.assert_close(out.float(), F.linear(x, dense_w, dense_b).float(), atol=tol * 10, rtol=tol)
 
 
+def test_an_input_with_room_for_the_padded_rows_is_read_in_place(monkeypatch):
+    """Kernel outputs come from empty_rows: the GEMM reads their storage at the padded row count
+    (no F.pad copy), whatever the rows past the input hold, and gives the dense result."""
+    layer = _layer(torch.float32, bias=True)
+    dense_w, dense_b = layer.weight.data.clone(), layer.bias.data.clone()
+    process_weights_after_loading(layer)
+    rows = 300
+    assert onednn.padded_rows(rows) == 320
+    x = onednn.empty_rows(rows, 96, like=dense_w)
+    assert x.shape == (rows, 96) and x.untyped_storage().nbytes() == 320 * 96 * 4
+    x.copy_(torch.randn(rows, 96))
+    torch.as_strided(x, (320, 96), (96, 1))[rows:] = float("nan")  # past the input: never in its output
+    copies, pad = [], F.pad
+    monkeypatch.setattr(onednn.F, "pad", lambda *a, **k: copies.append(a) or pad(*a, **k))
+    with torch.inference_mode():
+        out = layer(x)
+    assert copies == [] and out.shape == (rows, 160)
+    torch.testing.assert_close(out, F.linear(x, dense_w, dense_b), atol=1e-4, rtol=1e-5)
+    with torch.inference_mode():
+        layer(x.clone())  # an exact-size tensor is still padded by a copy
+    assert len(copies) == 1
+
+
 def test_lm_head_keeps_dense_weight_and_packs_a_copy():
     head = ParallelLMHead(64, 32, torch.float32)
     head.weight.data.copy_(torch.randn(64, 32))

@@ -235,6 +235,17 @@ def test_fused_add_rms_norm(lib, dtype, rows, threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_at_the_ends_of_exp(lib, dtype):
+    """vec.h's exp_vec: 0 below -87 (masked lanes of the AVX-512 form), e^88 above 88, 1 near 0."""
+    gate = torch.tensor([-1e4, -200, -104, -88, -87, -86, -20, -1e-30, 0, 1e-30, 20, 86, 88, 89, 200, 1e4] * 2)
+    up = torch.linspace(-3, 3, gate.numel())
+    x = torch.cat([gate, up]).view(1, -1).to(dtype)
+    out = native_cpu.silu_and_mul(x, lib)
+    assert out.isfinite().all()
+    assert_close(out, torch_ref.silu_and_mul(x), "elementwise", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 300])
 def test_silu_and_mul(lib, dtype, rows):
     x = 3 * randn(rows, 2 * 1536, dtype=dtype, seed=4, device="cpu")

@@ -49,8 +49,9 @@ def test_astream_yields_what_stream_yields(worker):
     sync_events = list(engine.client().stream(sync_rid, model=MODEL, timeout=30))
 
     async def run():
-        rid = await engine.aclient().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=params)
         client = engine.aclient()
+        rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=params,
+                                     follower=client.lease())
         return [e async for e in client.stream(rid, model=MODEL, timeout=30)]
 
     async_events = asyncio.run(run())

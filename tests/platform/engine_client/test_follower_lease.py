@@ -1,6 +1,6 @@
-"""The follower lease: requests the async client submits carry its lease, which its StreamHub keeps
-while it follows any stream; a worker aborts (and frees) the requests of a lease that lapsed, i.e.
-of a web process that died mid-stream. The sync client's (batch) requests carry none."""
+"""The follower lease: requests an event loop will follow are submitted with its async client's
+lease, which that client keeps alive while the loop runs; a worker aborts (and frees) the requests
+of a lease that lapsed, i.e. of a web process that died mid-stream. Batch requests carry none."""
 from __future__ import annotations
 
 import asyncio
@@ -33,12 +33,13 @@ def terminal(r, request_id: str) -> dict | None:
     return None
 
 
-def test_async_submissions_carry_the_clients_lease_and_batch_ones_none(r):
+def test_followed_submissions_carry_the_loops_lease_and_batch_ones_none(r):
     async def submit():
-        client = engine.aclient()
-        return client.follower, await client.submit(model=MODEL, prompt_token_ids=PROMPT)
+        follower = engine.aclient().lease()
+        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, follower=follower)
+        return follower
 
-    follower, _ = asyncio.run(submit())
+    follower = asyncio.run(submit())
     engine.client().submit(model=MODEL, prompt_token_ids=PROMPT)
     leased, batch = [protocol.decode(f[b"data"]) for _, f in r.xrange(protocol.request_stream(MODEL))]
     assert leased["follower"] == follower and batch["follower"] is None
@@ -76,7 +77,7 @@ def test_the_lease_lives_as_long_as_the_submitting_event_loop_and_lapses_after(r
 
     async def web_process():
         client = engine.aclient()
-        await client.submit(model=MODEL, prompt_token_ids=PROMPT)
+        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, follower=client.lease())
         await asyncio.sleep(2.5)  # 2.5 lease lifetimes, following nothing: still alive
         key = protocol.follower_lease_key(client.follower)
         return key, await client.r.exists(key)
