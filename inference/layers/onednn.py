@@ -74,7 +74,7 @@ def empty_rows(rows: int, *tail: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised [rows, *tail] tensor whose storage has room for padded_rows(rows) rows (the
     extra ones zero): a GEMM reads it at the padded row count in place (linear) instead of copying
     it into a padded tensor. The elementwise and attention kernels write their outputs into these;
-    the copies were about 4% of a 300-token prefill of the bench model."""
+    the copies were about 2% of a 300-token prefill of the bench model (29.8 -> 29.3 ms)."""
     padded = padded_rows(rows)
     full = like.new_empty(padded, *tail)
     full[rows:].zero_()
