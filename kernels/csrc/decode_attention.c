@@ -135,15 +135,17 @@ static inline size_t row_offset(const Job *job, const int32_t *table, int t) { /
     return ((size_t)table[t / bs] * bs + t % bs) * (size_t)job->num_kv_heads * job->head_dim;
 }
 
+/* Ask for the 64-byte lines of [start, start + bytes) into L2 (prefetcht1). */
+static inline __attribute__((always_inline)) void prefetch_lines(const char *start, size_t bytes) {
+    for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(start + line, 0, 2);
+}
+
 /* Ask for rows [first, end) of a sequence's K or V into L2. Blocks sit at random places in the
  * pool, so the hardware prefetcher, which stops at page boundaries, hardly helps: without this
  * the kernel waited on memory for most of its time (measured in docs/kernels.md). */
 static inline void prefetch_rows(const Job *job, const void *cache, const int32_t *table, int first, int end) {
     const size_t elem = job->is_bf16 ? 2 : 4, bytes = (size_t)job->num_kv_heads * job->head_dim * elem;
-    for (int t = first; t < end; t++) {
-        const char *row = (const char *)cache + row_offset(job, table, t) * elem;
-        for (size_t line = 0; line < bytes; line += 64) __builtin_prefetch(row + line, 0, 2); /* prefetcht1 */
-    }
+    for (int t = first; t < end; t++) prefetch_lines((const char *)cache + row_offset(job, table, t) * elem, bytes);
 }
 
 /* How many rows ahead of the compute the prefetches run: about 256 KiB, well inside L2. */
@@ -184,8 +186,7 @@ static inline __attribute__((always_inline)) void prefetch_slices(const Ahead *a
     const size_t elem = is_bf16 ? 2 : 4;
     for (int a = 0; a < 2; a++) {
         if (i >= asks[a].n) continue;
-        const char *slice = (const char *)asks[a].cache + (asks[a].rows[i] + (size_t)g * d) * elem;
-        for (size_t b = 0; b < (size_t)d * elem; b += 64) __builtin_prefetch(slice + b, 0, 2); /* prefetcht1 */
+        prefetch_lines((const char *)asks[a].cache + (asks[a].rows[i] + (size_t)g * d) * elem, (size_t)d * elem);
     }
 }
 

@@ -3,7 +3,7 @@
     gen = Generation(source="api", endpoint="/v1/chat/completions", user=user, model="smollm2",
                      prompts=[prompt_ids], sampling_params={"max_tokens": 64}, max_tokens=64)
     admit(gen)                        # the quota reservation: QuotaExceeded / PlanViolation
-    submit(gen, follower=engine.aclient().lease())  # on the bookkeeping thread; the batch runner: no follower
+    await bookkeeping(submit)(gen, follower=engine.aclient().lease())  # lease() on the loop; batch: none
     async for event in follow(gen):   # each event is already folded into gen.result
         ...                           # the front door turns it into a frame, an SSE chunk or nothing
     await afinish(gen)                # the usage row and the quota settlement, exactly once
