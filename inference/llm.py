@@ -1,4 +1,4 @@
-"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...)), as in vLLM."""
+"""The offline API: LLM(model=...).generate(prompts, SamplingParams(...)) and .chat(messages), as in vLLM."""
 from __future__ import annotations
 
 import itertools
@@ -22,6 +22,35 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations, as vLLM's LLM.chat: each one rendered with the tokenizer's
+        chat template (or chat_template), then run as generate() runs prompts.
+
+        messages: one conversation (a list of {"role", "content"} dicts) or a list of them; one
+        output per conversation, in order. A tokenizer without a chat template is a ValueError.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations or not all(conversations):
+            raise ValueError("messages must be a non-empty conversation or a list of non-empty conversations")
+        prompts = [{"prompt_token_ids": self._chat_prompt_ids(c, chat_template, add_generation_prompt,
+                                                              continue_final_message, tools, chat_template_kwargs)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_prompt_ids(self, conversation: list[dict], chat_template, add_generation_prompt: bool,
+                         continue_final_message: bool, tools, chat_template_kwargs) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tools=tools, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        # The template writes the BOS token itself; adding special tokens again would double it.
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, priority=None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
