@@ -158,7 +158,7 @@ from inference.gguf_files import resolve_model, served_model_name  # noqa: E402
 MODEL = resolve_model(os.environ.get("MODEL"))
 SERVED_MODEL_NAME = os.environ.get("SERVED_MODEL_NAME") or served_model_name(MODEL)
 # The tool-call format to read answers in (vLLM's --tool-call-parser): hermes, llama3_json or mistral;
-# empty: chosen per model from its tokenizer (openai_api/tool_calls.py choose_parser).
+# empty: chosen per model from its tokenizer (openai_api/tool_calls/parsers.py choose_parser).
 TOOL_CALL_PARSER = os.environ.get("TOOL_CALL_PARSER", "")
 
 # Quotas: the plan of users without one assigned in admin (None = unlimited, [] = every model).
