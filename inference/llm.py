@@ -7,6 +7,7 @@ import time
 from tqdm.auto import tqdm
 
 from inference.config import EngineArgs
+from inference.embedding_engine import EmbeddingEngine, EmbeddingRequestOutput, PoolingParams, is_encoder_model
 from inference.engine import LLMEngine
 from inference.outputs import RequestOutput
 from inference.sampling_params import SamplingParams
@@ -17,7 +18,8 @@ class LLM:
         unknown = set(engine_args) - EngineArgs.names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        engine_cls = EmbeddingEngine if is_encoder_model(model) else LLMEngine  # encoders embed (vLLM: pooling)
+        self.llm_engine = engine_cls(EngineArgs(model=model, **engine_args))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -74,6 +76,13 @@ class LLM:
             engine.abort_request(added)
             raise
         return self._run_to_completion(request_ids, use_tqdm)
+
+    def embed(self, prompts=None, pooling_params: PoolingParams | None = None, prompt_token_ids=None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """An encoder model's embeddings, one per prompt in input order (vLLM's LLM.embed)."""
+        if not isinstance(self.llm_engine, EmbeddingEngine):
+            raise ValueError("embed() needs an embedding (encoder) model; this one generates text")
+        return self.generate(prompts, pooling_params or PoolingParams(), prompt_token_ids, use_tqdm=use_tqdm)
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -66,7 +66,7 @@ def load_weights(model: LlamaForCausalLM, path: str, progress: bool = True) -> N
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for hf_name, tensor in checkpoint_tensors(model, path, progress):
-        if hf_name.endswith(IGNORED_WEIGHTS):
+        if hf_name.endswith(IGNORED_WEIGHTS + getattr(model, "ignored_weights", ())):
             continue
         name, shard_id = model.checkpoint_name(hf_name)
         if name == "lm_head.weight" and model.cfg.tie_word_embeddings:

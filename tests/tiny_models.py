@@ -85,3 +85,43 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: l
                                  generation_config=config)
         outputs.append(out[0, len(ids):].tolist())
     return outputs
+
+
+def make_tiny_bert(out_dir: str | Path, pooling: str = "mean", normalize: bool = True, seed: int = 0,
+                   **config) -> Path:
+    """A random-weight BERT encoder saved as a sentence-transformers folder: config.json and weights,
+    a WordPiece tokenizer over the corpus' most frequent words, modules.json with a Pooling module
+    of `pooling` (cls / mean / max) and, if normalize, a Normalize module. Extra config.json keys
+    (e.g. matryoshka_dimensions) go in through config."""
+    import collections
+    import json
+    import re
+
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    words = collections.Counter(w for doc in english_corpus()[:40] for w in re.findall(r"[a-z]+", doc.lower()))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"()-",
+             *(f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz")]
+    vocab += [w for w, _ in words.most_common(400) if w not in vocab]
+    (out_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(out_dir / "vocab.txt"), do_lower_case=True).save_pretrained(out_dir)
+    torch.manual_seed(seed)
+    bert_config = BertConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=128, initializer_range=0.15)
+    BertModel(bert_config).eval().save_pretrained(out_dir, safe_serialization=True)
+    if config:
+        raw = json.loads((out_dir / "config.json").read_text())
+        (out_dir / "config.json").write_text(json.dumps({**raw, **config}, indent=2))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+    (out_dir / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out_dir / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens"}
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, **{key: name == pooling for name, key in modes.items()}}))
+    (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 96, "do_lower_case": False}))
+    return out_dir
