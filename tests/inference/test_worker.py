@@ -13,6 +13,7 @@ from engine_client import client as engine_client
 from generation.services import collect
 from inference import protocol
 from inference import SamplingParams
+from inference.output_processor import RequestState
 from tests.inference.worker_helpers import MODEL, ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -245,7 +246,7 @@ def test_no_worker_at_all_ends_the_stream_with_no_worker(r):
 def test_output_stream_ttl_is_set_at_accept_and_refreshed_only_when_due(llm, r):
     """Deltas skip EXPIRE while the stream's TTL is fresh (one Redis command per request per step)."""
     running = worker_module.EngineWorker(llm.llm_engine, r, worker_module.WorkerConfig(output_ttl=40))
-    state = worker_module.RequestState("ttl-test", "0-1", n=1)
+    state = RequestState("ttl-test", "0-1", n=1)
     key = protocol.output_stream("ttl-test")
 
     def emit(events):
