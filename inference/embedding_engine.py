@@ -26,7 +26,7 @@ from inference.loader import process_weights_after_loading
 from inference.metrics import EngineMetrics
 from inference.models.bert import BertConfig, BertModel, is_encoder_config
 from inference.outputs import RequestMetrics
-from inference.pooling import PoolingConfig, finish_embedding, pool
+from inference.pooling import PoolingConfig, PoolingParams, finish_embedding, pool
 from inference.request import Request, RequestStatus
 from inference.sampling_params import SamplingParams
 from inference.scheduler import Scheduler, SchedulerConfig
@@ -38,18 +38,6 @@ def is_encoder_model(path: str) -> bool:
     """A folder whose config.json names a BERT-family encoder (served by EmbeddingEngine)."""
     config = Path(path) / "config.json"
     return config.is_file() and is_encoder_config(json.loads(config.read_text()))
-
-
-@dataclass
-class PoolingParams:
-    """Per-request options of an embedding (vLLM's PoolingParams)."""
-
-    dimensions: int | None = None  # truncate (Matryoshka models only) and renormalise
-
-    def __post_init__(self):
-        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
-                                            or self.dimensions < 1):
-            raise ValueError(f"dimensions must be a positive integer; got {self.dimensions!r}")
 
 
 @dataclass
@@ -65,6 +53,10 @@ class EmbeddingRequestOutput:
     num_cached_tokens: int = 0
     outputs: list = field(default_factory=list)  # no generated choices
 
+    def float32_bytes(self) -> bytes:
+        """The embedding as the protocol carries it: float32, little-endian."""
+        return self.embedding.float().contiguous().numpy().astype("<f4").tobytes()
+
 
 class PoolingRequest(Request):
     """A Request that runs once, whole, and keeps its embedding."""
@@ -77,6 +69,8 @@ class PoolingRequest(Request):
 
 
 class EmbeddingEngine:
+    task = "embed"  # what the worker publishes (protocol.EMBED_TASK); LLMEngine generates
+
     def __init__(self, args: EngineArgs, progress: bool = True):
         self.args = args
         self.device = resolve_device(args.device)

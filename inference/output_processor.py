@@ -30,7 +30,7 @@ class RequestState:
     cached_tokens: int = 0
     num_preemptions: int = 0
     ttl_set_at: float = 0.0  # monotonic time of the output stream's last EXPIRE
-    follower: str | None = None  # the web process's lease (protocol.follower_lease_key); None: not leased
+    lease_id: str | None = None  # the web process's lease (protocol.lease_key); None: not leased
 
     def __post_init__(self):
         self.sent_len = [0] * self.n
@@ -70,6 +70,8 @@ class OutputProcessor:
         a terminal event (finish or error) last once it ended."""
         if getattr(output, "error", None):
             return [protocol.error_event("engine_error", output.error)]
+        if getattr(output, "embedding", None) is not None:  # an embedding engine's result: whole, at once
+            return self._embedding_events(state, output)
         state.cached_tokens = output.num_cached_tokens or 0
         state.prompt_tokens = len(output.prompt_token_ids) or state.prompt_tokens
         if output.metrics is not None:
@@ -82,6 +84,14 @@ class OutputProcessor:
         if output.finished:
             events.append(protocol.finish_event(state.finish_reasons, state.usage(), state.metrics()))
         return events
+
+    @staticmethod
+    def _embedding_events(state: RequestState, output) -> list[dict]:
+        state.prompt_tokens = len(output.prompt_token_ids) or state.prompt_tokens
+        state.first_token_at = time.time()
+        state.finish_reasons = ["stop"]
+        return [protocol.embedding_event(output.float32_bytes()),
+                protocol.finish_event(state.finish_reasons, state.usage(), state.metrics())]
 
     @staticmethod
     def abort_event(state: RequestState) -> dict:

@@ -20,6 +20,22 @@ POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "m
                  "pooling_mode_max_tokens": "max"}
 
 
+@dataclass
+class PoolingParams:
+    """Per-request options of an embedding (vLLM's PoolingParams)."""
+
+    dimensions: int | None = None  # truncate (Matryoshka models only) and renormalise
+    # what the worker's output state reads of every request's parameters: one result, no logprobs
+    n = 1
+    logprobs = None
+    prompt_logprobs = None
+
+    def __post_init__(self):
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer; got {self.dimensions!r}")
+
+
 @dataclass(frozen=True)
 class PoolingConfig:
     mode: str  # "cls" | "mean" | "max"

@@ -9,7 +9,9 @@ the *_event functions) and Heartbeat (a worker's hash, refreshed every second).
 """
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -21,16 +23,18 @@ ABORT_CHANNEL = f"{PREFIX}:abort"
 WORKERS_SET = f"{PREFIX}:workers"
 REQUEST_STREAM_MAXLEN = 100_000
 OUTPUT_TTL_S = 3600
-# A web process refreshes its follower lease every FOLLOWER_LEASE_REFRESH_S while it follows streams;
+# A web process refreshes its lease (lease_id) every LEASE_REFRESH_S while it follows streams;
 # a worker aborts the requests of a lease that lapsed (the web process died mid-stream).
-FOLLOWER_LEASE_TTL_S = 3.0
-FOLLOWER_LEASE_REFRESH_S = 1.0
+LEASE_TTL_S = 3.0
+LEASE_REFRESH_S = 1.0
 
 # Priority classes (lower runs first in the engine); a request's own priority orders it inside its class.
 PRIORITY_CLASSES = {"interactive": 0, "api": 1, "batch": 2}
 PRIORITY_CLASS_SPAN = 1000
 
 TERMINAL_EVENTS = ("finish", "error")
+# An embedding request names this task; its worker must serve an embedding (encoder) model.
+EMBED_TASK = "embed"
 # Codes of error events: worker-side validation, a lost or missing worker, engine failure, the caller's timeout.
 ERROR_CODES = ("invalid_request", "worker_lost", "no_worker", "engine_error", "worker_shutdown", "expired",
                "timeout")
@@ -51,8 +55,8 @@ def aborted_key(request_id: str) -> str:
     return f"{PREFIX}:aborted:{request_id}"
 
 
-def follower_lease_key(follower: str) -> str:
-    return f"{PREFIX}:follower:{follower}"
+def lease_key(lease_id: str) -> str:
+    return f"{PREFIX}:lease:{lease_id}"
 
 
 def heartbeat_key(worker_id: str) -> str:
@@ -89,7 +93,7 @@ def new_request_id() -> str:
 
 @dataclass
 class EngineRequest:
-    """One generation request. Exactly one of prompt_token_ids / prompt is set."""
+    """One generation request (with pooling_params: one embedding). Exactly one of prompt_token_ids / prompt is set."""
 
     request_id: str
     model: str
@@ -101,13 +105,14 @@ class EngineRequest:
     user: str | None = None
     submitted_at: float = 0.0
     deadline: float | None = None
-    follower: str | None = None  # the lease id of the web process following it (None: nobody to outlive)
+    lease_id: str | None = None  # the lease of the web process following it (None: nobody to outlive)
+    pooling_params: dict | None = None  # set: an embedding request (inference.pooling.PoolingParams fields)
 
     @classmethod
     def build(cls, *, model: str, prompt_token_ids=None, prompt: str | None = None,
               sampling_params: dict | None = None, priority_class: str = "api", priority: int = 0, user=None,
               request_id: str | None = None, queue_timeout: float | None = None,
-              follower: str | None = None) -> "EngineRequest":
+              lease_id: str | None = None, pooling_params: dict | None = None) -> "EngineRequest":
         """Validate the arguments (ValueError) and stamp the submission time."""
         if (prompt_token_ids is None) == (prompt is None):
             raise ValueError("give exactly one of prompt_token_ids or prompt")
@@ -119,7 +124,8 @@ class EngineRequest:
                    sampling_params=dict(sampling_params or {}),
                    priority=engine_priority(priority_class, priority), priority_class=priority_class,
                    user=None if user is None else str(user), submitted_at=now,
-                   deadline=now + queue_timeout if queue_timeout else None, follower=follower)
+                   deadline=now + queue_timeout if queue_timeout else None, lease_id=lease_id,
+                   pooling_params=None if pooling_params is None else dict(pooling_params))
 
     @property
     def stream(self) -> str:
@@ -187,7 +193,13 @@ class ErrorEvent(TypedDict):
     message: str
 
 
-Event = AcceptedEvent | DeltaEvent | PromptLogprobsEvent | FinishEvent | ErrorEvent
+class EmbeddingEvent(TypedDict):
+    type: Literal["embedding"]
+    embedding: str  # base64 of the float32 little-endian values (OpenAI's encoding_format "base64")
+    dimensions: int
+
+
+Event = AcceptedEvent | DeltaEvent | PromptLogprobsEvent | EmbeddingEvent | FinishEvent | ErrorEvent
 
 
 def accepted_event(worker_id: str, prompt_tokens: int) -> AcceptedEvent:
@@ -205,6 +217,18 @@ def prompt_logprobs_event(logprobs: list[LogprobEntry]) -> PromptLogprobsEvent:
 
 def finish_event(finish_reasons: list, usage: Usage, metrics: dict) -> FinishEvent:
     return {"type": "finish", "finish_reasons": finish_reasons, "usage": usage, "metrics": metrics}
+
+
+def embedding_event(float32_le: bytes) -> EmbeddingEvent:
+    """An embedding request's result (sent just before its finish): the vector's float32 bytes, little-endian."""
+    return {"type": "embedding", "embedding": base64.b64encode(float32_le).decode("ascii"),
+            "dimensions": len(float32_le) // 4}
+
+
+def embedding_floats(event: EmbeddingEvent) -> list[float]:
+    """The values of an embedding event (each a float32 widened to a Python float)."""
+    raw = base64.b64decode(event["embedding"])
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
 def error_event(code: str, message: str) -> ErrorEvent:

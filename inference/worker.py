@@ -28,6 +28,7 @@ import redis
 from inference import protocol
 from inference.membership import Membership, request_id_of, text
 from inference.output_processor import OutputProcessor, RequestState
+from inference.pooling import PoolingParams
 from inference.sampling_params import SamplingParams
 
 log = logging.getLogger("tessera.worker")
@@ -193,7 +194,7 @@ class EngineWorker:
         self.apply_aborts()
         if time.monotonic() - self._last_lease_check >= self.config.heartbeat_interval:
             self._last_lease_check = time.monotonic()
-            self.abort_unfollowed()
+            self.abort_lapsed_leases()
         if self.engine.has_unfinished_requests():
             self.step()
         self.membership.take_snapshot()
@@ -235,7 +236,7 @@ class EngineWorker:
             return self._end_early(pipe, stream, entry_id, request.request_id, protocol.error_event(
                 "expired", "the request waited in the queue past its deadline"))
         try:
-            params = SamplingParams(**request.sampling_params)
+            params = self._engine_params(request)
             prompt = ({"prompt_token_ids": request.prompt_token_ids}
                       if request.prompt_token_ids is not None else request.prompt)
             self.engine.add_request(request.request_id, prompt, params, priority=int(request.priority))
@@ -245,9 +246,20 @@ class EngineWorker:
         state = RequestState(request.request_id, entry_id, n=params.n, stream=stream, want_logprobs=params.logprobs,
                              want_prompt_logprobs=params.prompt_logprobs, submitted_at=request.submitted_at or None)
         state.prompt_tokens = self._prompt_len(request)
-        state.follower = request.follower
+        state.lease_id = request.lease_id
         self.states[request.request_id] = state
         self._emit(pipe, request.request_id, [protocol.accepted_event(self.worker_id, state.prompt_tokens)], state)
+
+    def _engine_params(self, request: protocol.EngineRequest):
+        """SamplingParams for a generation, PoolingParams for an embedding; ValueError when this engine's
+        model does the other task (its tokenizer and its outputs would not fit the request)."""
+        embeds = getattr(self.engine, "task", "generate") == protocol.EMBED_TASK
+        if (request.pooling_params is not None) != embeds:
+            raise ValueError(f"model {request.model!r} is an embedding model: use /v1/embeddings" if embeds else
+                             f"model {request.model!r} generates text; it does not make embeddings")
+        if embeds:
+            return PoolingParams(**request.pooling_params)
+        return SamplingParams(**request.sampling_params)
 
     def _prompt_len(self, request: protocol.EngineRequest) -> int:
         if request.prompt_token_ids is not None:
@@ -290,16 +302,16 @@ class EngineWorker:
             if request_id in self.states:
                 self.abort(request_id)
 
-    def abort_unfollowed(self) -> None:
-        """Abort the requests whose web process stopped following them (its follower lease lapsed)."""
-        followers = sorted({state.follower for state in self.states.values() if state.follower})
-        if not followers:
+    def abort_lapsed_leases(self) -> None:
+        """Abort the requests whose web process stopped following them (its lease lapsed)."""
+        lease_ids = sorted({state.lease_id for state in self.states.values() if state.lease_id})
+        if not lease_ids:
             return
         pipe = self.r.pipeline(transaction=False)
-        for follower in followers:
-            pipe.exists(protocol.follower_lease_key(follower))
-        gone = {follower for follower, alive in zip(followers, pipe.execute()) if not alive}
-        for request_id in [rid for rid, state in self.states.items() if state.follower in gone]:
+        for lease_id in lease_ids:
+            pipe.exists(protocol.lease_key(lease_id))
+        gone = {lease_id for lease_id, alive in zip(lease_ids, pipe.execute()) if not alive}
+        for request_id in [rid for rid, state in self.states.items() if state.lease_id in gone]:
             log.warning("aborting %s: its web process stopped following it", request_id)
             self.abort(request_id)
 
