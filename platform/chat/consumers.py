@@ -140,7 +140,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         await self.send_json(await database_sync_to_async(selectors.reply_started_payload)(reply))
         follower = streaming.Follower(reply.message_id, reply.gen, self.send_json, owner=True)
         try:
-            await generation.bookkeeping(generation.submit)(reply.gen, follower=engine.aclient().lease())
+            await generation.bookkeeping(generation.submit)(reply.gen, lease_id=engine.aclient().lease())
         except Exception as exc:  # Redis unreachable: nothing was queued
             follower.fail("submit_failed", f"Could not queue the request: {exc}")
             await follower.finish()

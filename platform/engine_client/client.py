@@ -120,8 +120,8 @@ def _abort_ops(pipe, request_id: str) -> None:
     pipe.publish(p.ABORT_CHANNEL, request_id)
 
 
-def _lease_ops(pipe, follower: str) -> None:
-    pipe.set(p.follower_lease_key(follower), "1", px=int(p.FOLLOWER_LEASE_TTL_S * 1000))
+def _lease_ops(pipe, lease_id: str) -> None:
+    pipe.set(p.lease_key(lease_id), "1", px=int(p.LEASE_TTL_S * 1000))
 
 
 def _xadd_args(request: p.EngineRequest) -> tuple:
@@ -141,21 +141,21 @@ class EngineClient:
         self.r = r
         self._workers_cache: tuple[float, list[dict]] = (float("-inf"), [])
 
-    def submit(self, *, follower: str | None = None, **kwargs) -> str:
+    def submit(self, *, lease_id: str | None = None, **kwargs) -> str:
         """Queue one request on its model's stream; returns the request id.
 
         Keyword args are EngineRequest.build's: model (required), prompt_token_ids (list[int]) or
         prompt (str), sampling_params (inference.SamplingParams fields), priority_class
         "interactive" | "api" | "batch", priority (0..999 inside the class), user, request_id,
         queue_timeout (s: a worker that picks it up later fails it with "expired"). ValueError for bad ones.
-        follower: the lease of the event loop that follows the request (AsyncEngineClient.lease());
+        lease_id: the lease of the event loop that follows the request (AsyncEngineClient.lease());
         the worker aborts it once that lease lapses. Without one (batch) nothing aborts it.
         """
-        request = p.EngineRequest.build(follower=follower, **kwargs)
+        request = p.EngineRequest.build(lease_id=lease_id, **kwargs)
         args, opts = _xadd_args(request)
         pipe = self.r.pipeline(transaction=False)
-        if follower:
-            _lease_ops(pipe, follower)  # a new lease exists before the worker can check it
+        if lease_id:
+            _lease_ops(pipe, lease_id)  # a new lease exists before the worker can check it
         pipe.xadd(*args, **opts)
         pipe.execute()
         return request.request_id
@@ -256,7 +256,7 @@ class AsyncEngineClient:
     """Non-blocking client (ASGI views, Channels consumers): one per event loop.
 
     Its streams share the loop's StreamHub: one XREAD per engine step for all of them. Requests it
-    will follow are submitted with its follower lease (lease()), refreshed while its event loop
+    will follow are submitted with its lease (lease_id, from lease()), refreshed while its event loop
     runs: when this process dies the lease lapses and the worker aborts them (batch requests carry
     none). Submitting itself is the sync client's, on the thread that admitted the request: one
     redis-py round trip there cost less than one on the event loop.
@@ -264,25 +264,25 @@ class AsyncEngineClient:
 
     def __init__(self, r: aioredis.Redis):
         self.r = r
-        self.follower = uuid.uuid4().hex
+        self.lease_id = uuid.uuid4().hex
         self.leaser: asyncio.Task | None = None
         self.hub = StreamHub(self)
 
     def lease(self) -> str:
-        """This event loop's follower lease, for the requests it will follow (EngineClient.submit's
-        follower): kept alive from now on for as long as the loop runs."""
+        """This event loop's lease id, for the requests it will follow (EngineClient.submit's
+        lease_id): kept alive from now on for as long as the loop runs."""
         if self.leaser is None or self.leaser.done():
             self.leaser = asyncio.get_running_loop().create_task(self._keep_lease())
-        return self.follower
+        return self.lease_id
 
     async def _keep_lease(self) -> None:
-        """Refresh the follower lease for as long as this event loop runs (its own task, so a
+        """Refresh the lease for as long as this event loop runs (its own task, so a
         blocked XREAD or a busy stream never delays it)."""
         while True:
-            await asyncio.sleep(p.FOLLOWER_LEASE_REFRESH_S)
+            await asyncio.sleep(p.LEASE_REFRESH_S)
             try:
                 pipe = self.r.pipeline(transaction=False)
-                _lease_ops(pipe, self.follower)
+                _lease_ops(pipe, self.lease_id)
                 await pipe.execute()
             except redis.RedisError:  # Redis away: followers hear it from the hub; refresh when it is back
                 pass

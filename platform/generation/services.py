@@ -3,7 +3,7 @@
     gen = Generation(source="api", endpoint="/v1/chat/completions", user=user, model="smollm2",
                      prompts=[prompt_ids], sampling_params={"max_tokens": 64}, max_tokens=64)
     admit(gen)                        # the quota reservation: QuotaExceeded / PlanViolation
-    await bookkeeping(submit)(gen, follower=engine.aclient().lease())  # lease() on the loop; batch: none
+    await bookkeeping(submit)(gen, lease_id=engine.aclient().lease())  # lease() on the loop; batch: none
     async for event in follow(gen):   # each event is already folded into gen.result
         ...                           # the front door turns it into a frame, an SSE chunk or nothing
     await afinish(gen)                # the usage row and the quota settlement, exactly once
@@ -155,14 +155,14 @@ def _engine_requests(gen: Generation) -> list[dict]:
             for request_id, prompt in zip(gen.engine_request_ids, gen.prompts)]
 
 
-def submit(gen: Generation, *, follower: str | None = None) -> None:
+def submit(gen: Generation, *, lease_id: str | None = None) -> None:
     """Queue the engine requests (from a thread: the bookkeeping one, or the batch runner's).
 
-    follower: the lease of the event loop that will follow() them (engine.aclient().lease()); the
+    lease_id: the lease of the event loop that will follow() them (engine.aclient().lease()); the
     worker aborts them when it lapses. The batch runner polls its requests and passes none.
     """
     for request in _engine_requests(gen):
-        engine.client().submit(follower=follower, **request)
+        engine.client().submit(lease_id=lease_id, **request)
 
 
 async def abort(gen: Generation) -> None:

@@ -181,9 +181,9 @@ def parse_json(request) -> dict:
     return body
 
 
-def admit(request, kind: str, follower: str) -> calls.ApiCall:
+def admit(request, kind: str, lease_id: str) -> calls.ApiCall:
     """Everything that can refuse a request (401, 400, 404, 503, 429), the quota reservation, then
-    the engine requests, submitted with the event loop's follower lease.
+    the engine requests, submitted with the event loop's lease (lease_id).
 
     Synchronous on purpose: the view runs it in one hop to the bookkeeping thread (each thread hop
     cost about a millisecond of TTFT, and there were five). A refusal by the quota is recorded as
@@ -193,7 +193,7 @@ def admit(request, kind: str, follower: str) -> calls.ApiCall:
     call = calls.build_call(kind=kind, body=parse_json(request), user=key.user, api_key=key, plan=plan)
     try:
         calls.admit(call, plan)
-        generation.submit(call.gen, follower=follower)
+        generation.submit(call.gen, lease_id=lease_id)
     except Exception as exc:  # a refusal, or Redis gone mid-admission (the middleware answers 503)
         status, code = (exc.status, exc.code) if isinstance(exc, ServiceError) else (503, "service_unavailable")
         call.gen.fail(status, code)

@@ -225,8 +225,8 @@ def test_web_kill_mid_stream(stack, login, chaos_report):
     stream = sse_stream(stack.base_url, login["api_key"], login["model"], 900)
     assert stream.started.wait(60), (stream.ended, stream.detail)
     [key] = set(r.scan_iter(match=redis_keys.output_stream("*"))) - before
-    leases = set(r.scan_iter(match=redis_keys.follower_lease_key("*")))
-    assert leases, "the web process holds a follower lease while it streams"
+    leases = set(r.scan_iter(match=redis_keys.lease_key("*")))
+    assert leases, "the web process holds a lease while it streams"
     mark = stack.mark()
     # The engine is frozen until the dead web's lease has lapsed, so the request cannot reach its
     # max_tokens first however fast the engine runs (the tiny model makes 900 tokens in about 2 s).
@@ -237,7 +237,7 @@ def test_web_kill_mid_stream(stack, login, chaos_report):
         killed_at = time.monotonic()
         os.kill(stack.pid(WEB_PROCESS), signal.SIGKILL)
         assert stream.done.wait(10) and stream.ended == "cut"
-        lapse_by = killed_at + redis_keys.FOLLOWER_LEASE_TTL_S + 2.0
+        lapse_by = killed_at + redis_keys.LEASE_TTL_S + 2.0
         while any(r.exists(lease) for lease in leases) and time.monotonic() < lapse_by:
             time.sleep(0.05)
     finally:

@@ -51,7 +51,7 @@ def test_astream_yields_what_stream_yields(worker):
     async def run():
         client = engine.aclient()
         rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=params,
-                                     follower=client.lease())
+                                     lease_id=client.lease())
         return [e async for e in client.stream(rid, model=MODEL, timeout=30)]
 
     async_events = asyncio.run(run())

@@ -1,4 +1,4 @@
-"""The follower lease: requests an event loop will follow are submitted with its async client's
+"""The web process's lease (lease_id): requests an event loop will follow are submitted with its async client's
 lease, which that client keeps alive while the loop runs; a worker aborts (and frees) the requests
 of a lease that lapsed, i.e. of a web process that died mid-stream. Batch requests carry none."""
 from __future__ import annotations
@@ -35,32 +35,32 @@ def terminal(r, request_id: str) -> dict | None:
 
 def test_followed_submissions_carry_the_loops_lease_and_batch_ones_none(r):
     async def submit():
-        follower = engine.aclient().lease()
-        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, follower=follower)
-        return follower
+        lease_id = engine.aclient().lease()
+        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, lease_id=lease_id)
+        return lease_id
 
-    follower = asyncio.run(submit())
+    lease_id = asyncio.run(submit())
     engine.client().submit(model=MODEL, prompt_token_ids=PROMPT)
     leased, batch = [protocol.decode(f[b"data"]) for _, f in r.xrange(protocol.request_stream(MODEL))]
-    assert leased["follower"] == follower and batch["follower"] is None
-    assert 0 < r.pttl(protocol.follower_lease_key(follower)) <= protocol.FOLLOWER_LEASE_TTL_S * 1000
+    assert leased["lease_id"] == lease_id and batch["lease_id"] is None
+    assert 0 < r.pttl(protocol.lease_key(lease_id)) <= protocol.LEASE_TTL_S * 1000
 
 
-def test_the_worker_aborts_only_requests_whose_follower_lease_lapsed_and_frees_their_blocks(llm, r):
+def test_the_worker_aborts_only_requests_whose_lease_lapsed_and_frees_their_blocks(llm, r):
     worker = stepped_worker(llm)
     try:
-        r.set(protocol.follower_lease_key("alive"), "1", ex=60)
+        r.set(protocol.lease_key("alive"), "1", ex=60)
         orphan = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)
         followed = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)
         batch = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)
-        _set_follower(r, orphan, "died")  # its web process's lease is gone
-        _set_follower(r, followed, "alive")
+        _set_lease_id(r, orphan, "died")  # its web process's lease is gone
+        _set_lease_id(r, followed, "alive")
         worker.read_requests(block_ms=1000)
         worker.step()
         assert set(worker.states) == {orphan, followed, batch}
         free_before = llm.llm_engine.kv.pool.num_free
 
-        worker.abort_unfollowed()
+        worker.abort_lapsed_leases()
 
         assert terminal(r, orphan)["finish_reasons"] == ["abort"]
         assert set(worker.states) == {followed, batch}  # a live lease and no lease (batch) keep running
@@ -72,28 +72,28 @@ def test_the_worker_aborts_only_requests_whose_follower_lease_lapsed_and_frees_t
 
 
 def test_the_lease_lives_as_long_as_the_submitting_event_loop_and_lapses_after(r, monkeypatch):
-    monkeypatch.setattr(protocol, "FOLLOWER_LEASE_TTL_S", 1.0)
-    monkeypatch.setattr(protocol, "FOLLOWER_LEASE_REFRESH_S", 0.1)
+    monkeypatch.setattr(protocol, "LEASE_TTL_S", 1.0)
+    monkeypatch.setattr(protocol, "LEASE_REFRESH_S", 0.1)
 
     async def web_process():
         client = engine.aclient()
-        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, follower=client.lease())
+        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, lease_id=client.lease())
         await asyncio.sleep(2.5)  # 2.5 lease lifetimes, following nothing: still alive
-        key = protocol.follower_lease_key(client.follower)
+        key = protocol.lease_key(client.lease_id)
         return key, await client.r.exists(key)
 
     key, alive_while_running = asyncio.run(web_process())  # then the loop is gone, as in a killed process
     assert alive_while_running
-    assert wait_for(lambda: not r.exists(key), timeout=protocol.FOLLOWER_LEASE_TTL_S + 2)
+    assert wait_for(lambda: not r.exists(key), timeout=protocol.LEASE_TTL_S + 2)
 
 
-def _set_follower(r, request_id: str, follower: str) -> None:
+def _set_lease_id(r, request_id: str, lease_id: str) -> None:
     """Rewrite a queued request's lease id (as a web process with that lease would have submitted it)."""
     stream = protocol.request_stream(MODEL)
     for entry_id, fields in r.xrange(stream):
         data = protocol.decode(fields[b"data"])
         if data["request_id"] == request_id:
             r.xdel(stream, entry_id)
-            data["follower"] = follower
+            data["lease_id"] = lease_id
             r.xadd(stream, {"data": protocol.encode(data)})
             time.sleep(0.002)  # distinct entry ids keep the submission order readable

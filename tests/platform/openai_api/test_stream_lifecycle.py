@@ -47,7 +47,7 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_kv_blocks(live_stack)
     assert rows[0][:2] == (499, "client_disconnected") and 0 < rows[0][2] < 500
 
 
-def test_a_streamed_request_is_submitted_with_its_web_processs_follower_lease(live_stack):
+def test_a_streamed_request_is_submitted_with_its_web_processs_lease(live_stack):
     """The submit runs on the bookkeeping thread, with the event loop's lease: a web process that
     dies mid-stream still gets its requests aborted (tests/chaos: test_web_kill_mid_stream)."""
     client = openai.OpenAI(base_url=live_stack.base_url + "/v1", api_key=live_stack.api_key, max_retries=0)
@@ -58,7 +58,7 @@ def test_a_streamed_request_is_submitted_with_its_web_processs_follower_lease(li
     submitted = [protocol.decode(fields[b"data"]) for _id, fields in
                  r.xrange(protocol.request_stream(live_stack.model_name))]
     [request] = [m for m in submitted if m["request_id"] == first.id]
-    assert request["follower"] and r.pttl(protocol.follower_lease_key(request["follower"])) > 0
+    assert request["lease_id"] and r.pttl(protocol.lease_key(request["lease_id"])) > 0
     for _chunk in stream:  # to its end: the next test starts with nothing running
         pass
 
