@@ -101,3 +101,19 @@ def test_inference_never_imports_django():
     offenders = {name for name, path in ((module_name(p, REPO), p) for p in (REPO / "inference").rglob("*.py"))
                  if any(m == "django" or m.startswith("django.") for m in imported_names(path, name))}
     assert not offenders
+
+
+def test_apps_never_import_the_project_package():
+    """tessera/ (settings, URLs, ASGI, Celery) imports the apps, never the other way round: apps read
+    settings through django.conf, share Redis and HTTP guards through common/, and declare Celery tasks
+    with shared_task. Function-level imports count too."""
+    platform = REPO / "platform"
+    imports = {}
+    for path in platform.rglob("*.py"):
+        if "migrations" in path.parts or path.relative_to(platform).parts[0] == "tessera":
+            continue
+        name = module_name(path, platform)
+        imports[name] = {m for m in imported_names(path, name)
+                         if (m == "tessera" or m.startswith("tessera.")) and not m.startswith("tessera.settings")}
+    assert "common.http_guards" in imports and "batches.validation" in imports, "the apps are read"
+    assert {name: found for name, found in imports.items() if found} == {}

@@ -15,20 +15,13 @@ from __future__ import annotations
 
 import hashlib
 
-import redis
 from django.conf import settings
+
+from common import connections
 
 WINDOW_S = 15 * 60
 KNOWN_ADDRESS_DAYS = 30
 SIGNUP_WINDOW_S = 3600
-_clients: dict[str, redis.Redis] = {}
-
-
-def _redis() -> redis.Redis:
-    url = settings.REDIS_URL
-    if url not in _clients:
-        _clients[url] = redis.Redis.from_url(url)
-    return _clients[url]
 
 
 def _user(username: str) -> str:
@@ -58,7 +51,7 @@ def client_address(request) -> str:
 
 def is_locked(username: str, address: str) -> int:
     """Seconds until another attempt is allowed for this username from this address, or 0."""
-    r = _redis()
+    r = connections.sync_redis()
     limits = [(_pair_key(username, address), settings.LOGIN_ATTEMPTS_PER_15_MIN)]
     if not r.exists(_known_key(username, address)):
         limits += [(_user_key(username), settings.LOGIN_FAILURES_PER_USERNAME),
@@ -70,7 +63,7 @@ def is_locked(username: str, address: str) -> int:
 
 
 def record_failure(username: str, address: str) -> None:
-    pipe = _redis().pipeline()
+    pipe = connections.sync_redis().pipeline()
     for key in (_pair_key(username, address), _user_key(username), _address_key(address)):
         pipe.set(key, 0, ex=WINDOW_S, nx=True)  # the window starts at the first failure
         pipe.incr(key)  # INCR keeps the TTL
@@ -78,7 +71,7 @@ def record_failure(username: str, address: str) -> None:
 
 
 def record_success(username: str, address: str) -> None:
-    pipe = _redis().pipeline()
+    pipe = connections.sync_redis().pipeline()
     pipe.delete(_pair_key(username, address))
     pipe.set(_known_key(username, address), 1, ex=KNOWN_ADDRESS_DAYS * 86400)
     pipe.execute()
@@ -86,7 +79,7 @@ def record_success(username: str, address: str) -> None:
 
 def signup_wait(address: str) -> int:
     """Seconds until this address may create another account, or 0 when it may now."""
-    r = _redis()
+    r = connections.sync_redis()
     key = f"signup:ip:{address}"
     if int(r.get(key) or 0) >= settings.SIGNUPS_PER_HOUR_PER_ADDRESS:
         return max(1, r.ttl(key))
@@ -94,7 +87,7 @@ def signup_wait(address: str) -> int:
 
 
 def record_signup(address: str) -> None:
-    pipe = _redis().pipeline()
+    pipe = connections.sync_redis().pipeline()
     pipe.set(f"signup:ip:{address}", 0, ex=SIGNUP_WINDOW_S, nx=True)
     pipe.incr(f"signup:ip:{address}")
     pipe.execute()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tessera import http_guards
+from common import http_guards
 
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
 MAX_CUSTOM_ID_LENGTH = 512

@@ -16,7 +16,7 @@ from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import DatabaseError
 
-from engine_client import client as engine
+from common import connections
 from generation import services as generation
 from generation.services import Generation
 
@@ -38,11 +38,11 @@ def reconnect_grace_s() -> int:
 
 async def mark_watched(message_id: int) -> None:
     """A socket is showing this reply (refreshed by the consumer while it follows one)."""
-    await engine.aclient().r.set(watch_key(message_id), "1", ex=reconnect_grace_s())
+    await connections.async_redis().set(watch_key(message_id), "1", ex=reconnect_grace_s())
 
 
 async def is_watched(message_id: int) -> bool:
-    return bool(await engine.aclient().r.exists(watch_key(message_id)))
+    return bool(await connections.async_redis().exists(watch_key(message_id)))
 
 
 class Follower:
@@ -94,7 +94,7 @@ class Follower:
         if self.send is None and now - self._last_watch_check >= 1.0:
             self._last_watch_check = now
             if not await is_watched(self.message_id):  # nobody came back: stop spending compute
-                await engine.aclient().abort(self.gen.request_id)
+                await generation.abort(self.gen)
 
     async def finish(self) -> None:
         if not self.owner:  # the owner holds the reservation: give it the first chance to save

@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-import redis
+from celery import current_app
 from django.conf import settings
+
+from common import connections
 
 # kombu's Redis transport keeps a queue's messages of priority p > 0 under "<queue>\x06\x16<p>".
 _PRIORITY_SEP = "\x06\x16"
@@ -15,9 +17,7 @@ log = logging.getLogger(__name__)
 
 
 def celery_queue_names() -> list[str]:
-    from tessera.celery import app
-
-    names = {app.conf.task_default_queue or "celery"}
+    names = {current_app.conf.task_default_queue or "celery"}
     for route in (getattr(settings, "CELERY_TASK_ROUTES", None) or {}).values():
         if isinstance(route, dict) and route.get("queue"):
             names.add(route["queue"])
@@ -25,8 +25,7 @@ def celery_queue_names() -> list[str]:
 
 
 def celery_queue_lengths() -> dict[str, int]:
-    broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    pipe = broker.pipeline(transaction=False)
+    pipe = connections.broker_redis().pipeline(transaction=False)
     names = celery_queue_names()
     for name in names:
         for step in _PRIORITY_STEPS:

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
-from django.conf import settings
 
-from inference import protocol as p
-from tessera.redis_async import pool_kwargs
+from common import connections
+from inference import protocol
 
 POLL_MS = 1000  # how long one XREAD blocks before liveness is re-checked
 NO_WORKER_GRACE_S = 5.0
@@ -60,22 +59,23 @@ class Liveness:
         if event.get("type") == "accepted":
             self.worker_id = event.get("worker_id")
 
-    def verdict(self, live: LiveWorkers) -> p.ErrorEvent | None:
+    def verdict(self, live: LiveWorkers) -> protocol.ErrorEvent | None:
         """An error event when the request can no longer finish, else None."""
         now = time.monotonic()
         if self.timeout is not None and now - self.started > self.timeout:
-            return p.error_event("timeout", f"no result within {self.timeout:g}s")
+            return protocol.error_event("timeout", f"no result within {self.timeout:g}s")
         if self.worker_id:
             if self.worker_id not in live:
-                return p.error_event("worker_lost", f"engine worker {self.worker_id} stopped responding mid-request")
+                return protocol.error_event("worker_lost",
+                                            f"engine worker {self.worker_id} stopped responding mid-request")
             return None
         if any(self.model is None or self.model in names for names in live.values()):
             self.no_worker_since = None
             return None
         self.no_worker_since = self.no_worker_since or now
         if now - self.no_worker_since >= self.no_worker_grace:
-            return p.error_event("no_worker", "no engine worker is running" if self.model is None
-                                 else f"no engine worker is serving '{self.model}'")
+            return protocol.error_event("no_worker", "no engine worker is running" if self.model is None
+                                        else f"no engine worker is serving '{self.model}'")
         return None
 
 
@@ -87,7 +87,7 @@ def _pass_on(events: list[dict], liveness: Liveness, include_control: bool) -> t
         if event["type"] == "accepted" and not include_control:
             continue
         shown.append(event)
-        if event["type"] in p.TERMINAL_EVENTS:
+        if event["type"] in protocol.TERMINAL_EVENTS:
             return shown, True
     return shown, False
 
@@ -102,7 +102,7 @@ def _unpack(entries) -> tuple[str | None, list[dict]]:
     for _stream, items in entries or []:
         for entry_id, fields in items:
             last_id = _text(entry_id)
-            for event in p.events_of(fields):
+            for event in protocol.events_of(fields):
                 event["entry_id"] = last_id
                 events.append(event)
     return last_id, events
@@ -110,22 +110,22 @@ def _unpack(entries) -> tuple[str | None, list[dict]]:
 
 def _live(ids: list[str], replies: list) -> LiveWorkers:
     """Live workers from their ids and an HMGET of (served_model_names, model) each; both None: no key."""
-    return {w: p.decode(names) if names is not None else [_text(model)]
+    return {w: protocol.decode(names) if names is not None else [_text(model)]
             for w, (names, model) in zip(ids, replies) if names is not None or model is not None}
 
 
 def _abort_ops(pipe, request_id: str) -> None:
     # The key catches requests still queued in the stream; the pub/sub message reaches running ones.
-    pipe.set(p.aborted_key(request_id), "1", ex=p.OUTPUT_TTL_S)
-    pipe.publish(p.ABORT_CHANNEL, request_id)
+    pipe.set(protocol.aborted_key(request_id), "1", ex=protocol.OUTPUT_TTL_S)
+    pipe.publish(protocol.ABORT_CHANNEL, request_id)
 
 
 def _lease_ops(pipe, lease_id: str) -> None:
-    pipe.set(p.lease_key(lease_id), "1", px=int(p.LEASE_TTL_S * 1000))
+    pipe.set(protocol.lease_key(lease_id), "1", px=int(protocol.LEASE_TTL_S * 1000))
 
 
-def _xadd_args(request: p.EngineRequest) -> tuple:
-    return (request.stream, request.fields()), {"maxlen": p.REQUEST_STREAM_MAXLEN, "approximate": True}
+def _xadd_args(request: protocol.EngineRequest) -> tuple:
+    return (request.stream, request.fields()), {"maxlen": protocol.REQUEST_STREAM_MAXLEN, "approximate": True}
 
 
 def _health(live: LiveWorkers) -> dict:
@@ -151,7 +151,7 @@ class EngineClient:
         lease_id: the lease of the event loop that follows the request (AsyncEngineClient.lease());
         the worker aborts it once that lease lapses. Without one (batch) nothing aborts it.
         """
-        request = p.EngineRequest.build(lease_id=lease_id, **kwargs)
+        request = protocol.EngineRequest.build(lease_id=lease_id, **kwargs)
         args, opts = _xadd_args(request)
         pipe = self.r.pipeline(transaction=False)
         if lease_id:
@@ -177,7 +177,7 @@ class EngineClient:
         with include_control=True. Closing the generator early does NOT abort the request.
         """
         liveness = Liveness(model, no_worker_grace=no_worker_grace, timeout=timeout)
-        key = p.output_stream(request_id)
+        key = protocol.output_stream(request_id)
         while True:
             new_last, events = _unpack(self.r.xread({key: last_id}, block=POLL_MS, count=256))
             last_id = new_last or last_id
@@ -192,27 +192,27 @@ class EngineClient:
 
     def read_output(self, request_id: str, count: int | None = None) -> list[dict]:
         """The events written so far (the batch collector reads finished streams whole)."""
-        return _unpack([(None, self.r.xrange(p.output_stream(request_id), count=count))])[1]
+        return _unpack([(None, self.r.xrange(protocol.output_stream(request_id), count=count))])[1]
 
     def delete_output(self, request_id: str) -> None:
         """Drop a finished request's output stream now instead of waiting for its expiry."""
-        self.r.delete(p.output_stream(request_id))
+        self.r.delete(protocol.output_stream(request_id))
 
     def has_output(self, request_id: str) -> bool:
-        return bool(self.r.exists(p.output_stream(request_id)))
+        return bool(self.r.exists(protocol.output_stream(request_id)))
 
     # ------------------------------------------------------------ workers
 
     def live_workers(self) -> LiveWorkers:
         """Workers whose heartbeat key exists, with the names each serves; stale ids leave the set."""
-        ids = sorted(_text(m) for m in self.r.smembers(p.WORKERS_SET))
+        ids = sorted(_text(m) for m in self.r.smembers(protocol.WORKERS_SET))
         pipe = self.r.pipeline(transaction=False)
         for worker_id in ids:
-            pipe.hmget(p.heartbeat_key(worker_id), LIVENESS_FIELDS)
+            pipe.hmget(protocol.heartbeat_key(worker_id), LIVENESS_FIELDS)
         live = _live(ids, pipe.execute() if ids else [])
         stale = [w for w in ids if w not in live]
         if stale:
-            self.r.srem(p.WORKERS_SET, *stale)
+            self.r.srem(protocol.WORKERS_SET, *stale)
         return live
 
     def workers(self, max_age: float = 0.0) -> list[dict]:
@@ -227,8 +227,8 @@ class EngineClient:
         ids = sorted(self.live_workers())
         pipe = self.r.pipeline(transaction=False)
         for worker_id in ids:
-            pipe.hgetall(p.heartbeat_key(worker_id))
-        found = [p.Heartbeat.from_fields(raw).as_dict() for raw in (pipe.execute() if ids else []) if raw]
+            pipe.hgetall(protocol.heartbeat_key(worker_id))
+        found = [protocol.Heartbeat.from_fields(raw).as_dict() for raw in (pipe.execute() if ids else []) if raw]
         self._workers_cache = (time.monotonic(), found)
         return found
 
@@ -239,8 +239,8 @@ class EngineClient:
     def block_maps(self) -> dict[str, object]:
         """worker_id -> the worker's latest engine.block_map() snapshot (published at most once a second)."""
         ids = sorted(self.live_workers())
-        raws = self.r.mget([p.block_map_key(w) for w in ids]) if ids else []
-        return {w: p.decode(raw) for w, raw in zip(ids, raws) if raw}
+        raws = self.r.mget([protocol.block_map_key(w) for w in ids]) if ids else []
+        return {w: protocol.decode(raw) for w, raw in zip(ids, raws) if raw}
 
     def health(self) -> dict:
         """{"ok": at least one fresh heartbeat, "workers": [worker_id...], "redis": reachable}."""
@@ -279,12 +279,12 @@ class AsyncEngineClient:
         """Refresh the lease for as long as this event loop runs (its own task, so a
         blocked XREAD or a busy stream never delays it)."""
         while True:
-            await asyncio.sleep(p.LEASE_REFRESH_S)
+            await asyncio.sleep(protocol.LEASE_REFRESH_S)
             try:
                 pipe = self.r.pipeline(transaction=False)
                 _lease_ops(pipe, self.lease_id)
                 await pipe.execute()
-            except redis.RedisError:  # Redis away: followers hear it from the hub; refresh when it is back
+            except redis.RedisError:  # Redis away: streams hear it from the hub; refresh when it is back
                 pass
 
     async def abort(self, request_id: str) -> None:
@@ -297,8 +297,8 @@ class AsyncEngineClient:
                      include_control: bool = False) -> AsyncIterator[dict]:
         """As EngineClient.stream."""
         liveness = Liveness(model, no_worker_grace=no_worker_grace, timeout=timeout)
-        key = p.output_stream(request_id)
-        inbox = await self.hub.follow(key, last_id)
+        key = protocol.output_stream(request_id)
+        inbox = await self.hub.subscribe(key, last_id)
         try:
             while True:
                 batch = await inbox.get()
@@ -316,22 +316,22 @@ class AsyncEngineClient:
                 if ended:
                     return
         finally:
-            self.hub.unfollow(key, inbox)
+            self.hub.unsubscribe(key, inbox)
 
     async def live_workers(self) -> LiveWorkers:
         """As EngineClient.live_workers (read-only: the sync client prunes the set)."""
-        ids = sorted(_text(m) for m in await self.r.smembers(p.WORKERS_SET))
+        ids = sorted(_text(m) for m in await self.r.smembers(protocol.WORKERS_SET))
         pipe = self.r.pipeline(transaction=False)
         for worker_id in ids:
-            pipe.hmget(p.heartbeat_key(worker_id), LIVENESS_FIELDS)
+            pipe.hmget(protocol.heartbeat_key(worker_id), LIVENESS_FIELDS)
         return _live(ids, await pipe.execute() if ids else [])
 
     async def workers(self) -> list[dict]:
         ids = sorted(await self.live_workers())
         pipe = self.r.pipeline(transaction=False)
         for worker_id in ids:
-            pipe.hgetall(p.heartbeat_key(worker_id))
-        return [p.Heartbeat.from_fields(raw).as_dict() for raw in (await pipe.execute() if ids else []) if raw]
+            pipe.hgetall(protocol.heartbeat_key(worker_id))
+        return [protocol.Heartbeat.from_fields(raw).as_dict() for raw in (await pipe.execute() if ids else []) if raw]
 
     async def health(self) -> dict:
         try:
@@ -343,58 +343,58 @@ class AsyncEngineClient:
 class StreamHub:
     """Reads the output streams of every stream() of one AsyncEngineClient with a single blocking XREAD.
 
-    Each follower gets an asyncio queue of batches: a list of events per XREAD reply, a _Tick when
-    its stream was quiet for POLL_MS (with the live workers, read once for all quiet streams), or
-    the exception that stopped the reader. A follower that joins while the XREAD blocks wakes it
-    through the hub's own wake stream, so its first events are not held back until the block
-    times out; a burst of followers sends one wake, since the next XREAD names them all. Two
-    followers of one stream (a browser tab that reconnects) each get every entry after their own
-    last id.
+    Each stream() subscribes (a RequestSubscription: its output stream, its last entry id) and gets an
+    asyncio queue of batches: a list of events per XREAD reply, a _Tick when its stream was quiet for
+    POLL_MS (with the live workers, read once for all quiet streams), or the exception that stopped
+    the reader. A subscription made while the XREAD blocks wakes it through the hub's own wake
+    stream, so its first events are not held back until the block times out; a burst of
+    subscriptions sends one wake, since the next XREAD names them all. Two subscriptions to one
+    stream (a browser tab that reconnects) each get every entry after their own last id.
     """
 
     def __init__(self, engine: AsyncEngineClient):
         self.engine = engine
         self.r = engine.r
-        self.wake_key = f"{p.PREFIX}:hub-wake:{uuid.uuid4().hex}"
+        self.wake_key = f"{protocol.PREFIX}:hub-wake:{uuid.uuid4().hex}"
         self.wake_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
-        self.by_key: dict[str, dict[asyncio.Queue, _Follower]] = {}
+        self.by_key: dict[str, dict[asyncio.Queue, RequestSubscription]] = {}
         self.reader: asyncio.Task | None = None
-        self.wake_sent = False  # one wake per blocked XREAD: a burst of followers must not re-read n times
+        self.wake_sent = False  # one wake per blocked XREAD: a burst of subscriptions must not re-read n times
 
-    async def follow(self, key: str, last_id: str) -> asyncio.Queue:
+    async def subscribe(self, key: str, last_id: str) -> asyncio.Queue:
         inbox: asyncio.Queue = asyncio.Queue()
-        self.by_key.setdefault(key, {})[inbox] = _Follower(_id_tuple(last_id), time.monotonic())
+        self.by_key.setdefault(key, {})[inbox] = RequestSubscription(_id_tuple(last_id), time.monotonic())
         if self.reader is None or self.reader.done():
             self.reader = asyncio.get_running_loop().create_task(self._read())
         elif not self.wake_sent:
             self.wake_sent = True
             pipe = self.r.pipeline(transaction=False)
             pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1)
-            pipe.expire(self.wake_key, p.OUTPUT_TTL_S)
+            pipe.expire(self.wake_key, protocol.OUTPUT_TTL_S)
             await pipe.execute()
         return inbox
 
-    def unfollow(self, key: str, inbox: asyncio.Queue) -> None:
-        followers = self.by_key.get(key, {})
-        followers.pop(inbox, None)
-        if not followers:
+    def unsubscribe(self, key: str, inbox: asyncio.Queue) -> None:
+        subscriptions = self.by_key.get(key, {})
+        subscriptions.pop(inbox, None)
+        if not subscriptions:
             self.by_key.pop(key, None)
 
     async def _read(self) -> None:
         try:
             while self.by_key:
-                self.wake_sent = False  # whoever follows after this query is built has to wake the XREAD
-                query = {key: "%d-%d" % min(f.last_id for f in followers.values())
-                         for key, followers in self.by_key.items()}
-                for followers in self.by_key.values():
-                    for f in followers.values():
-                        f.in_query = True
+                self.wake_sent = False  # whoever subscribes after this query is built has to wake the XREAD
+                query = {key: "%d-%d" % min(sub.last_id for sub in subscriptions.values())
+                         for key, subscriptions in self.by_key.items()}
+                for subscriptions in self.by_key.values():
+                    for sub in subscriptions.values():
+                        sub.in_query = True
                 query[self.wake_key] = self.wake_id
                 self._deliver(await self.r.xread(query, block=POLL_MS, count=256))
                 await self._tick_quiet()
-        except Exception as exc:  # Redis went away: every follower hears it
-            for followers in self.by_key.values():
-                for inbox in followers:
+        except Exception as exc:  # Redis went away: every subscription hears it
+            for subscriptions in self.by_key.values():
+                for inbox in subscriptions:
                     inbox.put_nowait(exc)
             self.by_key.clear()
 
@@ -405,31 +405,33 @@ class StreamHub:
             if key == self.wake_key:
                 self.wake_id = _text(items[-1][0])
                 continue
-            for inbox, f in self.by_key.get(key, {}).items():
-                if not f.in_query:  # joined during this XREAD, maybe behind its start: the next one reads its gap
+            for inbox, sub in self.by_key.get(key, {}).items():
+                if not sub.in_query:  # joined during this XREAD, maybe behind its start: the next one reads its gap
                     continue
-                mine = [(entry_id, fields) for entry_id, fields in items if _id_tuple(_text(entry_id)) > f.last_id]
+                mine = [(entry_id, fields) for entry_id, fields in items if _id_tuple(_text(entry_id)) > sub.last_id]
                 if mine:
                     inbox.put_nowait(_unpack([(raw_key, mine)])[1])
-                    f.last_id, f.seen = _id_tuple(_text(mine[-1][0])), now
+                    sub.last_id, sub.seen = _id_tuple(_text(mine[-1][0])), now
 
     async def _tick_quiet(self) -> None:
         now = time.monotonic()
-        quiet = [(inbox, f) for followers in self.by_key.values() for inbox, f in followers.items()
-                 if now - f.seen >= POLL_MS / 1000]
+        quiet = [(inbox, sub) for subscriptions in self.by_key.values() for inbox, sub in subscriptions.items()
+                 if now - sub.seen >= POLL_MS / 1000]
         if not quiet:
             return
         tick = _Tick(await self.engine.live_workers())
-        for inbox, f in quiet:
+        for inbox, sub in quiet:
             inbox.put_nowait(tick)
-            f.seen = now
+            sub.seen = now
 
 
 @dataclass
-class _Follower:
+class RequestSubscription:
+    """One stream()'s place in the hub: how far its output stream has been read for it."""
+
     last_id: tuple[int, int]
     seen: float  # when it last got events or a tick
-    in_query: bool = False  # the XREAD in flight started at or before last_id for this follower
+    in_query: bool = False  # the XREAD in flight started at or before last_id for this subscription
 
 
 @dataclass
@@ -445,46 +447,23 @@ def _id_tuple(entry_id: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- the clients of this process
 
 _sync_client: EngineClient | None = None
-_async_clients: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncEngineClient]" = weakref.WeakKeyDictionary()
+_async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncEngineClient] = weakref.WeakKeyDictionary()
 
 
 def client() -> EngineClient:
     global _sync_client
     if _sync_client is None:
-        _sync_client = EngineClient(redis.Redis.from_url(settings.REDIS_URL))
+        _sync_client = EngineClient(connections.sync_redis())
     return _sync_client
 
 
 def aclient() -> AsyncEngineClient:
-    """The running event loop's client (asyncio connections cannot cross loops)."""
+    """The running event loop's client, on that loop's connections (common.connections)."""
     loop = asyncio.get_running_loop()
     found = _async_clients.get(loop)
     if found is None:
-        found = _async_clients[loop] = AsyncEngineClient(aioredis.Redis(connection_pool=_async_pool()))
+        found = _async_clients[loop] = AsyncEngineClient(connections.async_redis())
     return found
-
-
-# redis-py's asyncio pool refuses the 101st concurrent command at once (MaxConnectionsError): a burst
-# of 250 streams on one web process got 503s. This pool makes a burst wait for a free connection.
-ASYNC_POOL_CONNECTIONS = 512
-ASYNC_POOL_WAIT_S = 20
-
-
-def _async_pool() -> aioredis.BlockingConnectionPool:
-    """Cancel-safe connections (tessera.redis_async): a cancelled stream or lease task really stops."""
-    return aioredis.BlockingConnectionPool(**pool_kwargs(settings.REDIS_URL, max_connections=ASYNC_POOL_CONNECTIONS,
-                                                         timeout=ASYNC_POOL_WAIT_S))
-
-
-# Shortcuts for callers outside the engine protocol (dashboard, /metrics, chat's model list, the API's
-# credential cache): this process's Redis connections, shared.
-
-def redis_client() -> redis.Redis:
-    return client().r
-
-
-def async_redis_client() -> aioredis.Redis:
-    return aclient().r
 
 
 def workers(max_age: float = 0.0) -> list[dict]:

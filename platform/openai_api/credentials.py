@@ -15,7 +15,7 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from accounts.services import KEY_PREFIX, authenticate_api_key, hash_key, is_usable, touch_api_key
-from engine_client import client as engine
+from common import connections
 from quotas.limits import PlanLimits
 from quotas.models import Plan, UserPlan
 from quotas.selectors import plan_for
@@ -49,7 +49,7 @@ def caller(raw: str | None) -> tuple[ApiKey, PlanLimits] | None:
 
 def _entries() -> dict:
     global _cache
-    epoch = engine.redis_client().get(EPOCH_KEY)
+    epoch = connections.sync_redis().get(EPOCH_KEY)
     if _cache[0] != epoch:
         _cache = (epoch, {})
     return _cache[1]
@@ -59,7 +59,7 @@ def forget(**_kwargs) -> None:
     """A credential changed: this process forgets now, every process once the change commits."""
     global _cache
     _cache = (_CHANGED_HERE, {})
-    transaction.on_commit(lambda: engine.redis_client().incr(EPOCH_KEY), robust=True)
+    transaction.on_commit(lambda: connections.sync_redis().incr(EPOCH_KEY), robust=True)
 
 
 def connect_signals() -> None:

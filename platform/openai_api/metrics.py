@@ -21,9 +21,9 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
                                     SummaryMetricFamily)
 from prometheus_client.utils import floatToGoString
 
+from common import connections, http_guards
 from engine_client import client as engine
 from inference.metrics import cumulative
-from tessera import http_guards
 
 log = logging.getLogger("tessera.api")
 
@@ -78,7 +78,7 @@ def _count_ops(pipe, request, status: int, seconds: float):
 
 def count_request(request, status: int, seconds: float) -> None:
     try:
-        _count_ops(engine.redis_client().pipeline(transaction=False), request, status, seconds).execute()
+        _count_ops(connections.sync_redis().pipeline(transaction=False), request, status, seconds).execute()
     except Exception as exc:  # counting must never replace the answer it counts
         _log_count_failure(exc)
 
@@ -86,7 +86,7 @@ def count_request(request, status: int, seconds: float) -> None:
 async def acount_request(request, status: int, seconds: float) -> None:
     """count_request on the event loop (no thread hop before a stream's first byte)."""
     try:
-        await _count_ops(engine.async_redis_client().pipeline(transaction=False), request, status, seconds).execute()
+        await _count_ops(connections.async_redis().pipeline(transaction=False), request, status, seconds).execute()
     except Exception as exc:
         _log_count_failure(exc)
 
@@ -202,7 +202,7 @@ class HttpCollector:
 def render() -> str:
     registry = CollectorRegistry(auto_describe=False)  # one per scrape: no process-global state
     registry.register(HeartbeatCollector(engine.workers()))
-    registry.register(HttpCollector(engine.redis_client()))
+    registry.register(HttpCollector(connections.sync_redis()))
     lines = [generate_latest(registry).decode().rstrip("\n")]
     for collect in EXTRA_COLLECTORS:
         lines.extend(collect())

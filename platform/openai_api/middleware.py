@@ -1,7 +1,7 @@
 """The machine-facing paths (/v1/..., /health, /metrics) never answer with Django's HTML pages.
 
 Before the view: OPTIONS is answered here for every route, and bodies that no view could use
-safely (too large, lone surrogates, nested too deep: tessera/http_guards.py) are refused. After
+safely (too large, lone surrogates, nested too deep: common/http_guards.py) are refused. After
 it: unknown routes and crashes get the envelope too, a Redis outage is a 503, and /v1 requests
 are counted by route, method and status for /metrics (a failed count is logged, never raised).
 Async-capable, so the streaming views stay on the event loop.
@@ -19,7 +19,7 @@ from django.core.exceptions import BadRequest, RequestDataTooBig, SuspiciousOper
 from django.http import HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 
-from tessera import http_guards
+from common import http_guards
 
 from . import metrics
 from .errors import TYPES, envelope

@@ -1,12 +1,12 @@
 """Reads: a user's plan, live usage and remaining quota, and the x-ratelimit-* headers."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-import redis
 from django.conf import settings
+
+from common import connections
 
 from .ledger import QuotaLedger, Usage, seconds_until_next_day
 from .limits import PlanLimits
@@ -16,12 +16,12 @@ _ledgers: dict[tuple, QuotaLedger] = {}
 
 
 def get_ledger() -> QuotaLedger:
-    """One ledger (and Redis connection pool) per process and Redis URL."""
+    """One ledger per prefix and lease, on this process's Redis connection."""
     prefix = getattr(settings, "QUOTA_REDIS_PREFIX", "quota")
     lease = getattr(settings, "QUOTA_LEASE_SECONDS", 120)
-    key = (os.getpid(), settings.REDIS_URL, prefix, lease)
+    key = (prefix, lease)
     if key not in _ledgers:
-        _ledgers[key] = QuotaLedger(redis.Redis.from_url(settings.REDIS_URL), prefix=prefix, lease_seconds=lease)
+        _ledgers[key] = QuotaLedger(connections.sync_redis(), prefix=prefix, lease_seconds=lease)
     return _ledgers[key]
 
 

@@ -13,7 +13,7 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 django_asgi_app = get_asgi_application()
 
 from openai_api.middleware import status_envelope  # noqa: E402  (needs the apps loaded)
-from tessera import http_guards  # noqa: E402
+from common import http_guards  # noqa: E402
 
 
 class APIHandler(ASGIHandler):

@@ -1,4 +1,4 @@
-"""tessera.redis_async: a task cancelled while redis-py writes really ends, on every loop turn of the
+"""common.redis_async: a task cancelled while redis-py writes really ends, on every loop turn of the
 write. Stock redis-py connections lose such a cancellation on Python 3.11 (wait_for), which once
 left a Channels consumer in its BZPOPMIN loop for ever and hung the test run."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from common import redis_async
 from engine_client import client as engine
-from tessera import redis_async
 
 STEPS = 12  # loop turns to cancel after: from before the write starts to after it has finished
 

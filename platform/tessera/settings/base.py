@@ -5,7 +5,7 @@ from pathlib import Path
 import dj_database_url
 
 from tessera.exposure import DEV_SECRET_KEY
-from tessera.redis_async import pool_kwargs
+from common.redis_async import pool_kwargs
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 PLATFORM_DIR = REPO_DIR / "platform"

@@ -131,14 +131,14 @@ def test_a_follower_that_joins_behind_the_xread_in_flight_still_gets_every_entry
     flight from a later id; the reply to that XREAD must not make the newcomer skip the entries before."""
     async def run():
         write(r, "rejoin", {**DELTA, "text": "a"})
-        owner = await engine.aclient().hub.follow(protocol.output_stream("rejoin"), "0-0")
+        owner = await engine.aclient().hub.subscribe(protocol.output_stream("rejoin"), "0-0")
         assert [e["text"] for e in await owner.get()] == ["a"]
         await asyncio.sleep(0.1)  # the reader now blocks in XREAD from a's id
         write(r, "rejoin", {**DELTA, "text": "b"})  # that XREAD returns; the loop has not seen the reply yet
         replay = asyncio.create_task(collect("rejoin"))  # joins from 0-0 before the reply is handled
         await asyncio.sleep(0.1)
         write(r, "rejoin", FINISH)
-        engine.aclient().hub.unfollow(protocol.output_stream("rejoin"), owner)
+        engine.aclient().hub.unsubscribe(protocol.output_stream("rejoin"), owner)
         return await replay
 
     events = asyncio.run(run())

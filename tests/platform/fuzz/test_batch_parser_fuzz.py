@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batches.validation import MAX_ERRORS_REPORTED, validate_jsonl
-from tessera import http_guards
+from common import http_guards
 
 URL = "/v1/chat/completions"
 MAX_LINES = 50

@@ -7,7 +7,7 @@ from django.utils import timezone
 
 from accounts.models import ApiKey
 from accounts.services import create_api_key, revoke_api_key
-from engine_client import client as engine_client
+from common import connections
 from openai_api import credentials
 from quotas.models import Plan, UserPlan
 
@@ -75,9 +75,9 @@ def test_a_change_committed_by_another_process_reaches_this_one(key_and_raw, dja
     assert credentials.caller(raw) is not None
     ApiKey.objects.filter(pk=key.pk).update(revoked_at=timezone.now())  # no signal: this process still trusts it
     assert credentials.caller(raw) is not None
-    engine_client.redis_client().incr(credentials.EPOCH_KEY)  # what the other process's on_commit does
+    connections.sync_redis().incr(credentials.EPOCH_KEY)  # what the other process's on_commit does
     assert credentials.caller(raw) is None
-    epoch = int(engine_client.redis_client().get(credentials.EPOCH_KEY))
+    epoch = int(connections.sync_redis().get(credentials.EPOCH_KEY))
     with django_capture_on_commit_callbacks(execute=True):
         revoke_api_key(key)
-    assert int(engine_client.redis_client().get(credentials.EPOCH_KEY)) == epoch + 1
+    assert int(connections.sync_redis().get(credentials.EPOCH_KEY)) == epoch + 1

@@ -12,7 +12,7 @@ from django.contrib.auth.models import User
 from django.urls import URLPattern, URLResolver, get_resolver
 
 from accounts.services import create_api_key
-from tessera import http_guards
+from common import http_guards
 from tests.platform.security.asgi_calls import call, is_envelope, no_engine_workers, raw_call
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -22,7 +22,7 @@ from accounts.services import create_api_key
 from batches.models import Batch
 from batches.services import upload_file
 from chat.models import Conversation, Message
-from tessera import http_guards
+from common import http_guards
 from tests.platform.security.asgi_calls import call, is_envelope
 from usage.services import record_usage
 

@@ -7,7 +7,7 @@ import pytest
 from django.urls import get_resolver
 from prometheus_client.parser import text_string_to_metric_families
 
-from tessera import http_guards
+from common import http_guards
 from tests.platform.security.asgi_calls import call
 
 pytestmark = pytest.mark.django_db(transaction=True)

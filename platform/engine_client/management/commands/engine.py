@@ -74,8 +74,7 @@ class Command(BaseCommand):
         parser.add_argument("--worker-id", help="consumer name in the Redis group (default: host-pid-random)")
 
     def handle(self, *args, **options):
-        import redis
-
+        from common import connections
         from inference.config import EngineArgs
         from inference.worker import EngineWorker, WorkerConfig
 
@@ -88,7 +87,7 @@ class Command(BaseCommand):
             engine_args[name] = _parse_value(value)
         engine_args.pop("model", None)
         llm = self.load(model, engine_args)
-        worker = self.build_worker(llm, model, engine_args, options, redis.Redis.from_url(settings.REDIS_URL),
+        worker = self.build_worker(llm, model, engine_args, options, connections.sync_redis(),
                                    EngineWorker, WorkerConfig)
         self.install_signal_handlers(worker)
         where = settings.REDIS_URL.rsplit("@", 1)[-1]  # host:port/db, never the URL's password
@@ -116,6 +115,7 @@ class Command(BaseCommand):
                   or os.path.basename(os.path.normpath(model)))
         info = {"engine_args": engine_args, "model_path": model, "max_model_len": _max_model_len(engine),
                 "memory": getattr(engine, "memory", None)}
+        info.update(getattr(engine, "served_info", dict)())  # an embedding model: its task and sizes
         config = config_cls(model_name=served, extra_info=info, **worker_config_from_env())
         if options.get("alias"):
             config.aliases = tuple(options["alias"])
