@@ -134,6 +134,13 @@ class EmbeddingEngine:
     def shutdown(self) -> None:
         """Nothing to stop (one process); the worker calls it on every engine."""
 
+    def served_info(self) -> dict:
+        """What the web tier needs before it queues a request (published in the worker's heartbeat)."""
+        pooling = self.pooling
+        sizes = None if pooling.matryoshka_dimensions is None else list(pooling.matryoshka_dimensions)
+        return {"task": self.task, "pooling": {"dimension": pooling.dimension, "matryoshka_dimensions": sizes,
+                                               "mode": pooling.mode, "normalize": pooling.normalize}}
+
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt, params: PoolingParams | None = None, priority: int = 0,

@@ -15,8 +15,9 @@ def served_model_name() -> str:
 
 
 def available_models() -> list[str]:
-    """Names the live engine workers serve, plus the configured one (the only model when none is up)."""
-    return sorted(catalog.known_models())
+    """Names the live engine workers serve, plus the configured one (the only model when none is up);
+    embedding models cannot chat, so they are left out."""
+    return sorted(name for name, info in catalog.known_models().items() if info.get("task") != "embed")
 
 
 def model_path(model: str) -> str:

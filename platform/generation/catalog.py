@@ -20,7 +20,8 @@ def configured_model_name() -> str:
 
 
 def models_from_workers(workers: list[dict]) -> dict[str, dict]:
-    """served name -> {"max_model_len", "model_path", "created"} from live heartbeats, aliases included."""
+    """served name -> {"max_model_len", "model_path", "created", "task", "pooling"} from live heartbeats,
+    aliases included."""
     models = {}
     for worker in workers:
         config = worker.get("config") or {}
@@ -28,7 +29,9 @@ def models_from_workers(workers: list[dict]) -> dict[str, dict]:
             if name and name not in models:
                 models[name] = {"max_model_len": config.get("max_model_len"),
                                 "model_path": config.get("model_path") or str(settings.MODEL),
-                                "created": int(worker.get("started_at", 0))}
+                                "created": int(worker.get("started_at", 0)),
+                                "task": config.get("task") or "generate",  # "embed": an encoder's embeddings
+                                "pooling": config.get("pooling")}  # an embedding model's sizes
     return models
 
 

@@ -24,11 +24,13 @@ class Choice:
 
 @dataclass
 class Result:
-    """Choices, prompt logprobs, usage, the worker's metrics, the error and the times of one generation."""
+    """Choices, prompt logprobs (or embeddings), usage, the worker's metrics, the error and the times of one
+    generation."""
 
     n: int = 1  # choices expected: a choice that produced nothing still appears
     by_index: dict[int, Choice] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict]] = field(default_factory=dict)  # prompt index -> entries
+    embeddings: dict[int, dict] = field(default_factory=dict)  # prompt index -> its embedding event
     usage: dict | None = None  # the finish event's prompt/completion/cached tokens
     engine_metrics: dict = field(default_factory=dict)  # queue_ms, ttft_ms (from the worker's acceptance), ...
     error: dict | None = None  # the error event: code, message, param
@@ -42,6 +44,9 @@ class Result:
             self._add_delta(event)
         elif kind == "prompt_logprobs":
             self.prompt_logprobs[event.get("prompt_index", 0)] = event["logprobs"]
+        elif kind == "embedding":  # a whole result at once: its write time is the first "token"'s
+            self.embeddings[event.get("prompt_index", 0)] = event
+            self.first_token_at = self.first_token_at or written_at(event)
         elif kind == "finish":
             self.usage, self.engine_metrics = event.get("usage"), event.get("metrics") or {}
             for index, reason in enumerate(event.get("finish_reasons") or []):

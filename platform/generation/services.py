@@ -50,6 +50,7 @@ class Generation:
     model: str
     prompts: list[list[int]]  # one engine request per prompt (a batched /v1/completions has several)
     sampling_params: dict
+    pooling_params: dict | None = None  # set: each prompt's embedding instead of text (/v1/embeddings)
     prompt_tokens: int | None = None  # sum of the prompts' lengths; given when the ids are not (a resumed reply)
     request_id: str = field(default_factory=protocol.new_request_id)
     n: int = 1
@@ -151,7 +152,7 @@ def admit(gen: Generation, *, plan=None) -> None:
 def _engine_requests(gen: Generation) -> list[dict]:
     return [dict(model=gen.model, prompt_token_ids=prompt, sampling_params=gen.sampling_params,
                  priority_class=PRIORITY_CLASSES[gen.source], priority=gen.priority,
-                 user=getattr(gen.user, "pk", None), request_id=request_id)
+                 user=getattr(gen.user, "pk", None), request_id=request_id, pooling_params=gen.pooling_params)
             for request_id, prompt in zip(gen.engine_request_ids, gen.prompts)]
 
 
@@ -219,7 +220,7 @@ async def _events(gen: Generation, timeout: float | None):
 def _for_prompt(event: dict, prompt_index: int, n: int) -> dict:
     if event["type"] == "delta":
         return {**event, "index": prompt_index * n + event["index"]}
-    if event["type"] == "prompt_logprobs":
+    if event["type"] in ("prompt_logprobs", "embedding"):
         return {**event, "prompt_index": prompt_index}
     return event
 

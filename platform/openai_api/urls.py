@@ -1,11 +1,12 @@
 from django.urls import path
 from drf_spectacular.views import SpectacularJSONAPIView
 
-from . import views
+from . import embeddings_views, views
 
 urlpatterns = [
     path("v1/chat/completions", views.ChatCompletionsView.as_view(), name="v1-chat-completions"),
     path("v1/completions", views.CompletionsView.as_view(), name="v1-completions"),
+    path("v1/embeddings", embeddings_views.EmbeddingsView.as_view(), name="v1-embeddings"),
     path("v1/models", views.ModelListView.as_view(), name="v1-models"),
     path("v1/models/<path:model>", views.ModelDetailView.as_view(), name="v1-model"),
     path("v1/openapi.json", SpectacularJSONAPIView.as_view(), name="v1-openapi"),
