@@ -75,7 +75,9 @@ def test_min_tokens_above_max_tokens_names_min_tokens():
     dict(stop=["a", "bc"]), dict(stop_token_ids=[0, 5]), dict(seed=0), dict(n=4, seed=7),
 ])
 def test_boundary_values_are_accepted(kwargs):
-    SamplingParams(**kwargs)
+    """A value at a limit is valid, and kept as given: neither clamped nor normalised away."""
+    params = SamplingParams(**kwargs)
+    assert {name: getattr(params, name) for name in kwargs} == kwargs
 
 
 def test_for_child_gives_n_one_and_consecutive_seeds():

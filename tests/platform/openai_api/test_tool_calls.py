@@ -418,14 +418,26 @@ def test_any_chunking_of_a_forced_output_streams_what_parse_forced_finds(data):
 
 # ---------------------------------------------------------------- validation
 
+def refused_param(tools, choice, parallel) -> str | None:
+    """The param validate_tools names when it refuses the request; None when it accepts it."""
+    try:
+        validate_tools(tools, choice, parallel)
+    except InvalidRequest as refusal:
+        return refusal.param
+    return None
+
+
+VALID_TOOL_REQUESTS = [
+    *[(TOOLS, choice, None) for choice in (None, "none", "auto", "required", named("now"))],
+    (None, None, None),
+    ([], "none", True),  # the neutral values of a request that offers no tools
+    ([{"type": "function", "function": {"name": "f", "strict": True, "description": "d",
+                                        "parameters": {"type": "object", "properties": {}}}}], "auto", False),
+]
+
+
 def test_valid_tool_requests_pass():
-    for choice in (None, "none", "auto", "required", named("now")):
-        validate_tools(TOOLS, choice, None)
-    validate_tools(None, None, None)
-    validate_tools([], "none", True)  # the neutral values of a request that offers no tools
-    validate_tools([{"type": "function", "function": {"name": "f", "strict": True, "description": "d",
-                                                      "parameters": {"type": "object", "properties": {}}}}],
-                   "auto", False)
+    assert [refused_param(*request) for request in VALID_TOOL_REQUESTS] == [None] * len(VALID_TOOL_REQUESTS)
 
 
 @pytest.mark.parametrize("tools, choice, parallel, param", [
@@ -459,7 +471,10 @@ def test_invalid_tool_requests_name_the_param(tools, choice, parallel, param):
 
 def test_a_schema_only_the_model_reads_is_not_compiled():
     """Under "auto" no grammar is built, so a schema the grammar library cannot compile is the model's business."""
-    validate_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "teapot"}}}], "auto", None)
+    teapot = [{"type": "function", "function": {"name": "f", "parameters": {"type": "teapot"}}}]
+    assert refused_param(teapot, "required", None) == "tools[0].function.parameters"  # compiled: refused
+    assert forced_spec(teapot, "auto") is None  # no grammar for "auto"...
+    assert refused_param(teapot, "auto", None) is None  # ...so nothing to refuse
 
 
 # ---------------------------------------------------------------- tools in the prompt
