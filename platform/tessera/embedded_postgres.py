@@ -1,8 +1,8 @@
 """Start a real PostgreSQL server (the distribution's binaries) for `make test` and `make run DB=postgres`,
 the way tessera.embedded_redis starts Redis: a data folder of its own, a free port, a password.
 
-initdb and postgres refuse to run as root, so when this process is root the server runs as the
-`postgres` system user (else `nobody`), and its folder is handed to that user.
+initdb and postgres refuse to run as root, so when this process is root they run as the `postgres`
+system user (else `nobody`) through runuser, and the server's folder is handed to that user.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import glob
 import os
 import pwd
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -82,10 +84,12 @@ def url(host: str, port: int, password: str, database: str = DATABASE) -> str:
 
 def prepare(base: Path) -> Layout:
     """Make base's cluster once (initdb, password authentication only); later calls reuse it."""
-    layout = Layout(Path(base))
+    layout = Layout(Path(base).resolve())
+    user = server_user()
+    if user is not None:
+        _check_reachable(layout.base, user)
     layout.base.mkdir(parents=True, exist_ok=True)
     layout.password()
-    user = server_user()
     if user is not None:  # the server's own files belong to the account that runs it
         for path in (layout.base, layout.password_file):
             os.chown(path, user.pw_uid, user.pw_gid)
@@ -97,6 +101,15 @@ def prepare(base: Path) -> Layout:
     return layout
 
 
+def _check_reachable(base: Path, user: pwd.struct_passwd) -> None:
+    """The server user must be able to enter every folder above base; say which one it cannot."""
+    for parent in reversed(base.parents):
+        info = parent.stat()
+        if not (info.st_mode & stat.S_IXOTH or info.st_uid == user.pw_uid):
+            raise RuntimeError(f"PostgreSQL runs as {user.pw_name}, which cannot enter {parent} (mode "
+                               f"{stat.filemode(info.st_mode)}): put its folder ({base}) somewhere it can reach")
+
+
 def server_command(layout: Layout, host: str, port: int, throwaway: bool = False) -> list[str]:
     """postgres's argv: listening on host:port only (and a unix socket in its own folder)."""
     settings = {"listen_addresses": host, "port": str(port), "unix_socket_directories": str(layout.base),
@@ -104,13 +117,13 @@ def server_command(layout: Layout, host: str, port: int, throwaway: bool = False
     argv = [str(server_bin_dir() / "postgres"), "-D", str(layout.data)]
     for name, value in settings.items():
         argv += ["-c", f"{name}={value}"]
-    return argv
+    return as_server_user(argv)
 
 
-def server_process_options() -> dict:
-    """Popen keyword arguments that run the server as the unprivileged user when we are root."""
+def as_server_user(argv: list[str]) -> list[str]:
+    """argv run as the unprivileged server user when we are root (runuser), else as it is."""
     user = server_user()
-    return {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user is not None else {}
+    return ["runuser", "-u", user.pw_name, "--", *argv] if user is not None else argv
 
 
 def wait_until_ready(host: str, port: int, proc: subprocess.Popen, timeout: float = 60.0,
@@ -146,7 +159,7 @@ def start(base: str | None = None, *, host: str = "127.0.0.1", port: int | None 
     port = port or free_port()
     with open(layout.log, "ab") as log:
         proc = subprocess.Popen(server_command(layout, host, port, throwaway), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, **server_process_options())
+                                start_new_session=True)
     atexit.register(stop, proc, layout.base if throwaway else None)
     wait_until_ready(host, port, proc, log=layout.log)
     create_database(host, port, layout.password())
@@ -154,16 +167,24 @@ def start(base: str | None = None, *, host: str = "127.0.0.1", port: int | None 
 
 
 def stop(proc: subprocess.Popen, remove: Path | None = None) -> None:
-    """Fast shutdown (SIGINT: roll back open transactions, then exit cleanly); SIGKILL after 10 s."""
+    """Fast shutdown (SIGINT to the server's process group: roll back open transactions, then exit
+    cleanly); SIGKILL after 10 s."""
     if proc.poll() is None:
-        proc.send_signal(2)
+        _signal_group(proc, signal.SIGINT)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal_group(proc, signal.SIGKILL)
             proc.wait()
     if remove is not None:
         shutil.rmtree(remove, ignore_errors=True)
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def ensure_test_database() -> str | None:
@@ -179,6 +200,6 @@ def ensure_test_database() -> str | None:
 
 
 def _run_as_server_user(argv: list[str]) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True, cwd="/", **server_process_options())
+    done = subprocess.run(as_server_user(argv), capture_output=True, text=True, cwd="/")
     if done.returncode != 0:
         raise RuntimeError(f"{Path(argv[0]).name} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
+from django.db import close_old_connections
 
 from batch_testing import chat_line, jsonl
 
@@ -20,8 +22,16 @@ BASE = "http://testserver"
 
 @pytest.fixture
 def http():
-    with httpx.Client(transport=httpx.WSGITransport(app=get_wsgi_application()), base_url=BASE) as client:
-        yield client
+    """As Django's test client does, requests keep the test transaction's connection: the handler's
+    close_old_connections would drop it (on PostgreSQL; SQLite's in-memory test database never closes)."""
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        with httpx.Client(transport=httpx.WSGITransport(app=get_wsgi_application()), base_url=BASE) as client:
+            yield client
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
 
 
 def openai_client(http, key: str) -> openai.OpenAI:
