@@ -1,6 +1,7 @@
 """The playground websocket: an adapter turning the generation service's events into frames.
 
-chat.services begins a reply (and admits its generation), streaming.Follower follows it.
+chat.services begins a reply (and admits its generation), streaming.ReplyRelay relays it to the socket;
+the engine is reached only through the generation service.
 
 Client -> server frames: {"type": "send", "conversation_id"?, "content", "settings"} |
 {"type": "edit", "message_id", "content", "settings"} | {"type": "regenerate", "message_id", "settings"} |
@@ -19,7 +20,6 @@ import time
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from engine_client import client as engine
 from errors import QuotaExceeded, ServiceError
 from generation import services as generation
 
@@ -51,15 +51,15 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         if self.user is None or not self.user.is_authenticated:
             await self.close(code=4401)
             return
-        self.follower: streaming.Follower | None = None
-        self.follow_task: asyncio.Task | None = None
+        self.relay: streaming.ReplyRelay | None = None
+        self.relay_task: asyncio.Task | None = None
         self.watch_task: asyncio.Task | None = None
         await self.accept()
         await self.send_json({"type": "ready", "model": prompting.served_model_name()})
 
     async def disconnect(self, code):
-        if getattr(self, "follower", None) is not None:
-            self.follower.detach()  # the owner keeps saving; the watch key lapses unless we come back
+        if getattr(self, "relay", None) is not None:
+            self.relay.detach()  # the owner keeps saving; the watch key lapses unless we come back
         if getattr(self, "watch_task", None) is not None:
             self.watch_task.cancel()
 
@@ -88,7 +88,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
     # ------------------------------------------------------------ starting replies
 
     def _busy(self) -> bool:
-        return self.follow_task is not None and not self.follow_task.done()
+        return self.relay_task is not None and not self.relay_task.done()
 
     async def on_send(self, frame):
         conversation_id = frame.get("conversation_id")
@@ -138,37 +138,44 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await self.send_error(error)
             return
         await self.send_json(await database_sync_to_async(selectors.reply_started_payload)(reply))
-        follower = streaming.Follower(reply.message_id, reply.gen, self.send_json, owner=True)
+        relay = streaming.ReplyRelay(reply.message_id, reply.gen, self.send_json, owner=True)
         try:
-            await generation.bookkeeping(generation.submit)(reply.gen, lease_id=engine.aclient().lease())
+            await generation.asubmit(reply.gen)
         except Exception as exc:  # Redis unreachable: nothing was queued
-            follower.fail("submit_failed", f"Could not queue the request: {exc}")
-            await follower.finish()
+            relay.fail("submit_failed", f"Could not queue the request: {exc}")
+            await relay.finish()
             return
-        self._follow(follower)
+        self._relay(relay)
 
-    def _follow(self, follower: streaming.Follower) -> None:
-        self.follower = follower
-        self.follow_task = _spawn(follower.run())
+    def _relay(self, relay: streaming.ReplyRelay) -> None:
+        self.relay = relay
+        self.relay_task = _spawn(relay.run())
         if self.watch_task is not None:
             self.watch_task.cancel()
-        self.watch_task = asyncio.create_task(self._keep_watching(follower))
+        self.watch_task = asyncio.create_task(self._keep_watching(relay))
 
-    async def _keep_watching(self, follower: streaming.Follower) -> None:
+    async def _keep_watching(self, relay: streaming.ReplyRelay) -> None:
         """Tell the reply's owner that a socket still shows it (so it is not aborted as abandoned)."""
-        while not self.follow_task.done():
-            await streaming.mark_watched(follower.message_id)
+        while not self.relay_task.done():
+            await streaming.mark_watched(relay.message_id)
             await asyncio.sleep(min(WATCH_REFRESH_S, streaming.reconnect_grace_s() / 3))
 
     # ------------------------------------------------------------ stop, resume, branches
 
     async def on_stop(self, frame):
-        message_id = frame.get("message_id") or (self.follower.message_id if self.follower else None)
-        message = await database_sync_to_async(selectors.message_for)(self.user, message_id)
-        if message is None or message.status != Message.Status.STREAMING:
+        message_id = frame.get("message_id") or (self.relay.message_id if self.relay else None)
+
+        def streaming_generation():
+            message = selectors.message_for(self.user, message_id)
+            if message is None or message.status != Message.Status.STREAMING:
+                return None
+            return services.generation_for(message)
+
+        gen = await database_sync_to_async(streaming_generation)()
+        if gen is None:
             await self.send_error(ServiceError("Nothing is being generated.", code="not_streaming"))
             return
-        await engine.aclient().abort(message.request_id)  # the stream then ends with finish_reason "abort"
+        await generation.abort(gen)  # the stream then ends with finish_reason "abort"
 
     async def on_resume(self, frame):
         """After a reload or dropped socket: replay the reply from the start of its output stream."""
@@ -185,7 +192,7 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             return
         await self.send_json({"type": "resumed", "message_id": message.pk})
         gen = await database_sync_to_async(services.generation_for)(message)
-        self._follow(streaming.Follower(message.pk, gen, self.send_json, owner=False))
+        self._relay(streaming.ReplyRelay(message.pk, gen, self.send_json, owner=False))
 
     async def on_select_branch(self, frame):
         def select():

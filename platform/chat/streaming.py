@@ -1,9 +1,10 @@
-"""Follow one reply's generation: forward deltas to a socket, save as it goes, finish once.
+"""Relay one reply's generation to its socket: forward deltas, save as it goes, finish once.
 
-The follower that started a reply (the owner) keeps running when its socket closes, so the answer is
-still saved; if no socket watches the reply for RECONNECT_GRACE_S, it aborts the request in the
-engine. A reconnecting socket starts a non-owner follower that replays the stream from its start
-(the output stream stays in Redis until the message is saved).
+The relay that started a reply (the owner) keeps running when its socket closes, so the answer is
+still saved; if no socket watches the reply for RECONNECT_GRACE_S, it aborts the generation
+(generation.abort). A reconnecting socket starts a non-owner relay that replays the stream from its
+start (the output stream stays in Redis until the message is saved). Everything asked of the engine
+goes through the generation service; the watch keys are chat's own, on common.connections.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def reconnect_grace_s() -> int:
 
 
 async def mark_watched(message_id: int) -> None:
-    """A socket is showing this reply (refreshed by the consumer while it follows one)."""
+    """A socket is showing this reply (refreshed by the consumer while it relays one)."""
     await connections.async_redis().set(watch_key(message_id), "1", ex=reconnect_grace_s())
 
 
@@ -45,8 +46,8 @@ async def is_watched(message_id: int) -> bool:
     return bool(await connections.async_redis().exists(watch_key(message_id)))
 
 
-class Follower:
-    """Follows one reply's generation; `send` is swapped to a no-op when the socket goes away."""
+class ReplyRelay:
+    """Relays one reply's generation to a socket; `send` is swapped to a no-op when the socket goes away."""
 
     def __init__(self, message_id: int, gen: Generation, send: Send | None, *, owner: bool):
         self.message_id = message_id
@@ -63,7 +64,7 @@ class Follower:
         if self.send is not None:
             try:
                 await self.send(frame)
-            except Exception:  # the socket closed under us; keep following for the save
+            except Exception:  # the socket closed under us; keep relaying for the save
                 self.send = None
 
     async def run(self) -> None:
@@ -72,7 +73,7 @@ class Follower:
                 if event["type"] == "delta":
                     await self._on_delta(event)
         except Exception as exc:  # Redis gone, etc.: the message must not stay "streaming"
-            log.exception("following %s failed", self.gen.request_id)
+            log.exception("relaying %s failed", self.gen.request_id)
             self.fail("stream_failed", f"Streaming failed: {exc}")
         await self.finish()
 

@@ -3,7 +3,7 @@
     gen = Generation(source="api", endpoint="/v1/chat/completions", user=user, model="smollm2",
                      prompts=[prompt_ids], sampling_params={"max_tokens": 64}, max_tokens=64)
     admit(gen)                        # the quota reservation: QuotaExceeded / PlanViolation
-    await bookkeeping(submit)(gen, lease_id=engine.aclient().lease())  # lease() on the loop; batch: none
+    await asubmit(gen)                # submit() on the bookkeeping thread, with this loop's lease_id
     async for event in follow(gen):   # each event is already folded into gen.result
         ...                           # the front door turns it into a frame, an SSE chunk or nothing
     await afinish(gen)                # the usage row and the quota settlement, exactly once
@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections, transaction
@@ -36,6 +37,7 @@ from usage.services import record_usage
 
 from .result import Result
 
+T = TypeVar("T")
 PRIORITY_CLASSES = {"playground": "interactive", "api": "api", "batch": "batch"}
 QUOTA_RENEW_S = 30.0
 
@@ -132,13 +134,21 @@ _bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-
 _large_admissions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-large-admissions")
 
 
-def bookkeeping(fn, *, large: bool = False):
-    """fn as a coroutine function that runs on the bookkeeping thread (large: the large-admission one)."""
-    def run(*args, **kwargs):
+async def on_bookkeeping_thread(fn: Callable[..., T], /, *args, large: bool = False, **kwargs) -> T:
+    """fn(*args, **kwargs) on the bookkeeping thread (large: the large-admission one), awaited: two
+    thread hops, the event loop's to that thread and the result's (or exception's) back to the loop."""
+    def run() -> T:
         close_old_connections()  # this thread never sees request_finished: honour CONN_MAX_AGE here
         return fn(*args, **kwargs)
 
-    return sync_to_async(run, thread_sensitive=False, executor=_large_admissions if large else _bookkeeping)
+    executor = _large_admissions if large else _bookkeeping
+    return await sync_to_async(run, thread_sensitive=False, executor=executor)()
+
+
+def bookkeeping(fn, *, large: bool = False):
+    """The old spelling of on_bookkeeping_thread, kept only until the views being written beside this
+    change (responses, embeddings) use that; remove it then (issue #33)."""
+    return lambda *args, **kwargs: on_bookkeeping_thread(fn, *args, large=large, **kwargs)
 
 
 # ---------------------------------------------------------------- admit, submit
@@ -166,6 +176,14 @@ def submit(gen: Generation, *, lease_id: str | None = None) -> None:
         engine.client().submit(lease_id=lease_id, **request)
 
 
+async def asubmit(gen: Generation) -> None:
+    """submit() for a generation this event loop will follow(): the loop's lease_id is taken here, on
+    the loop (lease() keeps it alive from a task of that loop), and the requests go out on the
+    bookkeeping thread, where one redis-py round trip costs less than one on the event loop."""
+    lease_id = engine.aclient().lease()
+    await on_bookkeeping_thread(submit, gen, lease_id=lease_id)
+
+
 async def abort(gen: Generation) -> None:
     for request_id in gen.engine_request_ids:
         await engine.aclient().abort(request_id)
@@ -183,7 +201,7 @@ async def follow(gen: Generation, *, timeout: float | None = None) -> AsyncItera
             gen.result.add(event)
             if gen.reservation is not None and time.monotonic() - last_renew > QUOTA_RENEW_S:
                 last_renew = time.monotonic()
-                await bookkeeping(quotas.renew)(gen.reservation)
+                await on_bookkeeping_thread(quotas.renew, gen.reservation)
             yield event
     finally:
         if not gen.result.ended:
@@ -287,7 +305,7 @@ async def afinish(gen: Generation, *, save: Save | None = None) -> bool:
     """finish() on the bookkeeping thread, shielded: a client that hangs up right after its last
     chunk cancels the caller, and the settlement must run on regardless (or the concurrency slot
     stays held for the lease)."""
-    finishing = asyncio.ensure_future(bookkeeping(finish)(gen, save=save))
+    finishing = asyncio.ensure_future(on_bookkeeping_thread(finish, gen, save=save))
     _finishing.add(finishing)
     finishing.add_done_callback(_finishing.discard)
     return await asyncio.shield(finishing)

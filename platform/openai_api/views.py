@@ -25,7 +25,7 @@ from engine_client import client as engine
 from errors import AuthenticationFailed, EngineFailure, InvalidRequest, NotFound, ServiceError
 from generation import catalog, tokenization
 from generation import services as generation
-from generation.services import bookkeeping
+from generation.services import on_bookkeeping_thread
 
 from . import calls, credentials, formatting, metrics
 from .errors import error_response, sse_error
@@ -81,7 +81,7 @@ class CompletionsView(AsyncAPIView):
 
 async def _authenticated(request) -> ServiceError | None:
     try:
-        await bookkeeping(authenticate)(request)
+        await on_bookkeeping_thread(authenticate, request)
     except ServiceError as error:
         return error
     return None
@@ -208,8 +208,8 @@ LARGE_BODY_BYTES = 64 * 1024  # about 16k tokens of text: tokenizing it takes te
 async def generate(request, kind: str):
     """POST /v1/chat/completions and /v1/completions."""
     try:
-        call = await bookkeeping(admit, large=len(request.body) > LARGE_BODY_BYTES)(
-            request, kind, engine.aclient().lease())
+        call = await on_bookkeeping_thread(admit, request, kind, engine.aclient().lease(),
+                                           large=len(request.body) > LARGE_BODY_BYTES)
     except ServiceError as error:
         return _with_headers(error_response(error), error.headers)
     events = _events(call.gen)
@@ -301,7 +301,7 @@ def _chunks(writer: formatting.ChunkWriter, event: dict, finished: set[int]) -> 
 async def tokenizer_route(request, route: str):
     """POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; lm-eval probes them)."""
     try:
-        await bookkeeping(authenticate)(request)
+        await on_bookkeeping_thread(authenticate, request)
         data = {}
         if route != "tokenizer_info":
             serializer = TokenizeRequestSerializer if route == "tokenize" else DetokenizeRequestSerializer

@@ -73,7 +73,7 @@ async def _large_and_small(raw_key):
         held.set()
         release.wait(60)
 
-    holding = asyncio.ensure_future(generation.bookkeeping(hold, large=True)())
+    holding = asyncio.ensure_future(generation.on_bookkeeping_thread(hold, large=True))
     await asyncio.to_thread(held.wait, 10)
     # The API's own ASGI handler, as the web server runs it (the test client's stack adds browser middleware
     # that serializes requests on one thread).
