@@ -127,11 +127,12 @@ def add_tool_sampling(params: dict, data: dict, tools: ToolUse | None) -> None:
 # ---------------------------------------------------------------- the whole build
 
 def build_call(*, kind: str, body: dict, user, source: str = "api", endpoint: str | None = None, api_key=None,
-               models: dict | None = None, plan=None) -> ApiCall:
+               models: dict | None = None, plan=None, request_id: str | None = None) -> ApiCall:
     """Validate the body and build the engine request (errors.ServiceError for anything refused).
 
     models: the served models to look the model up in (a batch waits for workers); None asks the
-    live workers, where an unknown model is a 404. plan: caps an omitted max_tokens (the API)."""
+    live workers, where an unknown model is a 404. plan: caps an omitted max_tokens (the API).
+    request_id: the front door's own id (a Responses API response id); default chatcmpl-/cmpl-."""
     data = validate(SERIALIZERS[kind], body)
     model, n = data["model"], data.get("n") or 1
     info = catalog.resolve_model(model) if models is None else models.get(model, {})
@@ -151,7 +152,7 @@ def build_call(*, kind: str, body: dict, user, source: str = "api", endpoint: st
     gen = Generation(source=source, endpoint=endpoint or ENDPOINTS[kind], user=user, api_key=api_key, model=model,
                      prompts=prompts, sampling_params=params, n=n, max_tokens=max_tokens,
                      priority=data.get("priority") or 0, end_user=data.get("user") or "",
-                     request_id=ID_PREFIXES[kind] + protocol.new_request_id())
+                     request_id=request_id or ID_PREFIXES[kind] + protocol.new_request_id())
     return ApiCall(kind=kind, gen=gen, **shape)
 
 

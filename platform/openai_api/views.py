@@ -191,6 +191,11 @@ def admit(request, kind: str, lease_id: str) -> calls.ApiCall:
     """
     key, plan = authenticate(request)
     call = calls.build_call(kind=kind, body=parse_json(request), user=key.user, api_key=key, plan=plan)
+    return start(call, plan, lease_id)
+
+
+def start(call: calls.ApiCall, plan, lease_id: str) -> calls.ApiCall:
+    """The quota reservation, then the engine requests (every /v1 generation, /v1/responses too)."""
     try:
         calls.admit(call, plan)
         generation.submit(call.gen, lease_id=lease_id)

@@ -1,6 +1,8 @@
 """The served OpenAPI schema stays true: every route is in it, and real response bodies match it."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.test import Client
 from django.urls import URLPattern
@@ -9,6 +11,7 @@ from generation.result import Result
 from generation.services import Generation
 from openai_api import formatting, urls
 from openai_api.calls import ApiCall
+from openai_api.responses_serializers import ResponseCreateRequestSerializer
 from openai_api.serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
 
 pytestmark = pytest.mark.django_db
@@ -23,7 +26,7 @@ def schema(django_db_blocker):
 
 
 def _openapi_path(pattern: URLPattern) -> str:
-    return "/" + str(pattern.pattern).replace("<path:model>", "{model}")
+    return "/" + re.sub(r"<\w+:(\w+)>", r"{\1}", str(pattern.pattern))
 
 
 def test_every_route_and_method_is_documented(schema):
@@ -49,7 +52,8 @@ def _request_component(schema, path):
 
 
 @pytest.mark.parametrize("path, serializer", [("/v1/chat/completions", ChatCompletionRequestSerializer),
-                                              ("/v1/completions", CompletionRequestSerializer)])
+                                              ("/v1/completions", CompletionRequestSerializer),
+                                              ("/v1/responses", ResponseCreateRequestSerializer)])
 def test_request_bodies_are_the_serializers_that_validate(schema, path, serializer):
     component = _request_component(schema, path)
     assert set(component["properties"]) == set(serializer().fields)
