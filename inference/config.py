@@ -35,10 +35,23 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None  # cap on one prefill's share of a step
     scheduler_delay_ms: float = 0.0
+    scheduling_policy: str = "priority"  # "fcfs", "priority" or "fair" (fair share between tenants)
     attention_backend: str | None = None  # "torch" or "triton"; default by device
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    # GGUF weights: "packed" (the file's blocks, C kernels), "float32" or "bfloat16" (dequantized at load);
+    # "auto" packs a GGUF file on CPU unless dtype names a float type (inference/quantization/__init__.py).
+    weights: str = "auto"
     served_model_name: str | None = None
+
+    def __post_init__(self):
+        if self.weights in DTYPES and self.dtype not in ("auto", self.weights):
+            raise ValueError(f"weights={self.weights!r} and dtype={self.dtype!r} disagree; set one of them")
+        if self.weights in DTYPES:
+            self.dtype = self.weights
+    # vLLM's speculative decoding argument, a dict or JSON: {"method": "ngram" | "draft_model",
+    # "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max": n, "model": draft path}
+    speculative_config: dict | str | None = None
 
     @classmethod
     def names(cls) -> set[str]:

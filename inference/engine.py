@@ -11,6 +11,7 @@ from inference.detokenizer import IncrementalDetokenizer
 from inference.kv_cache_manager import KVCacheManager
 from inference.engine_setup import choose_ops, resolve_device, resolve_max_model_len
 from inference.executor import create_executor
+from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
 from inference.loader import check_model_path, end_of_turn_token_ids, load_model, load_tokenizer
 from inference.metrics import EngineMetrics
@@ -21,6 +22,7 @@ from inference.request import Request, RequestStatus
 from inference.sampler import Sampler, top_logprobs
 from inference.sampling_params import SamplingParams
 from inference.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from inference.spec_decode import SpeculativeConfig, create_speculator
 from inference.structured_output import StructuredOutputManager
 
 logger = logging.getLogger("inference")
@@ -31,6 +33,7 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         torch.manual_seed(args.seed)
+        self.spec_config = SpeculativeConfig.parse(args.speculative_config)  # a bad value fails before any load
         check_model_path(args.model, args.load_format)
         self.model_config = cfg = ModelConfig.from_path(args.model)
         self.dtype = cfg.resolve_dtype(args.dtype)
@@ -54,6 +57,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.metrics)
         self.sampler = Sampler(cfg.vocab_size, self.eos_token_ids)
         self.structured = StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.speculator = create_speculator(self.spec_config, self)
         self.requests: dict[str, Request] = {}
         self._idle_since_arrival: float | None = None
         logger.info("engine ready: %s", self.memory)
@@ -113,20 +117,26 @@ class LLMEngine:
             )
         return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                args.enable_chunked_prefill, args.long_prefill_token_threshold,
-                               tuple(self.eos_token_ids))
+                               tuple(self.eos_token_ids), args.scheduling_policy)
 
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
-        """prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text too)."""
+                    priority: int = 0, arrival_time: float | None = None, tenant: str | None = None,
+                    weight: float = 1.0) -> None:
+        """prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text too).
+
+        tenant / weight: whose fair share it is served from and that tenant's weight (fairness.py);
+        no tenant makes the request its own tenant.
+        """
+        weight = check_weight(weight)
         params = (sampling_params or SamplingParams()).with_model_defaults(self.model_config.generation_defaults)
         params = params.bind_tokenizer(self.tokenizer, self.model_config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
-        request = Request(request_id, text, token_ids, params, priority, arrival_time)
+        request = Request(request_id, text, token_ids, params, priority, arrival_time, tenant=tenant, weight=weight)
         request.detok = self._detokenizer(request)
         self.requests[request_id] = request
         if not self.has_unfinished_requests():
@@ -190,7 +200,9 @@ class LLMEngine:
         if self._should_wait_for_more_arrivals():
             return []
         failed_grammars = self._release_compiled()
+        failed_proposals = self._propose()
         plan = self.scheduler.schedule()
+        plan.finished.extend(failed_proposals.finished)
         for request, exc in failed_grammars:
             self.scheduler.fail(request, "structured outputs", exc, plan)
         if plan.is_empty and not plan.finished:
@@ -213,6 +225,14 @@ class LLMEngine:
                 failed.append((request, exc))
         return failed
 
+    def _propose(self) -> SchedulerOutput:
+        """Speculative decoding's proposals for this step; a request whose proposal failed fails alone."""
+        failed = SchedulerOutput()
+        if self.speculator is not None:
+            for request, exc in self.speculator.propose(self.scheduler.running):
+                self.scheduler.fail(request, "the speculative proposal", exc, failed)
+        return failed
+
     def _should_wait_for_more_arrivals(self) -> bool:
         """scheduler_delay_ms: an idle engine may wait briefly to batch a burst of arrivals."""
         if self._idle_since_arrival is None or not self.args.scheduler_delay_ms:
@@ -232,9 +252,39 @@ class LLMEngine:
                 self.scheduler.fail(request, "the forward pass", exc, plan)
             return []
         self._record_prompt_logprobs(inputs, hidden, plan)
-        sampled = self._sample(inputs.sampling_requests, logits, plan) if logits is not None else []
+        sampled = self._sample_and_verify(inputs.sampling_requests, logits, plan) if logits is not None else []
         self._detokenize(sampled, plan)
         return self.scheduler.update_from_output(plan, sampled)
+
+    def _sample_and_verify(self, requests: list[Request], logits: torch.Tensor,
+                           plan: SchedulerOutput) -> list[SampledToken]:
+        """Plain rows through the batched sampler; each speculating sequence's 1 + k rows are verified."""
+        if not plan.spec_tokens:
+            return self._sample(requests, logits, plan)
+        plain, plain_rows, verified, row = [], [], [], 0
+        for request in requests:
+            drafts = plan.spec_tokens.get(request)
+            if drafts:
+                verified.append((request, row, drafts))
+                row += 1 + len(drafts)
+            else:
+                plain.append(request)
+                plain_rows.append(row)
+                row += 1
+        sampled = self._sample(plain, logits[plain_rows], plan) if plain else []
+        for request, first, drafts in verified:
+            sampled.extend(self._verify(request, logits[first:first + 1 + len(drafts)], drafts, plan))
+        return sampled
+
+    def _verify(self, seq: Request, logits: torch.Tensor, drafts: list[int], plan: SchedulerOutput) -> list[SampledToken]:
+        try:
+            tokens, entries = self.speculator.verify(logits, seq, drafts)
+        except Exception as exc:
+            self.scheduler.fail(seq, "speculative verification", exc, plan)
+            return []
+        kept = next((i + 1 for i, token in enumerate(tokens)  # a stop token ends the step's tokens there
+                     if self.scheduler.ends_at(seq, token, seq.num_output_tokens + i + 1)), len(tokens))
+        return [SampledToken(seq, token, entry) for token, entry in zip(tokens[:kept], entries[:kept])]
 
     def _sample(self, requests: list[Request], logits: torch.Tensor, plan: SchedulerOutput) -> list[SampledToken]:
         seqs, rows = [], []
@@ -288,15 +338,18 @@ class LLMEngine:
         return tokens, entries
 
     def _detokenize(self, sampled: list[SampledToken], plan: SchedulerOutput) -> None:
+        stopped = set()  # a speculating sequence's tokens after a stop string are not its text
         for item in sampled:
             seq = item.seq
-            if seq.is_finished:
+            if seq.is_finished or seq in stopped:
                 continue
             try:
                 if item.logprobs is not None:
                     self._decode_logprobs(item.logprobs)
                 may_stop = seq.num_output_tokens + 1 >= seq.params.min_tokens  # counting this token
                 item.stop_string = seq.detok.add_token(item.token, check_stop=may_stop)
+                if item.stop_string is not None:
+                    stopped.add(seq)
             except Exception as exc:
                 self.scheduler.fail(seq, "detokenization", exc, plan)
 
@@ -371,6 +424,9 @@ class LLMEngine:
             generation_tokens_total=self.metrics.generation_tokens_total,
             requests_finished_total=self.metrics.requests_finished_total,
             kv_fill_at_peak=self.metrics.kv_fill_at_peak,
+            **self.metrics.spec_decode(),
+            scheduling_policy=self.scheduler.policy.name,
+            tenant_shares=self.scheduler.counters.window.shares(),
         )
         return stats
 

@@ -36,18 +36,21 @@ class Request:
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
-                 index: int = 0):
+                 index: int = 0, tenant: str | None = None, weight: float = 1.0):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.tenant = tenant  # whose share it is served from (fairness.py); None: the request is its own tenant
+        self.weight = weight  # the tenant's share weight: its counter grows by service / weight
         self.index = index
         self.n = params.n  # sequences this prompt forks into (kept after the fork sets params.n = 1)
         self.arrival_order = next(_arrival_counter)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        self.served_prompt_tokens = 0  # prompt positions charged to its tenant (a recompute is not charged again)
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # set on the group's first sequence when the request failed
@@ -62,6 +65,7 @@ class Request:
         self.detok = None  # set by the engine (IncrementalDetokenizer)
         self.grammar = None  # structured outputs: a Future of the compiled grammar, and this sequence's matcher
         self.matcher = None
+        self.spec_token_ids: list[int] = []  # this step's proposed next tokens (speculative decoding)
 
     @staticmethod
     def _make_generator(seed: int | None) -> torch.Generator | None:
@@ -97,6 +101,11 @@ class Request:
         return (self.priority, self.arrival_order, self.index)
 
     @property
+    def tenant_key(self) -> str | tuple[str, str]:
+        """The fair-share tenant: the named one, or the request itself (its n sequences together)."""
+        return self.tenant if self.tenant is not None else ("request", self.request_id)
+
+    @property
     def needs_fork(self) -> bool:
         return self.n > 1 and len(self.group) == 1
 
@@ -110,8 +119,10 @@ class Request:
         self.params = root_params.for_child(0)
         for index in range(1, root_params.n):
             child = Request(self.request_id, self.prompt, self.prompt_token_ids, root_params.for_child(index),
-                            self.priority, self.metrics.arrival_time, index=index)
+                            self.priority, self.metrics.arrival_time, index=index, tenant=self.tenant,
+                            weight=self.weight)
             child.arrival_order = self.arrival_order
+            child.served_prompt_tokens = self.served_prompt_tokens
             child.token_ids = list(self.token_ids)
             child.num_cached_tokens = self.num_cached_tokens
             child.metrics.first_scheduled_time = self.metrics.first_scheduled_time

@@ -1,4 +1,5 @@
-"""Continuous batching with chunked prefill and priority-aware recompute preemption.
+"""Continuous batching with chunked prefill and priority-aware recompute preemption, in the order of
+the engine's scheduling policy (scheduling_policy.py: fcfs, priority, or fair share between tenants).
 
 There are no prefill and decode phases: every running request has num_computed_tokens and
 catches up to num_tokens under the step's token budget (vLLM v1). A long prompt is therefore
@@ -10,15 +11,16 @@ and finishes stopped sequences. One request's failure (`fail`) ends that request
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from dataclasses import dataclass, field
 
+from inference.fairness import VirtualTokenCounters, new_prompt_tokens
 from inference.kv_cache_manager import KVCacheManager
 from inference.metrics import EngineMetrics
 from inference.outputs import Logprob
 from inference.request import Request, RequestStatus
+from inference.scheduling_policy import WaitingQueue, make_policy
 
 logger = logging.getLogger("inference")
 
@@ -31,6 +33,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    scheduling_policy: str = "priority"  # "fcfs", "priority" or "fair" (scheduling_policy.py)
 
 
 @dataclass
@@ -40,6 +43,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # ended by the scheduler (never fits, or failed)
+    # speculative decoding: the proposed tokens each speculating decode verifies this step (counted in scheduled)
+    spec_tokens: dict[Request, list[int]] = field(default_factory=dict)
     budget: int = 0  # tokens still free in this step while scheduling
 
     @property
@@ -66,17 +71,21 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.metrics = metrics or EngineMetrics()
-        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
+        self.counters = VirtualTokenCounters()  # charged under every policy: the share panel shows them all
+        self.policy = make_policy(config.scheduling_policy, self.counters)
+        self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        heapq.heappush(self.waiting, (request.sort_key, request))
+        self.counters.enter(request)
+        self.waiting.push(request)
 
     def add_running(self, request: Request) -> None:
         """A forked sequence joins the running set directly (it shares its parent's blocks)."""
         request.status = RequestStatus.RUNNING
+        self.counters.enter(request)
         self.running.append(request)
 
     @property
@@ -97,14 +106,9 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            self._remove_waiting(request)
+            self.waiting.remove(request)
+        self.counters.leave(request)
         self.kv.free(request)
-
-    def _remove_waiting(self, request: Request) -> None:
-        kept = [item for item in self.waiting if item[1] is not request]
-        if len(kept) != len(self.waiting):
-            self.waiting = kept
-            heapq.heapify(self.waiting)
 
     def schedule(self) -> SchedulerOutput:
         """One step's batch. Running decodes go first (one token each keeps every stream moving);
@@ -112,29 +116,53 @@ class Scheduler:
         of the budget in priority order, so an urgent arrival is never starved by the chunks of
         a long low-priority prompt."""
         out = SchedulerOutput(budget=self.config.max_num_batched_tokens)
-        running = sorted(self.running, key=lambda r: r.sort_key)
+        self.counters.begin_step()
+        running = sorted(self.running, key=self.policy.key)
         prefilling = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         for request in running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 self._schedule_running(request, out)
         admitting = True
         for request in prefilling:
-            while admitting and self.waiting and self.waiting[0][0] < request.sort_key and out.budget > 0:
+            while admitting and self._waiting_goes_before(request) and out.budget > 0:
                 admitting = self._admit_one(out)
             self._schedule_running(request, out)
         while admitting and self.waiting and out.budget > 0:
             admitting = self._admit_one(out)
         out.block_copies = self.kv.take_copies()
         out.block_tables = {request: self.kv.block_ids(request) for request in out.scheduled}
+        out.spec_tokens = {r: drafts for r, drafts in out.spec_tokens.items() if r in out.scheduled}  # not preempted
         return out
+
+    def _waiting_goes_before(self, request: Request) -> bool:
+        return bool(self.waiting) and self.policy.key(self.waiting.head()) < self.policy.key(request)
 
     def _schedule_running(self, request: Request, out: SchedulerOutput) -> None:
         if out.budget <= 0 or request.status is not RequestStatus.RUNNING:
             return  # out of budget, or preempted earlier in this step
         num_new = self._chunk(request, request.num_tokens - request.num_computed_tokens, out.budget)
-        if num_new > 0 and self._allocate_running(request, num_new, out):
-            out.scheduled[request] = num_new
-            out.budget -= num_new
+        drafts = self._drafts_that_fit(request, num_new, out)
+        if drafts:
+            out.spec_tokens[request] = drafts
+            self._scheduled(request, num_new + len(drafts), out)
+        elif num_new > 0 and self._allocate_running(request, num_new, out):
+            self._scheduled(request, num_new, out)
+
+    def _drafts_that_fit(self, request: Request, num_new: int, out: SchedulerOutput) -> list[int]:
+        """A decode's proposed tokens (speculative decoding) that the budget, max_model_len and the free
+        blocks have room for, their slots allocated; speculation never preempts anyone."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        drafts = drafts[:max(0, min(out.budget - 1, self.config.max_model_len - request.num_tokens - 1))]
+        if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
+            return []
+        return drafts
+
+    def _scheduled(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        out.scheduled[request] = num_new
+        out.budget -= num_new
+        self.counters.reserve(request, num_new)
 
     def _chunk(self, request: Request, num_new: int, budget: int) -> int:
         cap = self.config.long_prefill_token_threshold
@@ -145,7 +173,7 @@ class Scheduler:
     def _allocate_running(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Allocate for a running request, preempting the worst running request while short."""
         while not self.kv.allocate_slots(request, num_new):
-            victim = max((r for r in self.running), key=lambda r: r.sort_key)
+            victim = max(self.running, key=self.policy.key)
             if victim is request and self._can_never_fit(request, num_new):
                 self.finish(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
@@ -169,11 +197,11 @@ class Scheduler:
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
-        heapq.heappush(self.waiting, (victim.sort_key, victim))
+        self.waiting.push(victim)  # still its tenant's: no re-activation, and its early arrival puts it first
 
     def _admit_one(self, out: SchedulerOutput) -> bool:
         """Try to start the head of the waiting queue; False means stop admitting this step."""
-        request = self.waiting[0][1]
+        request = self.waiting.head()
         if request in out.preempted:
             return False  # no thrashing: a request preempted in this step waits for the next
         if len(self.running) >= self.config.max_num_seqs and not self._preempt_lower(request, out):
@@ -190,10 +218,9 @@ class Scheduler:
                 out.finished.append(request)
                 return True
             return self._preempt_lower(request, out)  # True: retry with the freed blocks
-        heapq.heappop(self.waiting)
+        self.waiting.remove(request)
         self._start(request, num_cached)
-        out.scheduled[request] = num_new
-        out.budget -= num_new
+        self._scheduled(request, num_new, out)
         return True
 
     def _start(self, request: Request, num_cached: int) -> None:
@@ -207,10 +234,10 @@ class Scheduler:
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
         """A higher-priority arrival preempts the worst running request of strictly lower priority."""
-        candidates = [r for r in self.running if r.priority > request.priority]
+        candidates = [r for r in self.running if self.policy.outranks(request, r)]
         if not candidates:
             return False
-        self._preempt(max(candidates, key=lambda r: r.sort_key), out)
+        self._preempt(max(candidates, key=self.policy.key), out)
         return True
 
     # ---- after the forward ---------------------------------------------------------------------
@@ -222,9 +249,11 @@ class Scheduler:
         spawned for this step's samples join their parent's blocks before any token is appended
         (a parent that stops now must not free blocks its children still need); then each
         sequence gets its token and the stop checks. An exception there fails that request alone.
+        A speculating sequence gets its accepted tokens in order (a stop ends it there) and only then
+        advances, over the positions whose K/V it keeps; the blocks only rejected proposals used go back.
         """
         for request, num_new in out.scheduled.items():
-            if not request.is_finished:
+            if not request.is_finished and request not in out.spec_tokens:
                 self._advance(request, num_new)
         for item in sampled:
             if item.seq.status is RequestStatus.WAITING:  # spawned by Request.fork for this sample
@@ -239,7 +268,22 @@ class Scheduler:
             except Exception as exc:
                 self.fail(item.seq, "stop checks", exc, out)
             updated.append(item.seq)
+        for request in out.spec_tokens:
+            if not request.is_finished:
+                self._advance(request, request.num_tokens - 1 - request.num_computed_tokens)
+                self.kv.trim(request, request.num_tokens)
         return updated
+
+    def ends_at(self, seq: Request, token: int, num_output_tokens: int) -> bool:
+        """Whether token, as seq's num_output_tokens-th output token, ends it by a token rule (a stop
+        token, EOS, max_tokens, max_model_len): where a speculating sequence's accepted tokens are cut."""
+        params = seq.params
+        if num_output_tokens >= params.min_tokens and (token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.config.eos_token_ids)):
+            return True
+        if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
+            return True
+        return seq.num_prompt_tokens + num_output_tokens >= self.config.max_model_len
 
     def fail(self, request: Request, stage: str, exc: BaseException, out: SchedulerOutput) -> None:
         """End every sequence of request's group with an error naming stage and cause; free its blocks.
@@ -261,6 +305,9 @@ class Scheduler:
     def _advance(self, request: Request, num_new: int) -> None:
         prompt_left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
         self.metrics.prompt_tokens_total += min(num_new, prompt_left)
+        served = new_prompt_tokens(request, num_new)
+        self.counters.charge(request, prompt_tokens=served)
+        request.served_prompt_tokens += served
         request.num_computed_tokens += num_new
         self.kv.cache_full_blocks(request)
 
@@ -277,6 +324,7 @@ class Scheduler:
             raise ValueError(f"token {token} breaks the request's structured_outputs grammar")
         seq.append_token(token)
         self.metrics.generation_tokens_total += 1
+        self.counters.charge(seq, output_tokens=1)
         if seq.metrics.first_token_time is None:
             self._observe_first_token(seq, now)
         if item.logprobs is not None:

@@ -1,0 +1,117 @@
+"""The scheduler's orders (engine argument `scheduling_policy`) and its waiting queue.
+
+- `fcfs`: arrival order only (the request's priority is ignored, and nothing preempts for priority).
+- `priority`: lower priority value first, then arrival; a waiting request may preempt running ones of
+  strictly lower priority.
+- `fair`: priority stays the outer key; within a priority level the tenant with the smallest virtual
+  token counter (fairness.py) goes first, then arrival. The preemption victim is therefore the latest
+  request of the tenant furthest ahead in the lowest priority.
+
+One `key` orders everything the scheduler compares: the waiting heads, running requests (whose
+chunks go first) and, by its maximum, the preemption victim.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterator
+
+from inference.fairness import VirtualTokenCounters
+from inference.request import Request
+
+POLICIES = ("fcfs", "priority", "fair")
+
+
+class SchedulingPolicy:
+    name = "priority"
+
+    def __init__(self, counters: VirtualTokenCounters):
+        self.counters = counters
+
+    def queue_of(self, request: Request) -> Hashable:
+        """Which waiting heap a request joins (its head is compared with the other heaps' heads)."""
+        return None
+
+    def static_key(self, request: Request) -> tuple:
+        """Order inside one waiting heap: fixed while the request waits."""
+        return request.sort_key
+
+    def key(self, request: Request) -> tuple:
+        return self.static_key(request)
+
+    def outranks(self, request: Request, running: Request) -> bool:
+        """May a waiting request preempt this running one to get in?"""
+        return request.priority < running.priority
+
+
+class FcfsPolicy(SchedulingPolicy):
+    name = "fcfs"
+
+    def static_key(self, request: Request) -> tuple:
+        return (request.arrival_order, request.index)
+
+    def outranks(self, request: Request, running: Request) -> bool:
+        return False
+
+
+class FairPolicy(SchedulingPolicy):
+    name = "fair"
+
+    def queue_of(self, request: Request) -> Hashable:
+        return request.tenant_key
+
+    def key(self, request: Request) -> tuple:
+        return (request.priority, self.counters.value(request.tenant_key), request.arrival_order, request.index)
+
+
+def make_policy(name: str, counters: VirtualTokenCounters) -> SchedulingPolicy:
+    policies = {cls.name: cls for cls in (FcfsPolicy, SchedulingPolicy, FairPolicy)}
+    if name not in policies:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}; got {name!r}")
+    return policies[name](counters)
+
+
+class WaitingQueue:
+    """Waiting requests in one heap per `policy.queue_of` (one per tenant under `fair`); the head is the
+    best of the heaps' heads by `policy.key`. Iterating yields (static key, request) pairs."""
+
+    def __init__(self, policy: SchedulingPolicy):
+        self.policy = policy
+        self.heaps: dict[Hashable, list[tuple[tuple, Request]]] = {}
+        self.size = 0
+
+    def push(self, request: Request) -> None:
+        heap = self.heaps.setdefault(self.policy.queue_of(request), [])
+        heapq.heappush(heap, (self.policy.static_key(request), request))
+        self.size += 1
+
+    def head(self) -> Request:
+        if len(self.heaps) == 1:
+            return next(iter(self.heaps.values()))[0][1]
+        return min((heap[0][1] for heap in self.heaps.values()), key=self.policy.key)
+
+    def remove(self, request: Request) -> bool:
+        """Take request out (the head's removal is a heap pop); False if it was not waiting."""
+        queue = self.policy.queue_of(request)
+        heap = self.heaps.get(queue, [])
+        if heap and heap[0][1] is request:
+            heapq.heappop(heap)
+        else:
+            kept = [item for item in heap if item[1] is not request]
+            if len(kept) == len(heap):
+                return False
+            heapq.heapify(kept)
+            self.heaps[queue] = heap = kept
+        self.size -= 1
+        if not heap:
+            del self.heaps[queue]
+        return True
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[tuple[tuple, Request]]:
+        for heap in self.heaps.values():
+            yield from heap
+
+    def __repr__(self) -> str:
+        return f"WaitingQueue({[request for _, request in self]})"
