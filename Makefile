@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
 FUZZ_MAX_EXAMPLES ?= 25
 FUZZ_RANDOM ?= 0
 
-.PHONY: install browser postgres-server assets test chaos screenshots security bench run clean
+.PHONY: install browser postgres-server assets test chaos screenshots security bench run cluster clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -75,6 +75,13 @@ bench: install
 # and beat, and the web server (platform/tessera/run.py; PORT, MODEL, REDIS_URL... from the env).
 run: install assets $(if $(filter postgres,$(DB)),postgres-server)
 	TESSERA_DB=$(or $(DB),sqlite) $(BIN)/python -m tessera.run
+
+# compose.yaml's topology as processes on five network namespaces of this machine (deploy/cluster.py;
+# needs root): Redis + PostgreSQL, two web processes, two engine workers, Celery worker + beat, each on
+# its own host, over veth links only. Up until Ctrl-C; ARGS=--smoke starts it, checks the playground and
+# /v1 through both web processes from this namespace, and stops it.
+cluster: install postgres-server assets
+	$(BIN)/python deploy/cluster.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) var

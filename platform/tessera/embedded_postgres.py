@@ -98,6 +98,10 @@ def prepare(base: Path) -> Layout:
         _run_as_server_user([str(server_bin_dir() / "initdb"), "-D", str(layout.data), "-U", SUPERUSER,
                              f"--pwfile={layout.password_file}", "--auth=scram-sha-256", "-E", "UTF8",
                              "--locale=C.UTF-8", "--no-instructions"])
+        # initdb admits loopback only; `make cluster` connects from the other hosts of its subnet.
+        # The server still listens on the one address it is given, and every login needs the password.
+        with open(layout.data / "pg_hba.conf", "a") as hba:
+            hba.write("host all all samenet scram-sha-256\n")
     return layout
 
 

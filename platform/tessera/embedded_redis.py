@@ -49,17 +49,18 @@ def start(port: int | None = None, data_dir: str | None = None, quiet: bool = Tr
     return url(port, password(Path(data_dir))), proc
 
 
-def server_command(port: int, data_dir: Path, persistent: bool = False) -> list[str]:
-    """redis-server's argv: loopback only, data in data_dir, the password from its config file (so
-    it is not on a command line other local users can read). persistent: an append-only file
-    (fsync every second), so a restarted server has the queues and counters it had."""
+def server_command(port: int, data_dir: Path, persistent: bool = False, host: str = "127.0.0.1") -> list[str]:
+    """redis-server's argv: on host (loopback unless told; `make cluster` gives a veth address), data in
+    data_dir, the password from its config file (so it is not on a command line other local users can
+    read). persistent: an append-only file (fsync every second), so a restarted server has the queues
+    and counters it had."""
     persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
-    return [redis_server_binary(), str(config_file(data_dir)), "--port", str(port), "--bind", "127.0.0.1",
+    return [redis_server_binary(), str(config_file(data_dir)), "--port", str(port), "--bind", host,
             "--dir", str(data_dir), "--save", "", *persistence, "--loglevel", "warning"]
 
 
-def url(port: int, secret: str) -> str:
-    return f"redis://:{secret}@127.0.0.1:{port}/0"
+def url(port: int, secret: str, host: str = "127.0.0.1") -> str:
+    return f"redis://:{secret}@{host}:{port}/0"
 
 
 def password(data_dir: Path) -> str:
@@ -76,13 +77,13 @@ def config_file(data_dir: Path) -> Path:
     return path
 
 
-def wait_until_listening(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+def wait_until_listening(port: int, proc: subprocess.Popen, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with code {proc.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(0.05)
