@@ -74,18 +74,19 @@ def make_run_env(model_dir: str, var_dir: Path, **extra: str) -> dict[str, str]:
 
 
 class RunStack:
-    """`python -m tessera.run` with its output collected in a file."""
+    """`python -m tessera.run` (or another command that runs it: `tessera serve`) with its output collected
+    in a file."""
 
-    def __init__(self, env: dict, log: Path):
+    def __init__(self, env: dict, log: Path, command: list[str] | None = None):
         self.env = env
         self.log = log
         self.handle = log.open("w")
-        self.process = subprocess.Popen([sys.executable, "-m", "tessera.run"], cwd=REPO, env=env,
+        self.process = subprocess.Popen(command or [sys.executable, "-m", "tessera.run"], cwd=REPO, env=env,
                                         stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True)
 
     @classmethod
-    def start(cls, env: dict, log: Path, timeout: float = 300) -> "RunStack":
-        stack = cls(env, log)
+    def start(cls, env: dict, log: Path, timeout: float = 300, command: list[str] | None = None) -> "RunStack":
+        stack = cls(env, log, command)
         try:
             stack.wait_for(r"^ready: http://127\.0\.0\.1:\d+/", timeout=timeout)
         except BaseException:

@@ -1,0 +1,5 @@
+import sys
+
+from tessera_cli import main
+
+sys.exit(main())
