@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import AbstractConnection, parse_url
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 
-class CancelSafeWrites:
+class CancelSafeWrites(AbstractConnection):
+    """Mixed in before a redis-py connection class (a base here so the override is checked against it)."""
+
     async def send_packed_command(self, command, check_health: bool = True) -> None:
         timeout = self.socket_timeout
         if not timeout:

@@ -27,9 +27,11 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 import redis.asyncio as aioredis
+from redis.typing import KeyT, StreamIdT
 
 from common import connections
 from inference import protocol
@@ -103,14 +105,15 @@ def _unpack(entries) -> tuple[str | None, list[dict]]:
         for entry_id, fields in items:
             last_id = _text(entry_id)
             for event in protocol.events_of(fields):
-                event["entry_id"] = last_id
-                events.append(event)
+                tagged = cast(dict, event)  # past this point events are plain dicts with their entry id
+                tagged["entry_id"] = last_id
+                events.append(tagged)
     return last_id, events
 
 
 def _live(ids: list[str], replies: list) -> LiveWorkers:
     """Live workers from their ids and an HMGET of (served_model_names, model) each; both None: no key."""
-    return {w: protocol.decode(names) if names is not None else [_text(model)]
+    return {w: cast(list[str], protocol.decode(names)) if names is not None else [_text(model)]
             for w, (names, model) in zip(ids, replies) if names is not None or model is not None}
 
 
@@ -187,7 +190,7 @@ class EngineClient:
                 return
             if not events and (error := liveness.verdict(self.live_workers())):
                 self.abort(request_id)  # a worker that comes back later must not run it
-                yield error
+                yield dict(error)
                 return
 
     def read_output(self, request_id: str, count: int | None = None) -> list[dict]:
@@ -307,7 +310,7 @@ class AsyncEngineClient:
                 if isinstance(batch, _Tick):  # nothing for POLL_MS: is anyone still working on it?
                     if error := liveness.verdict(batch.live):
                         await self.abort(request_id)
-                        yield error
+                        yield dict(error)
                         return
                     continue
                 shown, ended = _pass_on(batch, liveness, include_control)
@@ -384,8 +387,8 @@ class StreamHub:
         try:
             while self.by_key:
                 self.wake_sent = False  # whoever subscribes after this query is built has to wake the XREAD
-                query = {key: "%d-%d" % min(sub.last_id for sub in subscriptions.values())
-                         for key, subscriptions in self.by_key.items()}
+                query: dict[KeyT, StreamIdT] = {key: "%d-%d" % min(sub.last_id for sub in subscriptions.values())
+                                                 for key, subscriptions in self.by_key.items()}
                 for subscriptions in self.by_key.values():
                     for sub in subscriptions.values():
                         sub.in_query = True

@@ -96,5 +96,5 @@ class EngineFailure(ServiceError):
 
     @classmethod
     def from_event(cls, event: dict) -> "EngineFailure":
-        status, code = ENGINE_ERRORS.get(event.get("code"), (500, event.get("code") or "engine_error"))
+        status, code = ENGINE_ERRORS.get(event.get("code") or "", (500, event.get("code") or "engine_error"))
         return cls(event.get("message") or code, code=code, status=status, param=event.get("param"))

@@ -92,11 +92,23 @@ class Generation:
     def ttft_ms(self) -> float | None:
         if self.result.first_token_at is None:
             return None
-        return round(max(0.0, self.result.first_token_at - self.arrived_at) * 1000, 1)
+        return round(max(0.0, self.result.first_token_at - self.arrival) * 1000, 1)
 
     @property
     def latency_ms(self) -> float:
-        return round(max(0.0, (self.result.ended_at or time.time()) - self.arrived_at) * 1000, 1)
+        return round(max(0.0, (self.result.ended_at or time.time()) - self.arrival) * 1000, 1)
+
+    @property
+    def arrival(self) -> float:
+        """arrived_at, which __post_init__ always sets."""
+        assert self.arrived_at is not None
+        return self.arrived_at
+
+    @property
+    def prompt_token_count(self) -> int:
+        """prompt_tokens, which __post_init__ always sets."""
+        assert self.prompt_tokens is not None
+        return self.prompt_tokens
 
     @property
     def engine_ttft_ms(self) -> float | None:
@@ -119,8 +131,8 @@ class Generation:
         """(prompt, completion) tokens to charge: the engine's usage summary, else what was seen."""
         result = self.result
         if result.usage is not None:
-            return result.usage.get("prompt_tokens", self.prompt_tokens), result.completion_tokens
-        return self.prompt_tokens, result.tokens_seen
+            return result.usage.get("prompt_tokens", self.prompt_token_count), result.completion_tokens
+        return self.prompt_token_count, result.tokens_seen
 
 
 # ---------------------------------------------------------------- the bookkeeping thread
@@ -145,17 +157,11 @@ async def on_bookkeeping_thread(fn: Callable[..., T], /, *args, large: bool = Fa
     return await sync_to_async(run, thread_sensitive=False, executor=executor)()
 
 
-def bookkeeping(fn, *, large: bool = False):
-    """The old spelling of on_bookkeeping_thread, kept only until the views being written beside this
-    change (responses, embeddings) use that; remove it then (issue #33)."""
-    return lambda *args, **kwargs: on_bookkeeping_thread(fn, *args, large=large, **kwargs)
-
-
 # ---------------------------------------------------------------- admit, submit
 
 def admit(gen: Generation, *, plan=None) -> None:
     """Reserve prompt + n x max_tokens of the user's quota (QuotaExceeded / PlanViolation)."""
-    gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_tokens, gen.max_tokens * gen.num_choices,
+    gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_token_count, gen.max_tokens * gen.num_choices,
                                      gen.source, plan=plan)
 
 
@@ -218,7 +224,9 @@ async def _events(gen: Generation, timeout: float | None):
         async for event in client.stream(gen.request_id, model=gen.model, timeout=timeout):
             yield event
         return
-    reasons, usage, metrics = [], protocol.empty_usage(), {}
+    reasons: list[str | None] = []
+    usage = protocol.empty_usage()
+    metrics: dict = {}
     for prompt_index, request_id in enumerate(gen.engine_request_ids):
         async for event in client.stream(request_id, model=gen.model, timeout=timeout):
             if event["type"] == "error":
@@ -227,12 +235,17 @@ async def _events(gen: Generation, timeout: float | None):
                 return
             if event["type"] == "finish":
                 reasons.extend(event.get("finish_reasons") or [None] * gen.n)
-                for name in usage:
-                    usage[name] += (event.get("usage") or {}).get(name, 0)
+                usage = _summed(usage, event.get("usage") or {})
                 metrics = metrics or event.get("metrics") or {}
                 continue
             yield _for_prompt(event, prompt_index, gen.n)
     yield protocol.finish_event(reasons, usage, metrics)
+
+
+def _summed(total: protocol.Usage, part: dict) -> protocol.Usage:
+    return {"prompt_tokens": total["prompt_tokens"] + part.get("prompt_tokens", 0),
+            "completion_tokens": total["completion_tokens"] + part.get("completion_tokens", 0),
+            "cached_tokens": total["cached_tokens"] + part.get("cached_tokens", 0)}
 
 
 def _for_prompt(event: dict, prompt_index: int, n: int) -> dict:

@@ -23,7 +23,8 @@ def forced_spec(tools: list[dict], tool_choice, parallel_tool_calls: bool = True
         return None
     # vLLM's shape: an array of {"name", "parameters"} objects, one alternative per tool.
     items = {"anyOf": [{"type": "object",
-                        "properties": {"name": {"const": tool["function"]["name"]}, "parameters": tool_parameters(tool)},
+                        "properties": {"name": {"const": tool["function"]["name"]},
+                                       "parameters": tool_parameters(tool)},
                         "required": ["name", "parameters"], "additionalProperties": False}
                        for tool in tools]}
     schema = {"type": "array", "minItems": 1, "items": items}

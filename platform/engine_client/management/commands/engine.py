@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
@@ -51,14 +52,15 @@ def _names(raw: str) -> tuple[str, ...]:
 
 def worker_config_from_env(env=os.environ) -> dict:
     """Worker knobs (heartbeat, drain, output stream limits) from WORKER_* / ENGINE_* env vars."""
-    spec = {"heartbeat_interval": ("ENGINE_HEARTBEAT_INTERVAL", float),
-            "heartbeat_ttl": ("ENGINE_HEARTBEAT_TTL", float),
-            "drain_timeout": ("ENGINE_DRAIN_TIMEOUT", float),
-            "max_inflight": ("ENGINE_MAX_INFLIGHT", int),
-            "output_ttl": ("ENGINE_OUTPUT_TTL", int),
-            "stream_interval": ("ENGINE_STREAM_INTERVAL", int),
-            "worker_id": ("ENGINE_WORKER_ID", str),
-            "aliases": ("ENGINE_SERVED_MODEL_ALIASES", _names)}
+    spec: dict[str, tuple[str, Callable[[str], object]]] = {
+        "heartbeat_interval": ("ENGINE_HEARTBEAT_INTERVAL", float),
+        "heartbeat_ttl": ("ENGINE_HEARTBEAT_TTL", float),
+        "drain_timeout": ("ENGINE_DRAIN_TIMEOUT", float),
+        "max_inflight": ("ENGINE_MAX_INFLIGHT", int),
+        "output_ttl": ("ENGINE_OUTPUT_TTL", int),
+        "stream_interval": ("ENGINE_STREAM_INTERVAL", int),
+        "worker_id": ("ENGINE_WORKER_ID", str),
+        "aliases": ("ENGINE_SERVED_MODEL_ALIASES", _names)}
     return {field: cast(env[var]) for field, (var, cast) in spec.items() if env.get(var)}
 
 
