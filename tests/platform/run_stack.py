@@ -67,6 +67,7 @@ def make_run_env(model_dir: str, var_dir: Path, **extra: str) -> dict[str, str]:
         "PORT": str(free_port()), "MODEL": model_dir, "TESSERA_VAR_DIR": str(var_dir),
         "DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "CELERY_CONCURRENCY": "1", "READY_TIMEOUT": "240",
         "ENGINE_ARGS": '{"num_kv_blocks": 128, "max_model_len": 256, "device": "cpu"}',
+        "EMBEDDING_MODEL": "off",  # one engine worker unless a test asks for the embedding one too
         "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
         **extra,
     })

@@ -32,7 +32,8 @@ def test_config_defaults_and_env_overrides(tmp_path):
 
 
 def test_service_commands_use_the_project_entry_points(tmp_path):
-    commands = run.service_commands(run.RunConfig.from_env({"PORT": "9002", "TESSERA_VAR_DIR": str(tmp_path)}))
+    commands = run.service_commands(run.RunConfig.from_env({"PORT": "9002", "TESSERA_VAR_DIR": str(tmp_path),
+                                                            "EMBEDDING_MODEL": "off"}))
     assert set(commands) == {"engine", "worker", "beat", "web"}
     assert commands["engine"][1:] == [str(REPO / "manage.py"), "engine"]
     assert (REPO / "platform/engine_client/management/commands/engine.py").exists()
