@@ -107,12 +107,15 @@ class EngineRequest:
     deadline: float | None = None
     lease_id: str | None = None  # the lease of the web process following it (None: nobody to outlive)
     pooling_params: dict | None = None  # set: an embedding request (inference.pooling.PoolingParams fields)
+    tenant: str | None = None  # whose fair share it is served from (the user); None: the request is its own tenant
+    weight: float = 1.0  # the tenant's share weight (the user's plan share)
 
     @classmethod
     def build(cls, *, model: str, prompt_token_ids=None, prompt: str | None = None,
               sampling_params: dict | None = None, priority_class: str = "api", priority: int = 0, user=None,
               request_id: str | None = None, queue_timeout: float | None = None,
-              lease_id: str | None = None, pooling_params: dict | None = None) -> "EngineRequest":
+              lease_id: str | None = None, pooling_params: dict | None = None, tenant=None,
+              weight: float = 1.0) -> "EngineRequest":
         """Validate the arguments (ValueError) and stamp the submission time."""
         if (prompt_token_ids is None) == (prompt is None):
             raise ValueError("give exactly one of prompt_token_ids or prompt")
@@ -125,7 +128,8 @@ class EngineRequest:
                    priority=engine_priority(priority_class, priority), priority_class=priority_class,
                    user=None if user is None else str(user), submitted_at=now,
                    deadline=now + queue_timeout if queue_timeout else None, lease_id=lease_id,
-                   pooling_params=None if pooling_params is None else dict(pooling_params))
+                   pooling_params=None if pooling_params is None else dict(pooling_params),
+                   tenant=None if tenant is None else str(tenant), weight=weight)
 
     @property
     def stream(self) -> str:
