@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
 FUZZ_MAX_EXAMPLES ?= 25
 FUZZ_RANDOM ?= 0
 
-.PHONY: install browser postgres-server assets test chaos screenshots security bench run cluster clean
+.PHONY: install browser postgres-server netfilter assets test chaos screenshots security bench run cluster clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -26,6 +26,10 @@ install: $(STAMP)
 postgres-server:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq postgresql >/dev/null)
+
+# nft puts the chaos suite's faults between the `make cluster` hosts (partitions, packet loss).
+netfilter:
+	@command -v nft >/dev/null || (apt-get update -qq && apt-get install -y -qq nftables >/dev/null)
 
 # Debian's Chromium drives the browser tests (Playwright's own download does not work offline).
 browser:
@@ -52,7 +56,7 @@ test: install browser assets $(if $(filter sqlite,$(DB)),,postgres-server)
 
 # Faults injected into the real stack on loopback (tests/chaos): prints the table of scenarios and
 # figures (the README's "Reliability" section) and writes it to var/chaos-report.md.
-chaos: install
+chaos: install postgres-server netfilter
 	$(BIN)/python -m pytest -m chaos tests/chaos
 
 # The README's screenshots (docs/screenshots/) are refreshed only here; a plain test run writes them

@@ -93,27 +93,50 @@ def remove_network() -> None:
     ip("link", "del", BRIDGE, check=False)
 
 
-def _netem(host: str, *spec: str) -> None:
-    """netem on both ends of a host's link (its eth0 and the bridge's port), or cleared when spec is empty."""
-    for prefix, dev in ((["-n", namespace(host)], "eth0"), ([], host_veth(host))):
-        subprocess.run(["tc", *prefix, "qdisc", "del", "dev", dev, "root"], capture_output=True)
-        if spec:
-            subprocess.run(["tc", *prefix, "qdisc", "add", "dev", dev, "root", "netem", *spec], check=True,
-                           capture_output=True)
+def _nft(host: str, *rules: str) -> None:
+    """This host's own nftables table `tessera_fault` with one chain per direction holding `rules`
+    (replaced each time); no rules: the table is removed. Only the host's own namespace is touched."""
+    run = ["ip", "netns", "exec", namespace(host), "nft"]
+    subprocess.run([*run, "delete", "table", "inet", "tessera_fault"], capture_output=True)
+    if not rules:
+        return
+    script = ["add table inet tessera_fault"]
+    for hook in ("input", "output"):
+        script.append(f"add chain inet tessera_fault {hook} {{ type filter hook {hook} priority 0; }}")
+        script += [f"add rule inet tessera_fault {hook} {rule}" for rule in rules]
+    subprocess.run([*run, "-f", "-"], input="\n".join(script) + "\n", text=True, check=True, capture_output=True)
+
+
+def _tc_netem(host: str, *spec: str) -> bool:
+    """netem on what a host sends (its eth0); False where the kernel has no netem (CONFIG_NET_SCH_NETEM)."""
+    run = ["tc", "-n", namespace(host), "qdisc"]
+    subprocess.run([*run, "del", "dev", "eth0", "root"], capture_output=True)
+    if not spec:
+        return True
+    return subprocess.run([*run, "add", "dev", "eth0", "root", "netem", *spec], capture_output=True).returncode == 0
 
 
 def partition(host: str) -> None:
-    """Cut a host off: every packet to or from it is dropped (its connections stay open, unanswered)."""
-    _netem(host, "loss", "100%")
+    """Cut a host off: every packet in or out of it is dropped (its connections stay open, unanswered)."""
+    _nft(host, "ip saddr != 127.0.0.0/8 drop")
 
 
-def degrade(host: str, delay_ms: int, loss_percent: float) -> None:
-    """Latency and loss on a host's link, each direction (a round trip gains twice the delay)."""
-    _netem(host, "delay", f"{delay_ms}ms", "loss", f"{loss_percent}%")
+def degrade(host: str, delay_ms: int, loss_percent: float) -> str:
+    """Latency and loss on what a host sends; returns what was applied. Without netem in the kernel
+    the loss comes from nftables (a random drop) and no latency can be added."""
+    if _tc_netem(host, "delay", f"{delay_ms}ms", "loss", f"{loss_percent}%"):
+        return f"{delay_ms} ms latency and {loss_percent}% loss (tc netem) on what {host} sends"
+    subprocess.run(["ip", "netns", "exec", namespace(host), "nft", "-f", "-"], check=True, capture_output=True,
+                   text=True, input="add table inet tessera_fault\nadd chain inet tessera_fault output "
+                   "{ type filter hook output priority 0; }\nadd rule inet tessera_fault output ip daddr != "
+                   f"127.0.0.0/8 numgen random mod 1000 < {int(loss_percent * 10)} drop\n")
+    return (f"{loss_percent}% loss (nftables) on what {host} sends; no latency: this kernel has no netem "
+            "(CONFIG_NET_SCH_NETEM is not set)")
 
 
 def heal(host: str) -> None:
-    _netem(host)
+    _nft(host)
+    _tc_netem(host)
 
 
 # ---------------------------------------------------------------- the processes
@@ -128,6 +151,7 @@ class Cluster:
     database_url: str = ""
     api_key: str = ""
     admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    engine_args: str = ""  # compose's ENGINE_ARGS (a JSON object); the chaos suite sizes its tiny model's cache
 
     @property
     def web_urls(self) -> list[str]:
@@ -206,7 +230,7 @@ class Cluster:
                                             "--proxy-headers"], {})
         for host in ("engine-1", "engine-2"):
             commands[host] = (host, [py, str(REPO_DIR / "manage.py"), "engine"],
-                              {**ENGINE_ENV, "ENGINE_WORKER_ID": host})
+                              {**ENGINE_ENV, "ENGINE_ARGS": self.engine_args, "ENGINE_WORKER_ID": host})
         commands["worker"] = ("celery", [py, "-m", "celery", "-A", "tessera", "worker", "--loglevel", "INFO",
                                          "--concurrency", "2"], {})
         commands["beat"] = ("celery", [py, "-m", "celery", "-A", "tessera", "beat", "--loglevel", "INFO",

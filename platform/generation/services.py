@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections, transaction
+from django.db import InterfaceError, OperationalError, close_old_connections, connection, transaction
 
 from engine_client import client as engine
 from errors import EngineFailure
@@ -274,6 +274,24 @@ def fold_output(gen: Generation, events: list[dict]) -> Result:
 # ---------------------------------------------------------------- finish
 
 Save = Callable[[Generation], bool]
+# A lost database connection (PostgreSQL restarted, a failover) is replaced and the transaction run
+# again after each of these waits, so the usage row of an answer already sent is not lost.
+RECONNECT_WAITS_S = (0.2, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+def _atomic_with_reconnect(work: Callable[[], bool]) -> bool:
+    """work() in one transaction; when the connection is lost, a new one runs it again (it rolled back
+    whole). Inside a caller's transaction nothing can be retried here, so the error goes up."""
+    for wait in (*RECONNECT_WAITS_S, None):
+        try:
+            with transaction.atomic():
+                return work()
+        except (OperationalError, InterfaceError):
+            if wait is None or connection.in_atomic_block or connection.is_usable():
+                raise  # not a lost connection (or no retry left): the caller's to handle
+            connection.close()
+            time.sleep(wait)
+    raise AssertionError("unreachable")
 
 
 def finish(gen: Generation, *, save: Save | None = None) -> bool:
@@ -281,10 +299,13 @@ def finish(gen: Generation, *, save: Save | None = None) -> bool:
     batch line; False when another follower already ended it), the usage row in the same
     transaction, then the quota settlement with what was really used. False if already ended.
     A save that raises (a database error) leaves it unfinished, so the caller may try again."""
-    with transaction.atomic():
-        ended_here = not gen.finished and (save is None or save(gen))
-        if ended_here and gen.user is not None:
+    def end() -> bool:
+        ended = not gen.finished and (save is None or save(gen))
+        if ended and gen.user is not None:
             record(gen)
+        return ended
+
+    ended_here = _atomic_with_reconnect(end)
     gen.finished = True
     settle_quota(gen)  # idempotent: a second follower's settlement changes nothing
     return ended_here
