@@ -276,7 +276,8 @@ class LLMEngine:
             sampled.extend(self._verify(request, logits[first:first + 1 + len(drafts)], drafts, plan))
         return sampled
 
-    def _verify(self, seq: Request, logits: torch.Tensor, drafts: list[int], plan: SchedulerOutput) -> list[SampledToken]:
+    def _verify(self, seq: Request, logits: torch.Tensor, drafts: list[int],
+                plan: SchedulerOutput) -> list[SampledToken]:
         try:
             tokens, entries = self.speculator.verify(logits, seq, drafts)
         except Exception as exc:

@@ -260,6 +260,16 @@ class KVCacheManager:
         self.tables[child] = list(table)
         self.hashes[child] = list(self.hashes.get(parent, []))
 
+    def trim(self, seq, num_tokens: int) -> None:
+        """Give back seq's blocks past its first num_tokens positions: after speculative decoding's
+        verification, the blocks that only rejected proposals wrote into."""
+        table = self.tables.get(seq)
+        keep = self.blocks_needed(num_tokens)
+        if table and len(table) > keep:
+            extra = table[keep:]
+            del table[keep:]
+            self.pool.free(reversed(extra))
+
     def free(self, seq) -> None:
         """Release a finished, aborted or preempted sequence's blocks (tail blocks evicted first)."""
         table = self.tables.pop(seq, None)

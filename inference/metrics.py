@@ -53,6 +53,12 @@ class EngineMetrics:
     request_queue_time_seconds: Histogram = field(default_factory=Histogram)
     peak_allocated_slots: int = 0
     real_tokens_at_peak: int = 0
+    # speculative decoding (vLLM's spec_decode_* counters): verifications, proposed and accepted tokens,
+    # and per proposal position how often it was accepted
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     def observe_finished(self, metrics, num_output_tokens: int, finished_reason: str) -> None:
         self.requests_finished_total += 1
@@ -66,6 +72,29 @@ class EngineMetrics:
     def observe_kv_fill(self, allocated_slots: int, real_tokens: int) -> None:
         if allocated_slots > self.peak_allocated_slots:
             self.peak_allocated_slots, self.real_tokens_at_peak = allocated_slots, real_tokens
+
+    def observe_spec_decode(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_draft_tokens
+        self.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
+
+    def spec_decode(self) -> dict:
+        """vLLM's counters, the acceptance rate (accepted / proposed) and the mean acceptance length
+        (1 + accepted / drafts: tokens per verifying step, vLLM's formula)."""
+        drafts, proposed, accepted = (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
+                                      self.spec_decode_num_accepted_tokens)
+        return {
+            "spec_decode_num_drafts_total": drafts,
+            "spec_decode_num_draft_tokens_total": proposed,
+            "spec_decode_num_accepted_tokens_total": accepted,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
+            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        }
 
     @property
     def kv_fill_at_peak(self) -> float:

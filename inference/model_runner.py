@@ -15,7 +15,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    sample_rows: list[int]  # hidden-state row of each request that samples this step
+    sample_rows: list[int]  # hidden-state row of each request that samples this step (1 + k of a speculating one)
     sampling_requests: list[Request]
     prompt_rows: dict[Request, tuple[int, int, int]]  # request -> (first row, row count, first position)
 
@@ -48,7 +48,9 @@ class ModelRunner:
         for request, num_new in order:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             table = plan.block_tables[request]
-            input_ids.extend(request.token_ids[start:end])
+            # a speculating decode: its last token and its proposals, laid out like a short prefill
+            drafts = plan.spec_tokens.get(request, [])
+            input_ids.extend(request.token_ids[start:end] if not drafts else request.token_ids[start:] + drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if request.prompt_logprobs is not None and start < request.num_prompt_tokens:
@@ -56,8 +58,8 @@ class ModelRunner:
             query_start.append(query_start[-1] + num_new)
             seq_lens.append(end)
             tables.append(table)
-            if end == request.num_tokens:
-                sample_rows.append(query_start[-1] - 1)
+            if end == request.num_tokens + len(drafts):
+                sample_rows.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
                 sampling_requests.append(request)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]

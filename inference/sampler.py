@@ -22,6 +22,13 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        logits, raw_logprobs = self.process(logits, seqs)
+        tokens = self._pick(logits, seqs)
+        token_list = tokens.tolist()
+        return token_list, self.logprob_entries(raw_logprobs, token_list, seqs)
+
+    def process(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's logits after masks and penalties, and the raw logprobs (if a row asks): all but the pick."""
         # min_tokens masking and penalties write in place: into a private copy, never the caller's
         # logits (a row-by-row retry after a failure must see them unchanged); else no copy at all.
         writes = any(s.params.uses_penalties or s.params.restricts_tokens or s.num_output_tokens < s.params.min_tokens
@@ -36,9 +43,7 @@ class Sampler:
         self._restrict_tokens(logits, seqs)
         self._mask_grammars(logits, seqs)
         self._check_some_token_is_allowed(logits, seqs)
-        tokens = self._pick(logits, seqs)
-        token_list = tokens.tolist()
-        return token_list, self._logprob_entries(raw_logprobs, token_list, seqs)
+        return logits, raw_logprobs
 
     def _raw_logprobs(self, logits, seqs):
         if all(s.params.logprobs is None for s in seqs):
@@ -114,15 +119,23 @@ class Sampler:
         if not random_rows:
             return greedy
         rows = torch.tensor(random_rows, device=logits.device)
-        sub = logits[rows]
-        params = [seqs[i].params for i in random_rows]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=sub.dtype)
-        probs = self._filter(torch.softmax(sub / temps[:, None], dim=-1), params)
+        probs = self.probabilities(logits[rows], [seqs[i].params for i in random_rows])
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
             self._draw_noise(noise[j], seqs[i].generator)
         greedy[rows] = first_max_index(probs / noise)
         return greedy
+
+    def probabilities(self, logits: torch.Tensor, params) -> torch.Tensor:
+        """Sampling rows' probabilities after temperature, top-k, top-p and min-p (not renormalised)."""
+        temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+        return self._filter(torch.softmax(logits / temps[:, None], dim=-1), params)
+
+    def draw(self, probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        """One token of one row of probabilities(), drawn exactly as a batched step draws it for that row."""
+        noise = torch.empty_like(probs)
+        self._draw_noise(noise, generator)
+        return int(first_max_index(probs / noise))
 
     @staticmethod
     def _draw_noise(row: torch.Tensor, generator: torch.Generator | None) -> None:
@@ -150,7 +163,7 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         return probs
 
-    def _logprob_entries(self, raw_logprobs, tokens, seqs):
+    def logprob_entries(self, raw_logprobs, tokens, seqs):
         entries: list[dict[int, Logprob] | None] = [None] * len(seqs)
         if raw_logprobs is None:
             return entries

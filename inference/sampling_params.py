@@ -49,6 +49,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # False: never speculate for this request (speculative decoding's opt-out; outputs are the same either way)
+    speculative: bool = True
     # bad_words as token sequences (each word with and without a leading space), set by
     # bind_tokenizer when the engine accepts the request; the sampler bans their last tokens
     bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
@@ -94,6 +96,7 @@ class SamplingParams:
              "must be a non-empty list of token ids"),
             ("bad_words", lambda: all(isinstance(w, str) and w.strip() for w in self.bad_words),
              "must be a list of non-empty strings"),
+            ("speculative", lambda: isinstance(self.speculative, bool), "must be true or false"),
             ("seed", lambda: self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
              "must be an integer in [-2**63, 2**64) (what torch.Generator takes)"),
             # both say which tokens may come next; their intersection is usually empty

@@ -1,0 +1,24 @@
+"""Speculative decoding: proposers behind one interface (n-gram prompt lookup, a draft model), the
+policy that picks k per step (speculator.py) and the verification (rejection_sampler.py)."""
+from __future__ import annotations
+
+from inference.spec_decode.config import SpeculativeConfig
+from inference.spec_decode.speculator import Speculator
+
+
+def create_speculator(config: SpeculativeConfig | None, engine) -> Speculator | None:
+    """The engine's speculator for its speculative_config (None: plain decoding)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        from inference.spec_decode.ngram import NgramProposer
+
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        from inference.spec_decode.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(config, engine)
+    return Speculator(config, proposer, engine.sampler, engine.metrics, engine.max_model_len)
+
+
+__all__ = ["SpeculativeConfig", "Speculator", "create_speculator"]

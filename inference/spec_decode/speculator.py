@@ -1,0 +1,141 @@
+"""Speculative decoding's policy: which running sequences speculate this step, and how far.
+
+A step's proposals (Request.spec_token_ids) are made before the scheduler runs; it schedules a
+speculating decode as a query of 1 + k tokens, the target verifies them (RejectionSampler) and
+the scheduler keeps the accepted ones.
+
+k adapts per sequence and step. With an acceptance probability a per proposal, k proposals yield
+E(k) = 1 + a + ... + a^k tokens for a step that costs step_cost(B * (1 + k)) instead of
+step_cost(B) at batch size B, where a step of T tokens costs 1 + cost_per_token * (T - 1) of a
+one-token step (on CPU a decode step reads every weight once, so extra rows are cheap at small B).
+k is the one with the best speed-up, and 0 (plain decoding) when no k beats 1: a busy engine runs
+at plain-decoding speed. The acceptance rate is measured per sequence (decayed, so it follows the
+text); a sequence at k = 0 drifts back to the prior and tries again later.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
+
+from inference.metrics import EngineMetrics
+from inference.request import Request
+from inference.sampler import Sampler
+from inference.spec_decode.config import SpeculativeConfig
+from inference.spec_decode.rejection_sampler import RejectionSampler
+
+PRIOR_ACCEPTANCE = 0.5  # before a sequence's first verification
+PRIOR_WEIGHT = 2.0  # how many verified proposals the prior is worth
+DECAY = 0.8  # weight of older verifications at each new one (and at each step without proposals)
+COST_PER_TOKEN = 0.02  # extra cost of one more token in a step, relative to a one-token step (CPU; docs/benchmarks.md)
+MIN_SPEEDUP = 1.02  # below this expected gain a step runs plain (proposing and verifying cost something too)
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Request], ks: list[int]) -> list[list[int] | BaseException]:
+        """Up to ks[i] proposed next tokens for each sequence (fewer, or none, where it has no guess),
+        or the exception that sequence's proposal failed with (it fails that request alone)."""
+
+
+@dataclass
+class Acceptance:
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        self.decay()
+        self.accepted += num_accepted
+        self.rejected += num_accepted < num_drafts
+
+    def decay(self) -> None:
+        self.accepted *= DECAY
+        self.rejected *= DECAY
+
+
+def may_speculate(seq: Request) -> bool:
+    """Requests whose per-position processing depends on the tokens before it are never speculated:
+    penalties and bad_words (they read the output so far), structured outputs (the grammar's state),
+    min_tokens not yet reached (masking that changes per position), and an opt-out."""
+    params = seq.params
+    return (params.speculative and not params.uses_penalties and not params.bad_words_token_ids
+            and seq.grammar is None and seq.num_output_tokens >= params.min_tokens)
+
+
+def expected_speedup(k: int, acceptance: float, batch_size: int, cost_per_token: float = COST_PER_TOKEN) -> float:
+    tokens = sum(acceptance ** j for j in range(k + 1))
+    return tokens * step_cost(batch_size, cost_per_token) / step_cost(batch_size * (1 + k), cost_per_token)
+
+
+def step_cost(num_tokens: int, cost_per_token: float) -> float:
+    return 1.0 + cost_per_token * (num_tokens - 1)
+
+
+def best_k(max_k: int, acceptance: float, batch_size: int) -> int:
+    best, best_gain = 0, MIN_SPEEDUP
+    for k in range(1, max_k + 1):
+        gain = expected_speedup(k, acceptance, batch_size)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, sampler: Sampler, metrics: EngineMetrics,
+                 max_model_len: int):
+        self.config, self.proposer, self.metrics = config, proposer, metrics
+        self.verify_rows = RejectionSampler(sampler)
+        self.max_model_len = max_model_len
+        self.acceptance: weakref.WeakKeyDictionary[Request, Acceptance] = weakref.WeakKeyDictionary()
+
+    def propose(self, running: list[Request]) -> list[tuple[Request, BaseException]]:
+        """Set spec_token_ids of every running sequence (empty where it does not speculate this step);
+        returns the sequences whose proposal failed, with the exception."""
+        for seq in running:
+            seq.spec_token_ids = []
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(running) > limit:
+            return []
+        seqs, ks = [], []
+        for seq in running:
+            k = self._k_for(seq, len(running)) if self._is_decode(seq) and may_speculate(seq) else 0
+            if k:
+                seqs.append(seq)
+                ks.append(k)
+        failed = []
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+            if isinstance(drafts, BaseException):
+                failed.append((seq, drafts))
+            else:
+                seq.spec_token_ids = list(drafts)
+        return failed
+
+    @staticmethod
+    def _is_decode(seq: Request) -> bool:
+        return seq.num_tokens - seq.num_computed_tokens == 1
+
+    def _k_for(self, seq: Request, batch_size: int) -> int:
+        params = seq.params
+        room = self.max_model_len - seq.num_tokens - 1  # the bonus token needs a position too
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        max_k = min(self.config.num_speculative_tokens, room)
+        if max_k <= 0:
+            return 0
+        acceptance = self.acceptance.setdefault(seq, Acceptance())
+        k = best_k(max_k, acceptance.rate, batch_size)
+        if k == 0:
+            acceptance.decay()  # back towards the prior: it tries again once that says it may pay
+        return k
+
+    def verify(self, logits, seq: Request, drafts: list[int]) -> tuple[list[int], list]:
+        """The tokens seq keeps of this step (accepted proposals, then the target's own token) and their
+        logprob entries; the outcome goes to the metrics and the sequence's acceptance rate."""
+        tokens, entries = self.verify_rows(logits, seq, drafts)
+        num_accepted = len(tokens) - 1
+        self.metrics.observe_spec_decode(len(drafts), num_accepted)
+        self.acceptance.setdefault(seq, Acceptance()).observe(len(drafts), num_accepted)
+        return tokens, entries
