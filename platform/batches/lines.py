@@ -1,4 +1,5 @@
-"""One batch line -> an ApiCall (openai_api.calls, the endpoint's own build) -> one output line.
+"""One batch line -> an ApiCall (openai_api.calls, the endpoint's own build; openai_api.embeddings' for
+/v1/embeddings) -> one output line.
 
 A batch line and the same request sent to /v1/chat/completions give the same engine request and
 the same response body. The runner admits, submits and finishes each line's generation through
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 from errors import EngineFailure, InvalidRequest, ServiceError
 from generation import catalog
-from openai_api import calls, formatting
+from openai_api import calls, embeddings, formatting
 from openai_api.errors import error_body
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -67,12 +68,17 @@ def body_checker_for(user):
 
 # ---------------------------------------------------------------- building and shaping
 
-def build_call(url: str, body: dict, *, user=None, models: dict | None = None) -> calls.ApiCall:
-    """The ApiCall the live endpoint would build (errors.ServiceError for a bad body)."""
-    call = calls.build_call(kind=KINDS[url], body=body, user=user, source="batch", endpoint=url,
-                            models=catalog.known_models() if models is None else models)
+def build_call(url: str, body: dict, *, user=None, models: dict | None = None):
+    """The ApiCall (an EmbeddingCall for /v1/embeddings) the live endpoint would build
+    (errors.ServiceError for a bad body)."""
+    models = catalog.known_models() if models is None else models
+    if url == embeddings.ENDPOINT:
+        call = embeddings.build_call(body=body, user=user, source="batch", models=models)
+    else:
+        call = calls.build_call(kind=KINDS[url], body=body, user=user, source="batch", endpoint=url, models=models)
     if len(call.gen.prompts) > 1:  # a line is one engine request; its output line has one id
-        raise InvalidRequest("A batch line takes one prompt; put each prompt on its own line.", param="prompt")
+        param = "input" if url == embeddings.ENDPOINT else "prompt"
+        raise InvalidRequest(f"A batch line takes one {param}; put each {param} on its own line.", param=param)
     return call
 
 
@@ -83,7 +89,8 @@ def outcome(call: calls.ApiCall) -> LineOutcome:
     if result.error:
         failure = EngineFailure.from_event(result.error)
         return LineOutcome(ok=False, status_code=failure.status, body=error_body(failure), usage=usage)
-    return LineOutcome(ok=True, status_code=200, body=formatting.response_body(call, result), usage=usage)
+    shape = embeddings.response_body if isinstance(call, embeddings.EmbeddingCall) else formatting.response_body
+    return LineOutcome(ok=True, status_code=200, body=shape(call, result), usage=usage)
 
 
 def refused_outcome(error: ServiceError) -> LineOutcome:

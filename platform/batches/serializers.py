@@ -35,7 +35,7 @@ class FileDeletedSerializer(serializers.Serializer):
 
 class BatchCreateSerializer(serializers.Serializer):
     input_file_id = serializers.CharField()
-    endpoint = serializers.CharField(help_text="/v1/chat/completions or /v1/completions")
+    endpoint = serializers.CharField(help_text="/v1/chat/completions, /v1/completions or /v1/embeddings")
     completion_window = serializers.CharField(help_text="24h")
     metadata = serializers.DictField(child=serializers.CharField(), required=False, allow_null=True)
 

@@ -10,7 +10,7 @@ from typing import Callable
 
 from common import http_guards
 
-SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_CUSTOM_ID_LENGTH = 512
 MAX_ERRORS_REPORTED = 1000
 

@@ -105,7 +105,7 @@ def test_batch_create_retrieve_and_shape(client):
 
 def test_batch_create_refusals(client):
     file = upload(client)
-    cases = [dict(endpoint="/v1/embeddings", completion_window="24h"),
+    cases = [dict(endpoint="/v1/moderations", completion_window="24h"),
              dict(endpoint="/v1/chat/completions", completion_window="7d"),
              dict(endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": 1})]
     for kwargs in cases:

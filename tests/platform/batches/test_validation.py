@@ -25,7 +25,7 @@ def test_validate_jsonl_lists_each_problem_with_its_line_number():
         chat_line("a"),
         "{not json",
         chat_line("a"),  # duplicate of line 1
-        {**chat_line("c"), "url": "/v1/embeddings"},
+        {**chat_line("c"), "url": "/v1/moderations"},
         {**chat_line("d"), "method": "GET"},
         {**chat_line("e"), "body": "text"},
         {"method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}},
