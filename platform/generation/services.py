@@ -62,6 +62,7 @@ class Generation:
     end_user: str = ""  # the OpenAI `user` field
     arrived_at: float | None = None  # wall clock, compared with the worker's write times (default: now)
     reservation: Reservation | None = None
+    share: float = 1.0  # the user's plan share: the weight of their engine requests (fair share)
     result: Result = field(init=False)
     status_code: int | None = None  # set for outcomes the engine did not report (refusals, disconnects)
     error_code: str = ""
@@ -161,6 +162,8 @@ async def on_bookkeeping_thread(fn: Callable[..., T], /, *args, large: bool = Fa
 
 def admit(gen: Generation, *, plan=None) -> None:
     """Reserve prompt + n x max_tokens of the user's quota (QuotaExceeded / PlanViolation)."""
+    plan = plan or quotas.plan_for(gen.user)
+    gen.share = plan.share
     gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_token_count, gen.max_tokens * gen.num_choices,
                                      gen.source, plan=plan)
 
@@ -168,7 +171,8 @@ def admit(gen: Generation, *, plan=None) -> None:
 def _engine_requests(gen: Generation) -> list[dict]:
     return [dict(model=gen.model, prompt_token_ids=prompt, sampling_params=gen.sampling_params,
                  priority_class=PRIORITY_CLASSES[gen.source], priority=gen.priority,
-                 user=getattr(gen.user, "pk", None), request_id=request_id, pooling_params=gen.pooling_params)
+                 user=getattr(gen.user, "pk", None), request_id=request_id, pooling_params=gen.pooling_params,
+                 tenant=getattr(gen.user, "pk", None), weight=gen.share)
             for request_id, prompt in zip(gen.engine_request_ids, gen.prompts)]
 
 

@@ -18,11 +18,13 @@ class PlanLimits:
     concurrent_requests: int | None = None
     max_tokens_per_request: int | None = None
     allowed_models: tuple[str, ...] = field(default_factory=tuple)
+    share: float = 1.0  # the fair share weight its users' engine requests carry
 
     @classmethod
     def from_mapping(cls, data: dict) -> "PlanLimits":
         values = {k: data.get(k) for k in LIMIT_FIELDS}
-        return cls(name=data.get("name", "default"), allowed_models=tuple(data.get("allowed_models") or ()), **values)
+        return cls(name=data.get("name", "default"), allowed_models=tuple(data.get("allowed_models") or ()),
+                   share=float(data.get("share", 1.0)), **values)
 
     def allows_model(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models

@@ -1,6 +1,15 @@
 """Plans (limits) and the per-user override; live counters live in Redis, not here."""
+import math
+
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import models
+
+
+def validate_share(value) -> None:
+    """A plan's fair share weight must be a positive, finite number (the engine divides service by it)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise ValidationError("share must be a positive number", code="invalid_share")
 
 
 class Plan(models.Model):
@@ -13,6 +22,8 @@ class Plan(models.Model):
     concurrent_requests = models.PositiveIntegerField(null=True, blank=True)
     max_tokens_per_request = models.PositiveIntegerField(null=True, blank=True)
     allowed_models = models.JSONField(default=list, blank=True)
+    # the weight of its users' fair share in the engine (scheduling_policy=fair): 2 gets twice the service of 1
+    share = models.FloatField(default=1.0, validators=[validate_share])
 
     class Meta:
         ordering = ["name"]

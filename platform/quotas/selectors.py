@@ -34,7 +34,7 @@ def plan_for(user) -> PlanLimits:
     return PlanLimits(name=plan.name, tokens_per_day=plan.tokens_per_day, tokens_per_month=plan.tokens_per_month,
                       requests_per_minute=plan.requests_per_minute, concurrent_requests=plan.concurrent_requests,
                       max_tokens_per_request=plan.max_tokens_per_request,
-                      allowed_models=tuple(plan.allowed_models or ()))
+                      allowed_models=tuple(plan.allowed_models or ()), share=plan.share)
 
 
 @dataclass(frozen=True)
