@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                  "pooling_mode_max_tokens": "max"}
@@ -108,5 +107,5 @@ def finish_embedding(vector: torch.Tensor, config: PoolingConfig, dimensions: in
     if dimensions is not None:
         vector = vector[:dimensions]
     if config.normalize or (dimensions is not None and dimensions != config.dimension):
-        vector = F.normalize(vector, p=2, dim=-1)
+        vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
     return vector

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference.distributed import SINGLE, ParallelConfig, all_gather_last_dim, all_reduce
@@ -26,10 +25,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return nn.functional.embedding(input_ids, self.weight)
         outside = (input_ids < self.start) | (input_ids >= self.end)
         local = (input_ids - self.start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside[:, None], 0)
+        out = nn.functional.embedding(local, self.weight).masked_fill(outside[:, None], 0)
         return all_reduce(out, self.parallel)
 
 
@@ -46,5 +45,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = onednn.pack(self.weight.data) if onednn.can_pack(self.weight) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight) if self.packed is None else onednn.linear(hidden, self.packed)
+        local = nn.functional.linear(hidden, self.weight) if self.packed is None else onednn.linear(hidden, self.packed)
         return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

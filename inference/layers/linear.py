@@ -8,7 +8,6 @@ unquantized one is below, quantized formats plug in the same way.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference.distributed import SINGLE, ParallelConfig, all_reduce
@@ -25,7 +24,7 @@ class UnquantizedLinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.weight.is_mkldnn:
             return onednn.linear(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        return nn.functional.linear(x, layer.weight, bias)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if onednn.can_pack(layer.weight):  # replaces the dense copy: no extra memory

@@ -1,6 +1,6 @@
 """CPU GEMMs through oneDNN with weights packed once at load.
 
-torch's F.linear sends float32 to MKL, which on this machine (AMD EPYC with AVX-512) runs near
+torch's nn.functional.linear sends float32 to MKL, which on this machine (AMD EPYC with AVX-512) runs near
 210 GFLOP/s; oneDNN with a weight pre-packed into its blocked layout runs the same shapes at
 430-500 GFLOP/s (benchmarks/gemm.py measures both). bfloat16 already goes to oneDNN in torch, and
 packing still saves the per-call reorder. The results are float32 GEMMs either way; only the
@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -92,7 +91,7 @@ def at_rows(x: torch.Tensor, padded: int) -> torch.Tensor:
     if x.is_contiguous() and x.storage_offset() == 0 and \
             x.untyped_storage().nbytes() >= padded * cols * x.element_size():
         return x.as_strided((padded, cols), (cols, 1))
-    return F.pad(x, (0, 0, 0, padded - rows))
+    return torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
+               "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 
 
 def is_encoder_config(raw: dict) -> bool:
@@ -96,7 +96,8 @@ class BertSelfAttention(nn.Module):
             padded[mask] = x
             return padded.view(len(lengths), longest, heads, dim).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(batched(q), batched(k), batched(v), attn_mask=mask[:, None, None, :])
+        out = nn.functional.scaled_dot_product_attention(batched(q), batched(k), batched(v),
+                                                         attn_mask=mask[:, None, None, :])
         return out.transpose(1, 2).reshape(len(lengths), longest, heads * dim)[mask]
 
 
