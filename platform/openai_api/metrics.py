@@ -161,6 +161,25 @@ class HeartbeatCollector:
         yield GaugeMetricFamily("tessera_engine_workers", "Engine workers with a fresh heartbeat.",
                                 value=len(self.workers))
         yield from (families[name] for name in sorted(families))
+        yield from self._tenant_share_families()
+
+    def _tenant_share_families(self):
+        """Each worker's top tenants by share of the last minute's service, the rest as tenant "others":
+        at most six series per worker, however many users there are."""
+        labels = ["worker", "model", "tenant"]
+        share = GaugeMetricFamily("tessera_engine_tenant_share", "A tenant's share of the last minute's served "
+                                  "tokens (prompt x1 + output x2).", labels=labels)
+        weight = GaugeMetricFamily("tessera_engine_tenant_weight", "A tenant's fair share weight.", labels=labels)
+        for worker in self.workers:
+            shares = (worker.get("stats") or {}).get("tenant_shares") or {}
+            base = [worker["worker_id"], worker.get("model", "")]
+            for row in shares.get("tenants") or []:
+                share.add_metric([*base, str(row["tenant"])], row["share"])
+                weight.add_metric([*base, str(row["tenant"])], row["weight"])
+            if shares.get("others", {}).get("tokens"):
+                share.add_metric([*base, "others"], shares["others"]["share"])
+        yield share
+        yield weight
 
 
 def _is_number(value) -> bool:

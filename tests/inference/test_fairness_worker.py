@@ -44,3 +44,20 @@ def test_a_bad_weight_fails_that_request_alone(worker):
 def test_a_request_without_a_tenant_behaves_as_before(worker):
     rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 2})
     assert list(engine_client.client().stream(rid, timeout=30))[-1]["type"] == "finish"
+
+
+def test_prometheus_shows_a_bounded_tenant_share_view():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from openai_api.metrics import HeartbeatCollector
+
+    rows = [{"tenant": str(i), "tokens": 10 * (9 - i), "share": 0.1, "weight": 1.0 + i} for i in range(5)]
+    stats = {"tenant_shares": {"window_s": 60, "total_tokens": 500, "tenants": rows,
+                               "others": {"tenants": 40, "tokens": 150, "share": 0.3}}}
+    registry = CollectorRegistry()
+    registry.register(HeartbeatCollector([{"worker_id": "w1", "model": "m", "stats": stats}]))
+    text = generate_latest(registry).decode()
+    share_lines = [line for line in text.splitlines() if line.startswith("tessera_engine_tenant_share{")]
+    assert len(share_lines) == 6  # five tenants and "others", not 45 series
+    assert 'tessera_engine_tenant_share{model="m",tenant="others",worker="w1"} 0.3' in text
+    assert 'tessera_engine_tenant_weight{model="m",tenant="4",worker="w1"} 5.0' in text
