@@ -36,10 +36,9 @@ log = logging.getLogger("tessera.worker")
 
 class OutputWriter:
     """Sends every output pipeline (accepted events, a step's deltas, finishes, errors, XACKs) from a
-    thread of its own, in order, so the next engine step runs while Redis takes this one's: waiting
-    for that reply took 1.1 ms of every 6.5 ms step at 4 requests/s on a 2-core host (Redis and the
-    web process it wakes share the cores the engine fills). A failed write stops the worker at its
-    next send or flush, as a synchronous one did."""
+    thread of its own, in order, so the next engine step runs while Redis takes this one's (Redis and
+    the web process it wakes share the cores the engine fills; the cost is in docs/architecture.md).
+    A failed write stops the worker at its next send or flush, as a synchronous one did."""
 
     def __init__(self):
         self._pipes: queue.Queue = queue.Queue()
