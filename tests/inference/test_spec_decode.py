@@ -1,0 +1,216 @@
+"""Speculative decoding: outputs equal to plain decoding (and HF) whatever is proposed, blocks returned,
+start-up errors that name the field, the opt-out, and the rejection rule's output distribution."""
+import random
+
+import pytest
+import torch
+
+from inference import LLM, SamplingParams
+from inference.request import Request
+from inference.sampler import Sampler
+from inference.spec_decode.ngram import ngram_proposal
+from inference.spec_decode.rejection_sampler import RejectionSampler
+from inference.spec_decode.speculator import best_k
+from tiny_models import hf_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def draft_of(model_dir):
+    return {"method": "draft_model", "num_speculative_tokens": 4, "model": model_dir}
+
+
+def repetitive_prompts(seed=0):
+    rng = random.Random(seed)
+    base = [rng.randrange(10, 500) for _ in range(30)]
+    return [base + base[:12], base * 3, [rng.randrange(10, 500) for _ in range(50)], base[:7]]
+
+
+def generate(llm, prompts, **params):
+    params.setdefault("ignore_eos", True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(**params), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_no_leak(llm):
+    engine = llm.llm_engine
+    assert engine.get_stats()["blocks_used"] == 0
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+def test_ngram_proposal_prefers_the_longest_suffix_and_the_latest_match():
+    assert ngram_proposal([1, 2, 3, 4, 5, 1, 2, 3], 3, 1, 3) == [4, 5, 1]
+    assert ngram_proposal([1, 2, 9, 7, 2, 8, 2], 2, 1, 3) == [8, 2]  # latest earlier 2
+    assert ngram_proposal([1, 2, 3, 4, 5, 9, 9, 7], 3, 1, 3) == []
+    assert ngram_proposal([5, 6, 1, 6, 5, 6], 4, 2, 3) == [1, 6, 5, 6]
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(max_num_batched_tokens=16),  # chunked prefill
+    dict(num_kv_blocks=16, block_size=16, max_model_len=256),  # preemption in a tiny pool
+    dict(),  # prefix-cache hits (prompts share a prefix)
+], ids=["chunked", "tiny-pool", "prefix-cache"])
+@pytest.mark.parametrize("method", ["ngram", "self-draft"])
+def test_greedy_outputs_equal_plain_decoding_and_hf(tiny_model_dir, engine_args, method):
+    engine_args = {"max_model_len": 512, **engine_args}
+    prompts = repetitive_prompts()
+    config = NGRAM if method == "ngram" else draft_of(tiny_model_dir)
+    llm = LLM(model=tiny_model_dir, dtype="float32", speculative_config=config, **engine_args)
+    expected = hf_greedy(tiny_model_dir, prompts, 60)
+    assert generate(llm, prompts, temperature=0, max_tokens=60) == expected
+    if not engine_args.get("num_kv_blocks") and "max_num_batched_tokens" not in engine_args:
+        assert generate(llm, prompts, temperature=0, max_tokens=60) == expected  # now from the prefix cache
+    stats = llm.llm_engine.get_stats()
+    assert stats["spec_decode_num_drafts_total"] > 0
+    if method == "self-draft":  # the target drafted by itself: every proposal is accepted
+        assert stats["spec_decode_acceptance_rate"] == 1.0
+        assert stats["spec_decode_mean_acceptance_length"] > 3
+    if "num_kv_blocks" in engine_args:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    if not engine_args.get("num_kv_blocks") and "max_num_batched_tokens" not in engine_args:
+        assert stats["prefix_cache_hits"] > 0
+    assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir):
+    return LLM(model=tiny_model_dir, dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def self_drafted(tiny_model_dir):
+    return LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=draft_of(tiny_model_dir))
+
+
+def test_seeded_sampling_n_and_logprobs_equal_plain_decoding(plain, self_drafted):
+    prompts = repetitive_prompts(1)
+    params = SamplingParams(temperature=0.8, top_k=40, seed=7, n=2, max_tokens=40, ignore_eos=True, logprobs=2)
+    a = plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    b = self_drafted.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for x, y in zip(a, b):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.token_ids == cy.token_ids
+            for ex, ey, token in zip(cx.logprobs, cy.logprobs, cx.token_ids):
+                assert ey[token].logprob == pytest.approx(ex[token].logprob, abs=1e-4)
+    assert self_drafted.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_stops_cut_the_accepted_tokens(plain, self_drafted):
+    prompt = repetitive_prompts()[:1]
+    free = generate(plain, prompt, temperature=0, max_tokens=40)[0]
+    stop_token = free[13]
+    first = free.index(stop_token)
+    for llm in (plain, self_drafted):
+        assert generate(llm, prompt, temperature=0, max_tokens=40, stop_token_ids=[stop_token])[0] == free[:first + 1]
+        assert generate(llm, prompt, temperature=0, max_tokens=11)[0] == free[:11]
+    text = plain.generate(prompt_token_ids=prompt, use_tqdm=False,
+                          sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = [llm.generate(prompt_token_ids=prompt, use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, stop=stop))[0].outputs[0] for llm in (plain, self_drafted)]
+    assert cut[0].text == cut[1].text == text[:text.index(stop)]
+    assert_no_leak(self_drafted)
+
+
+def test_no_block_leak_over_thousands_of_steps(tiny_model_dir):
+    llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, num_kv_blocks=40, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    free_before = engine.kv.pool.num_free
+    rng, steps, added = random.Random(3), 0, 0
+    while steps < 2000:
+        while engine.get_num_unfinished_requests() < 4:
+            base = [rng.randrange(10, 500) for _ in range(rng.randrange(5, 40))]
+            engine.add_request(f"r{added}", {"prompt_token_ids": base * 2},
+                               SamplingParams(temperature=rng.choice([0, 0.9]), max_tokens=rng.randrange(5, 120),
+                                              ignore_eos=True))
+            added += 1
+        engine.step()
+        steps += 1
+        for seq in engine.scheduler.running:  # never more blocks than its tokens need
+            assert len(engine.kv.tables.get(seq, [])) <= engine.kv.blocks_needed(seq.num_tokens)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+    assert engine.kv.pool.num_free == free_before == engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "speculative_config.prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "3"}, "speculative_config.prompt_lookup_max"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+    ("{not json", "speculative_config"),
+])
+def test_bad_speculative_config_is_a_start_up_error_naming_the_field(tiny_model_dir, config, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(model=tiny_model_dir, dtype="float32", speculative_config=config)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir, model_factory):
+    other = model_factory("llama", vocab_size=300)
+    with pytest.raises(ValueError, match="speculative_config.model .*vocab_size"):
+        LLM(model=tiny_model_dir, dtype="float32", speculative_config=draft_of(other))
+
+
+def test_opt_out_is_honoured(self_drafted, plain):
+    engine = self_drafted.llm_engine
+    before = engine.get_stats()["spec_decode_num_drafts_total"]
+    prompts = repetitive_prompts()[:2]
+    out = generate(self_drafted, prompts, temperature=0, max_tokens=30, speculative=False)
+    assert engine.get_stats()["spec_decode_num_drafts_total"] == before
+    assert out == generate(plain, prompts, temperature=0, max_tokens=30)
+    with pytest.raises(ValueError, match="SamplingParams.speculative"):
+        SamplingParams(speculative="no")
+
+
+def test_a_failing_draft_model_fails_only_its_own_requests(tiny_model_dir, plain):
+    llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=draft_of(tiny_model_dir))
+    engine = llm.llm_engine
+    proposer = engine.speculator.proposer
+    runner_prepare = proposer.runner.prepare
+    poisoned = 499  # the draft's forward raises for any sequence holding this token (a fault at its seam)
+
+    def prepare(plan):
+        if any(poisoned in draft.token_ids for draft in plan.scheduled):
+            raise RuntimeError("draft forward broke")
+        return runner_prepare(plan)
+
+    proposer.runner.prepare = prepare
+    prompts = repetitive_prompts()[:2] + [[5, 6, poisoned, 7]]
+    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    assert outs[2].outputs[0].finish_reason == "error" and "draft model" in outs[2].error
+    assert [o.outputs[0].token_ids for o in outs[:2]] == generate(plain, prompts[:2], temperature=0, max_tokens=30)
+    assert_no_leak(llm)
+
+
+def test_adaptive_k_turns_speculation_down_with_batch_size_and_low_acceptance():
+    assert best_k(4, 0.8, 1) == 4
+    assert best_k(4, 0.01, 1) == 0
+    assert best_k(4, 0.3, 256) == 0
+    assert best_k(4, 0.8, 8) <= best_k(4, 0.8, 1)
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    """A chi-square test over 20,000 seeded draws on an 8-token vocabulary: the first emitted token
+    follows the target's p whatever the proposal, and a proposal is kept with probability p(x)."""
+    from scipy.stats import chisquare
+
+    vocab = 8
+    logits = torch.log(torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.07, 0.04, 0.02]))
+    rows = logits.repeat(3, 1)
+    verify = RejectionSampler(Sampler(vocab, eos_token_ids=[]))
+    counts, kept = torch.zeros(vocab), 0
+    trials, draft = 20000, [1, 3]
+    for seed in range(trials):
+        seq = Request("r", None, [0], SamplingParams(temperature=1.0, seed=seed, max_tokens=8))
+        tokens, _ = verify(rows, seq, draft)
+        counts[tokens[0]] += 1
+        kept += tokens[0] == draft[0]
+    probs = torch.softmax(logits, dim=-1)
+    assert chisquare(counts.numpy(), (probs * trials).numpy()).pvalue > 1e-3
+    assert kept / trials == pytest.approx(probs[draft[0]].item(), abs=0.015)
