@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
 FUZZ_MAX_EXAMPLES ?= 25
 FUZZ_RANDOM ?= 0
 
-.PHONY: install browser postgres-server netfilter assets test chaos screenshots security bench run cluster clean
+.PHONY: install browser postgres-server netfilter assets test chaos screenshots security bench run cluster lint clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -71,6 +71,12 @@ screenshots: install browser assets
 security: install
 	FUZZ_MAX_EXAMPLES=$(FUZZ_MAX_EXAMPLES) FUZZ_RANDOM=$(FUZZ_RANDOM) $(BIN)/python -m pytest -q \
 		tests/platform/security tests/platform/fuzz tests/platform/accounts
+
+# The static gate: ruff (its settings are the lead's) and mypy ([tool.mypy] in pyproject.toml).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: install
 	$(BIN)/python -m benchmarks.run_all $(ARGS)
