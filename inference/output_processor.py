@@ -42,7 +42,7 @@ class RequestState:
     def completion_tokens(self) -> int:
         return sum(self.sent_ids)
 
-    def usage(self) -> dict:
+    def usage(self) -> protocol.Usage:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "cached_tokens": self.cached_tokens}
 
@@ -65,7 +65,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval
 
-    def events(self, state: RequestState, output) -> list[dict]:
+    def events(self, state: RequestState, output) -> list[protocol.Event]:
         """This step's events of one request, in stream order: nothing while its delta is not due;
         a terminal event (finish or error) last once it ended."""
         if getattr(output, "error", None):
@@ -78,7 +78,7 @@ class OutputProcessor:
             state.num_preemptions = output.metrics.num_preemptions
         if not output.finished and not self._delta_due(state, output.outputs):
             return []
-        events = [e for c in output.outputs if (e := self._delta(state, c)) is not None]
+        events: list[protocol.Event] = [e for c in output.outputs if (e := self._delta(state, c)) is not None]
         if (prompt_event := self._prompt_logprobs(state, output)) is not None:
             events.insert(0, prompt_event)
         if output.finished:
@@ -86,7 +86,7 @@ class OutputProcessor:
         return events
 
     @staticmethod
-    def _embedding_events(state: RequestState, output) -> list[dict]:
+    def _embedding_events(state: RequestState, output) -> list[protocol.Event]:
         state.prompt_tokens = len(output.prompt_token_ids) or state.prompt_tokens
         state.first_token_at = time.time()
         state.finish_reasons = ["stop"]
@@ -94,7 +94,7 @@ class OutputProcessor:
                 protocol.finish_event(state.finish_reasons, state.usage(), state.metrics())]
 
     @staticmethod
-    def abort_event(state: RequestState) -> dict:
+    def abort_event(state: RequestState) -> protocol.FinishEvent:
         """The finish of an aborted request: 'abort' for every choice still running, the usage so far."""
         reasons = [reason or "abort" for reason in state.finish_reasons]
         return protocol.finish_event(reasons, state.usage(), state.metrics())
@@ -108,7 +108,7 @@ class OutputProcessor:
         return any(c.finish_reason is not None or len(c.token_ids) - state.sent_ids[c.index] >= k
                    for c in completions if c.index < state.n and not state.finished[c.index])
 
-    def _delta(self, state: RequestState, completion) -> dict | None:
+    def _delta(self, state: RequestState, completion) -> protocol.DeltaEvent | None:
         i = completion.index
         if i >= state.n or state.finished[i]:
             return None
@@ -129,11 +129,11 @@ class OutputProcessor:
         state.finish_reasons[i] = completion.finish_reason
         return event
 
-    def _logprobs(self, completion, start: int, end: int, top_n: int) -> list[dict]:
+    def _logprobs(self, completion, start: int, end: int, top_n: int) -> list[protocol.LogprobEntry]:
         return [self._logprob_entry(completion.token_ids[pos], completion.logprobs[pos], top_n)
                 for pos in range(start, min(end, len(completion.logprobs)))]
 
-    def _prompt_logprobs(self, state: RequestState, output) -> dict | None:
+    def _prompt_logprobs(self, state: RequestState, output) -> protocol.PromptLogprobsEvent | None:
         """The prompt's logprobs, once, as soon as the engine has them for every prompt token."""
         entries, prompt = output.prompt_logprobs, output.prompt_token_ids
         if state.want_prompt_logprobs is None or state.prompt_logprobs_sent or entries is None:
@@ -141,13 +141,14 @@ class OutputProcessor:
         if len(entries) < len(prompt):
             return None
         state.prompt_logprobs_sent = True
-        first = {"token_id": prompt[0], "token": self._token_text(prompt[0], None), "logprob": None, "top": []}
+        first: protocol.LogprobEntry = {"token_id": prompt[0], "token": self._token_text(prompt[0], None),
+                                        "logprob": None, "top": []}
         top_n = state.want_prompt_logprobs
         return protocol.prompt_logprobs_event(
             [first] + [self._logprob_entry(token_id, candidates, top_n)
                        for token_id, candidates in zip(prompt[1:], entries[1:])])
 
-    def _logprob_entry(self, token_id: int, candidates, top_n: int) -> dict:
+    def _logprob_entry(self, token_id: int, candidates, top_n: int) -> protocol.LogprobEntry:
         candidates = candidates or {}
         chosen = candidates.get(token_id)
         ranked = sorted(candidates.items(), key=lambda kv: kv[1].rank)[:top_n]
