@@ -18,6 +18,7 @@ import torch
 
 from inference.config import DTYPES, EngineArgs
 from inference.engine_setup import resolve_device
+from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
 from inference.kv_cache_manager import KVCacheManager
 from inference.layers import onednn
@@ -62,8 +63,9 @@ class PoolingRequest(Request):
     """A Request that runs once, whole, and keeps its embedding."""
 
     def __init__(self, request_id: str, prompt: str | None, token_ids: list[int], pooling: PoolingParams,
-                 priority: int, arrival_time: float | None):
-        super().__init__(request_id, prompt, token_ids, SamplingParams(max_tokens=1), priority, arrival_time)
+                 priority: int, arrival_time: float | None, tenant: str | None = None, weight: float = 1.0):
+        super().__init__(request_id, prompt, token_ids, SamplingParams(max_tokens=1), priority, arrival_time,
+                         tenant=tenant, weight=weight)
         self.pooling = pooling
         self.embedding: torch.Tensor | None = None
 
@@ -129,7 +131,7 @@ class EmbeddingEngine:
             raise ValueError(f"max_num_batched_tokens ({self.args.max_num_batched_tokens}) must be >= "
                              f"max_model_len ({self.max_model_len}): an embedding runs its whole prompt in one step")
         return SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, self.max_model_len,
-                               enable_chunked_prefill=False)
+                               enable_chunked_prefill=False, scheduling_policy=self.args.scheduling_policy)
 
     def shutdown(self) -> None:
         """Nothing to stop (one process); the worker calls it on every engine."""
@@ -144,8 +146,10 @@ class EmbeddingEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt, params: PoolingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        """prompt: text (tokenized with the model's special tokens) or {"prompt_token_ids": [...]}."""
+                    arrival_time: float | None = None, tenant: str | None = None, weight: float = 1.0) -> None:
+        """prompt: text (tokenized with the model's special tokens) or {"prompt_token_ids": [...]};
+        tenant / weight: its fair share, as LLMEngine's (the prompt is its whole service)."""
+        weight = check_weight(weight)
         params = params or PoolingParams()
         if not isinstance(params, PoolingParams):
             raise ValueError("an embedding model takes PoolingParams, not sampling parameters")
@@ -154,7 +158,7 @@ class EmbeddingEngine:
         self.pooling.check_dimensions(params.dimensions)
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
-        request = PoolingRequest(request_id, text, token_ids, params, priority, arrival_time)
+        request = PoolingRequest(request_id, text, token_ids, params, priority, arrival_time, tenant, weight)
         self.requests[request_id] = request
         self.scheduler.add_request(request)
 

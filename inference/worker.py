@@ -238,10 +238,9 @@ class EngineWorker:
             params = self._engine_params(request)
             prompt = ({"prompt_token_ids": request.prompt_token_ids}
                       if request.prompt_token_ids is not None else request.prompt)
-            fair_share = {} if request.pooling_params is not None else {
-                "tenant": None if request.tenant is None else str(request.tenant), "weight": request.weight}
+            tenant = None if request.tenant is None else str(request.tenant)
             self.engine.add_request(request.request_id, prompt, params, priority=int(request.priority),
-                                    **fair_share)
+                                    tenant=tenant, weight=request.weight)
         except (ValueError, TypeError, KeyError) as exc:
             error = protocol.error_event("invalid_request", str(exc))
             return self._end_early(pipe, stream, entry_id, request.request_id, error)

@@ -140,3 +140,22 @@ def test_bad_prompts_are_refused_before_anything_runs(minilm):
         PoolingParams(dimensions=0)
     assert not engine.has_unfinished_requests()
     assert embeddings(minilm, [{"prompt_token_ids": [101] + [1000] * 254 + [102]}]).shape == (1, 384)  # 256 fits
+
+
+def test_fair_share_orders_embeddings_between_tenants(tiny_bert_dirs):
+    """scheduling_policy=fair: a tenant that was served waits behind one that was not (the shared Scheduler)."""
+    orders = {}
+    for policy in ("fcfs", "fair"):
+        llm = LLM(model=str(tiny_bert_dirs["mean"]), **{**ENGINE, "max_num_batched_tokens": 96, "max_num_seqs": 1,
+                                                        "scheduling_policy": policy})
+        engine = llm.llm_engine
+        for i in range(3):
+            engine.add_request(f"heavy-{i}", TEXTS[2][:150], PoolingParams(), priority=1000, tenant="heavy")
+        engine.add_request("light-0", TEXTS[0], PoolingParams(), priority=1000, tenant="light")
+        orders[policy] = []
+        while engine.has_unfinished_requests():
+            orders[policy] += [o.request_id for o in engine.step()]
+    assert orders["fcfs"] == ["heavy-0", "heavy-1", "heavy-2", "light-0"]
+    assert orders["fair"] == ["heavy-0", "light-0", "heavy-1", "heavy-2"]
+    with pytest.raises(ValueError):
+        engine.add_request("bad-weight", TEXTS[0], PoolingParams(), tenant="t", weight=0)
