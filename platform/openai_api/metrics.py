@@ -54,6 +54,9 @@ VLLM_COUNTERS = {
     "prompt_tokens_total": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
     "generation_tokens_total": ("vllm:generation_tokens", "Number of generation tokens processed."),
     "num_preemptions": ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+    "spec_decode_num_drafts_total": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_decode_num_draft_tokens_total": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    "spec_decode_num_accepted_tokens_total": ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
 }
 VLLM_LABELS = ["model_name", "worker"]
 
