@@ -7,9 +7,11 @@ from importlib import import_module
 
 _EXPORTS = {"EngineArgs": "inference.config", "LLMEngine": "inference.engine", "LLM": "inference.llm",
             "CompletionOutput": "inference.outputs", "Logprob": "inference.outputs",
-            "RequestOutput": "inference.outputs", "SamplingParams": "inference.sampling_params"}
+            "RequestOutput": "inference.outputs", "SamplingParams": "inference.sampling_params",
+            "PoolingParams": "inference.pooling"}
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]
 
 
 def __getattr__(name: str):

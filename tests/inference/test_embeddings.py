@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import LLM, SamplingParams
-from inference.embedding_engine import PoolingParams
+from inference import LLM, PoolingParams, SamplingParams
 from tests.tiny_models import make_tiny_bert
 
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.",
