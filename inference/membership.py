@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -21,7 +22,7 @@ from inference import protocol
 log = logging.getLogger("tessera.worker")
 
 # (pipe, stream, entry_id, request_id, event): answer a request with its one terminal event and XACK it
-EndEarly = Callable[[redis.client.Pipeline, str, str, str, dict], None]
+EndEarly = Callable[[redis.client.Pipeline, str, str, str, protocol.Event], None]
 
 
 class Membership:
@@ -108,7 +109,8 @@ class Membership:
                                        host=socket.gethostname(), started_at=self.started_at, updated_at=time.time(),
                                        config=self.extra_info, stats=stats)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(key, mapping=heartbeat.fields())
+        fields: dict[Any, Any] = heartbeat.fields()  # redis-py's stubs want a wider key type than str
+        pipe.hset(key, mapping=fields)
         pipe.pexpire(key, ttl_ms)
         pipe.sadd(protocol.WORKERS_SET, self.worker_id)
         if self._block_map is not None:
@@ -150,9 +152,9 @@ class Membership:
         if pending:
             rows = self.r.xpending_range(stream, protocol.CONSUMER_GROUP, min="-", max="+", count=pending,
                                          consumername=name)
-            ids = [row["message_id"] for row in rows]
+            ids: list[Any] = [row["message_id"] for row in rows]
             # XCLAIM with a min idle time: of two surviving workers only one wins each entry.
-            claimed = self.r.xclaim(stream, protocol.CONSUMER_GROUP, self.worker_id, min_idle_time=500,
+            claimed: list[Any] = self.r.xclaim(stream, protocol.CONSUMER_GROUP, self.worker_id, min_idle_time=500,
                                     message_ids=ids) if ids else []
             pipe = self.r.pipeline(transaction=False)
             for entry_id, fields in claimed:
