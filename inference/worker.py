@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -108,7 +109,7 @@ class EngineWorker:
         self._draining = False
         self._last_lease_check = 0.0
         self._step_ms = 0.0
-        self._pubsub = None
+        self._pubsub: redis.client.PubSub | None = None
         self.output = OutputWriter()
         self.processor = OutputProcessor(engine.tokenizer, stream_interval=self.config.stream_interval)
         self.membership = Membership(
@@ -146,8 +147,8 @@ class EngineWorker:
             except redis.ResponseError as exc:
                 if "BUSYGROUP" not in str(exc):
                     raise
-        self._pubsub = self.r.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.subscribe(protocol.ABORT_CHANNEL)
+        self._pubsub = pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(protocol.ABORT_CHANNEL)
         self.membership.join()
         log.info("engine worker %s serving %s", self.worker_id, ", ".join(self.config.served_model_names))
 
@@ -205,7 +206,7 @@ class EngineWorker:
             if block_ms:
                 time.sleep(block_ms / 1000)
             return
-        reply = self.r.xreadgroup(protocol.CONSUMER_GROUP, self.worker_id, {s: ">" for s in self.request_streams},
+        reply: Any = self.r.xreadgroup(protocol.CONSUMER_GROUP, self.worker_id, {s: ">" for s in self.request_streams},
                                   count=room, block=block_ms)
         entries = [(text(stream), text(eid), fields) for stream, items in reply or [] for eid, fields in items]
         if not entries:
@@ -267,19 +268,19 @@ class EngineWorker:
             return len(request.prompt_token_ids)
         return len(self.engine.tokenizer.encode(request.prompt))
 
-    def _end_early(self, pipe, stream: str, entry_id: str, request_id: str, event: dict) -> None:
+    def _end_early(self, pipe, stream: str, entry_id: str, request_id: str, event: protocol.Event) -> None:
         """Answer a request the engine never saw with its one terminal event."""
         if event["type"] == "error":
             self.counters["errors_total"] += 1
         self._emit(pipe, request_id, [event])
         pipe.xack(stream, protocol.CONSUMER_GROUP, entry_id)
 
-    def _end(self, pipe, state: RequestState, event: dict) -> None:
+    def _end(self, pipe, state: RequestState, event: protocol.Event) -> None:
         """The terminal event of a request the engine held, and its XACK."""
         self._emit(pipe, state.request_id, [event])
         pipe.xack(state.stream, protocol.CONSUMER_GROUP, state.entry_id)
 
-    def _emit(self, pipe, request_id: str, events: list[dict], state: RequestState | None = None) -> None:
+    def _emit(self, pipe, request_id: str, events: list[protocol.Event], state: RequestState | None = None) -> None:
         """XADD the events; EXPIRE too, except on a running request's deltas while its TTL is fresh
         (one command instead of two per request per step)."""
         key = protocol.output_stream(request_id)
@@ -294,6 +295,7 @@ class EngineWorker:
 
     def apply_aborts(self) -> None:
         while True:
+            assert self._pubsub is not None, "setup() subscribes first"
             message = self._pubsub.get_message(timeout=0.0)
             if message is None:
                 return
