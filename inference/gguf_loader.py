@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format) as a model source: config, weights, tokenizer, sampling defaults.
 
-Read with the `gguf` package. Weights are dequantized at load into the engine's dtype and renamed
-to the Hugging Face Llama layout, so the rest of the loader treats them like safetensors tensors.
+Read with the `gguf` package. Weights are renamed to the Hugging Face Llama layout, so the rest of
+the loader treats them like safetensors tensors: dequantized at load into the engine's dtype, or,
+with packed weights (inference/quantization/gguf.py), each quantized matrix as the file's blocks.
 llama.cpp's converter permutes the Q and K rows of Llama-architecture models (its rotary
 embedding pairs adjacent dimensions, HF's pairs the two halves); that is undone here.
 """
@@ -21,7 +22,7 @@ logger = logging.getLogger("inference")
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF general.sampling.* -> SamplingParams field (the file's own generation defaults).
 SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                  "penalty_repeat": "repetition_penalty"}
@@ -116,15 +117,24 @@ def generation_defaults(path: str) -> dict:
     return {field: value for field, value in found.items() if value is not None}
 
 
+@functools.cache
+def supported_types() -> tuple[str, ...]:
+    """Every ggml type the gguf package dequantizes (Q8_1, Q8_K and the integer types it does not)."""
+    from gguf.quants import _type_traits
+
+    return FLOAT_TYPES + tuple(kind.name for kind in _type_traits if kind.name not in FLOAT_TYPES)
+
+
 def check_tensor_types(path: str) -> None:
     """Every tensor must be of a type we dequantize; the error lists each other type and a tensor of it."""
     unsupported = {}
     for tensor in open_gguf(path).tensors:
-        if tensor.tensor_type.name not in SUPPORTED_TYPES:
+        if tensor.tensor_type.name not in supported_types():
             unsupported.setdefault(tensor.tensor_type.name, tensor.name)
     if unsupported:
         found = ", ".join(f"{kind} (e.g. {name})" for kind, name in unsupported.items())
-        raise ValueError(f"unsupported GGUF tensor types in {path}: {found}; supported: {', '.join(SUPPORTED_TYPES)}")
+        raise ValueError(f"unsupported GGUF tensor types in {path}: {found}; "
+                         f"supported: {', '.join(supported_types())}")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -137,19 +147,28 @@ def hf_tensor_name(gguf_name: str) -> str:
     return f"model.layers.{layer}.{BLOCK_TENSORS[part]}.{kind}"
 
 
-def iter_weights(path: str, cfg) -> Iterator[tuple[str, "torch.Tensor"]]:
-    """(HF name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+def iter_weights(path: str, cfg, packed: bool = False) -> Iterator[tuple[str, object]]:
+    """(HF name, tensor) for every tensor of the file, one at a time: float32, dequantized; or with
+    `packed`, each quantized matrix as a PackedTensor of the file's blocks (llama's Q/K rows
+    unpermuted block row by block row: a row of blocks is one output feature)."""
     import torch  # here, not at the top: the web tier reads metadata (sampling defaults) without torch
     from gguf.quants import dequantize
 
     permuted = metadata(path, "general.architecture") == "llama"
     for tensor in open_gguf(path).tensors:
         name = hf_tensor_name(tensor.name)
-        values = dequantize(tensor.data, tensor.tensor_type)
+        kind = tensor.tensor_type.name
+        keep_blocks = packed and kind not in FLOAT_TYPES and len(tensor.data.shape) == 2
+        values = tensor.data if keep_blocks else dequantize(tensor.data, tensor.tensor_type)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             values = unpermute_rows(values, heads)
-        yield name, torch.from_numpy(np.array(values, dtype=np.float32))
+        if keep_blocks:
+            from inference.quantization.gguf import from_gguf_array
+
+            yield name, from_gguf_array(kind, values, int(tensor.shape[0]))
+        else:
+            yield name, torch.from_numpy(np.array(values, dtype=np.float32))
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -91,8 +91,10 @@ def checkpoint_tensors(model, path: str, progress: bool):
     """
     if is_gguf(path):
         total = len(gguf_loader.open_gguf(path).tensors)
-        tensors = gguf_loader.iter_weights(path, model.cfg)
-        for hf_name, tensor in tqdm(tensors, total=total, desc="Dequantizing GGUF tensors", disable=not progress):
+        packed = keeps_gguf_blocks(model)
+        tensors = gguf_loader.iter_weights(path, model.cfg, packed)
+        desc = "Reading GGUF tensors" if packed else "Dequantizing GGUF tensors"
+        for hf_name, tensor in tqdm(tensors, total=total, desc=desc, disable=not progress):
             yield hf_name, lambda t=tensor: t
         return
     files = weight_files(Path(path))
@@ -111,9 +113,14 @@ def process_weights_after_loading(model) -> None:
             module.process_weights_after_loading()
 
 
+def keeps_gguf_blocks(model) -> bool:
+    """Whether the model's linear layers take GGUF blocks as they are (weights="packed")."""
+    return any(getattr(getattr(module, "method", None), "name", None) == "gguf" for module in model.modules())
+
+
 def as_param_dtype(tensor: torch.Tensor, param) -> torch.Tensor:
     """Floats arrive in the parameter's dtype; packed integers and floats bound for int8 as they are."""
-    if tensor.is_floating_point() and param.is_floating_point():
+    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and param.is_floating_point():
         tensor = tensor.to(param.dtype)
     return tensor
 

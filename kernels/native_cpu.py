@@ -8,6 +8,8 @@
   gathered copy at a fraction of the GEMMs' speed.
 - csrc/elementwise.c: residual add + RMSNorm, SiLU-and-multiply and rotary, one pass each where
   torch runs a chain of operators with a temporary per step; and the K/V store into the caches.
+- csrc/quant_gemm.c: linear layers on GGUF block-format weights (int8 activations, integer dot
+  products) and the dequantized gather of their rows; wrapped by kernels/quant_cpu.py.
 
 The library is compiled on first use with the system C compiler (`cc`, or $CC) for this
 machine's CPU and cached under $TESSERA_KERNEL_CACHE (default ~/.cache/tessera/kernels). When
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c", CSRC / "elementwise.c"]
+SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c", CSRC / "elementwise.c", CSRC / "quant_gemm.c"]
 HEADERS = [CSRC / "bf16.h", CSRC / "vec.h"]
 # -ffast-math lets gcc vectorise the dot products and call glibc's vector expf; the kernel never
 # relies on infinities or NaNs (softmax starts from the first score, not -inf). Compile only: linked
@@ -96,8 +98,12 @@ def open_library(path: Path):
         "silu_and_mul": [ptr, ptr, i64, i32, i32, i32],
         "rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i32, i32],
         "store_kv_cache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
+        "gguf_supported": [i32],
+        "gguf_linear": [ptr, i64, i64, i64, ptr, i64, i64, i32, ptr, ptr, i64, i32, i32],
+        "gguf_dequantize_rows": [ptr, i64, i64, i32, ptr, i64, i64, ptr, i32, i32],
     }
-    returns = {"paged_decode_attention": ctypes.c_int, "paged_prefill_attention": ctypes.c_int, "store_kv_cache": i64}
+    returns = {"paged_decode_attention": ctypes.c_int, "paged_prefill_attention": ctypes.c_int, "store_kv_cache": i64,
+               "gguf_supported": ctypes.c_int, "gguf_linear": ctypes.c_int, "gguf_dequantize_rows": ctypes.c_int}
     for name, argtypes in declared.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes

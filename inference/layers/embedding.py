@@ -7,6 +7,12 @@ from torch import nn
 from inference.distributed import SINGLE, ParallelConfig, all_gather_last_dim, all_reduce
 from inference.layers import onednn
 from inference.layers.linear import copy_checked
+from kernels import quant_cpu
+
+
+def packed_kind(loaded) -> str | None:
+    """The ggml type of a checkpoint tensor kept as GGUF blocks (a PackedTensor), else None."""
+    return None if isinstance(loaded, torch.Tensor) else loaded.kind
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -16,14 +22,29 @@ class VocabParallelEmbedding(nn.Module):
         self.shard = -(-vocab_size // parallel.size)
         self.start = parallel.rank * self.shard
         self.end = min(self.start + self.shard, vocab_size)
+        self.hidden, self.dtype = hidden, dtype
         self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param, loaded, shard_id=None):
+        if packed_kind(loaded) is not None:
+            self.keep_packed(param, loaded)
+            return
         rows = loaded[self.start:self.end]
         copy_checked(param.data[: rows.shape[0]], rows)
 
+    def keep_packed(self, param, loaded) -> None:
+        """A GGUF table kept as its blocks: the parameter holds the bytes and says their type."""
+        if self.parallel.size > 1 or loaded.shape != (self.vocab_size, self.hidden):
+            raise ValueError(f"packed GGUF table of shape {tuple(loaded.shape)} does not fit "
+                             f"{self.vocab_size} x {self.hidden} on one rank")
+        param.data = loaded.data
+        param.ggml_type = loaded.kind
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        kind = getattr(self.weight, "ggml_type", None)
+        if kind is not None:  # only the rows asked for are dequantized
+            return quant_cpu.dequantize_rows(self.weight, kind, input_ids, self.hidden, self.dtype)
         if self.parallel.size == 1:
             return nn.functional.embedding(input_ids, self.weight)
         outside = (input_ids < self.start) | (input_ids >= self.end)
@@ -36,7 +57,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits = hidden @ weight.T per vocab shard, gathered across ranks.
 
     On CPU the logits GEMM reads a oneDNN-packed copy of the weight (layers/onednn.py); the dense
-    weight stays, because tied embeddings look tokens up in it.
+    weight stays, because tied embeddings look tokens up in it. A GGUF table kept as its blocks
+    (weights="packed") is multiplied as it is, by kernels/quant_cpu.py.
     """
 
     packed = None
@@ -45,5 +67,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = onednn.pack(self.weight.data) if onednn.can_pack(self.weight) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        kind = getattr(self.weight, "ggml_type", None)
+        if kind is not None:
+            return quant_cpu.linear(hidden, self.weight, kind, self.hidden)
         local = nn.functional.linear(hidden, self.weight) if self.packed is None else onednn.linear(hidden, self.packed)
         return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

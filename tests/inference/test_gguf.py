@@ -119,8 +119,11 @@ def write_gguf(hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, na
 
 
 # The gguf package dequantizes K-quants but cannot quantize them, so K-quant tensors get random
-# blocks with small scales: byte offsets of each block's f16 scale(s) and the value to put there.
-K_QUANT_SCALES = {"Q6_K": {208: 2e-4}, "Q4_K": {0: 1e-3, 2: 7.5e-3}}  # Q4_K: d, dmin (centres the values)
+# blocks with small scales: byte offsets of each block's f16 scale(s) and the value to put there
+# (d, then dmin where the type has one: it centres the values). Q8_1 is a type the package knows
+# but cannot dequantize: its random bytes only serve the refusal test.
+K_QUANT_SCALES = {"Q6_K": {208: 2e-4}, "Q4_K": {0: 1e-3, 2: 7.5e-3}, "Q5_K": {0: 5e-4, 2: 7.5e-3},
+                  "Q3_K": {108: 2e-3}, "Q2_K": {80: 1e-2, 82: 1.5e-2}, "Q8_1": {}}
 
 
 def random_k_quant(shape: tuple[int, int], kind: str, seed: int) -> np.ndarray:
@@ -270,8 +273,8 @@ def test_generation_config_json_gives_the_defaults_and_more_stop_tokens(tmp_path
 
 def test_an_unsupported_tensor_type_fails_at_start_naming_it(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama")
-    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16", "Q5_1"))
-    with pytest.raises(ValueError, match=r"unsupported GGUF tensor types .*Q5_1 \(e\.g\. [\w.]+\)"):
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16", "Q8_1"))
+    with pytest.raises(ValueError, match=r"unsupported GGUF tensor types .*Q8_1 \(e\.g\. [\w.]+\)"):
         LLM(model=str(file), **ENGINE)
 
 

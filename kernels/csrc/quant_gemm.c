@@ -1,0 +1,411 @@
+/* Linear layers on GGUF weights kept in their block formats: y = x @ W.T (+ bias) where W stays as
+ * the file's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), and the rows of
+ * such a weight dequantized (the embedding table's gather, and tests).
+ *
+ * As in llama.cpp, activations are quantized to int8 first, per block of 32 values (one float
+ * scale d each: x ~ d * q). A weight row is decoded, one row at a time into a small per-thread
+ * scratch, to unsigned codes with a scale and a min per group of 16 values (w ~ scale * code - min);
+ * every format above fits that form. The product of a group is then an integer dot product of
+ * unsigned codes and signed activations, exactly what AVX-512 VNNI's vpdpbusd computes (64 pairs an
+ * instruction); AVX2 widens to 16 bits and uses vpmaddwd; other CPUs run the plain loop.
+ *
+ *   y = sum_g  scale_g * d_b(g) * sum_{i in g} code_i q_i   -   sum_g  min_g * d_b(g) * sum_{i in g} q_i
+ *
+ * The second sum only needs the activations' group sums, computed once per activation row.
+ * Weight rows are shared among the threads; each decoded tile of TILE rows meets every activation
+ * row while it is in L1, so a prefill decodes each weight once.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 16 /* values per weight scale/min */
+#define ABLOCK 32 /* values per activation scale */
+#define TILE 4 /* weight rows decoded together */
+
+/* ggml's type numbers (GGMLQuantizationType) */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant) { /* subnormal: value mant * 2^-24 */
+        float f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* ---- decoding one block to codes, scale and min per group of 16 -------------------------------- */
+
+static void decode_q4_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const float d = half_to_float(b);
+    for (int j = 0; j < 16; j++) { c[j] = b[2 + j] & 0xf; c[j + 16] = b[2 + j] >> 4; }
+    s[0] = s[1] = d;
+    m[0] = m[1] = 8.f * d;
+}
+
+static void decode_q4_1(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const float d = half_to_float(b), min = half_to_float(b + 2);
+    for (int j = 0; j < 16; j++) { c[j] = b[4 + j] & 0xf; c[j + 16] = b[4 + j] >> 4; }
+    s[0] = s[1] = d;
+    m[0] = m[1] = -min;
+}
+
+static inline void five_bits(const uint8_t *qh4, const uint8_t *qs, uint8_t *c) {
+    uint32_t qh;
+    memcpy(&qh, qh4, 4);
+    for (int j = 0; j < 16; j++) {
+        c[j] = (qs[j] & 0xf) | (((qh >> j) & 1) << 4);
+        c[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+}
+
+static void decode_q5_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const float d = half_to_float(b);
+    five_bits(b + 2, b + 6, c);
+    s[0] = s[1] = d;
+    m[0] = m[1] = 16.f * d;
+}
+
+static void decode_q5_1(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const float d = half_to_float(b), min = half_to_float(b + 2);
+    five_bits(b + 4, b + 8, c);
+    s[0] = s[1] = d;
+    m[0] = m[1] = -min;
+}
+
+static void decode_q8_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const float d = half_to_float(b);
+    for (int j = 0; j < 32; j++) c[j] = b[2 + j] ^ 0x80; /* int8 + 128 */
+    s[0] = s[1] = d;
+    m[0] = m[1] = 128.f * d;
+}
+
+static void decode_q2_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const uint8_t *scales = b, *qs = b + 16;
+    const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+    for (int half = 0; half < 2; half++)
+        for (int shift = 0; shift < 4; shift++)
+            for (int l = 0; l < 32; l++) c[half * 128 + shift * 32 + l] = (qs[half * 32 + l] >> (2 * shift)) & 3;
+    for (int g = 0; g < 16; g++) { s[g] = d * (float)(scales[g] & 0xf); m[g] = dmin * (float)(scales[g] >> 4); }
+}
+
+static void decode_q3_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    const float d = half_to_float(b + 108);
+    for (int half = 0; half < 2; half++)
+        for (int shift = 0; shift < 4; shift++)
+            for (int l = 0; l < 32; l++) c[half * 128 + shift * 32 + l] = (qs[half * 32 + l] >> (2 * shift)) & 3;
+    for (int bit = 0; bit < 8; bit++)
+        for (int l = 0; l < 32; l++) c[bit * 32 + l] |= ((hmask[l] >> bit) & 1) << 2; /* value = code - 4 */
+    for (int g = 0; g < 16; g++) {
+        const int low = g < 8 ? sc[g] & 0xf : sc[g - 8] >> 4;
+        const int high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+        s[g] = d * (float)((low | (high << 4)) - 32);
+        m[g] = 4.f * s[g];
+    }
+}
+
+/* Q4_K / Q5_K: eight 6-bit scales and mins for sub-blocks of 32 values, packed in 12 bytes. */
+static inline void k_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static inline void k_groups(const uint8_t *b, float *s, float *m) {
+    const float d = half_to_float(b), dmin = half_to_float(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        k_scale_min(b + 4, j, &sc, &mn);
+        s[2 * j] = s[2 * j + 1] = d * (float)sc;
+        m[2 * j] = m[2 * j + 1] = dmin * (float)mn;
+    }
+}
+
+static void decode_q4_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const uint8_t *qs = b + 16;
+    for (int chunk = 0; chunk < 4; chunk++)
+        for (int l = 0; l < 32; l++) {
+            c[chunk * 64 + l] = qs[chunk * 32 + l] & 0xf;
+            c[chunk * 64 + 32 + l] = qs[chunk * 32 + l] >> 4;
+        }
+    k_groups(b, s, m);
+}
+
+static void decode_q5_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int chunk = 0; chunk < 4; chunk++)
+        for (int l = 0; l < 32; l++) {
+            const int lo = chunk * 64 + l, hi = lo + 32;
+            c[lo] = (qs[chunk * 32 + l] & 0xf) | (((qh[l] >> (2 * chunk)) & 1) << 4);
+            c[hi] = (qs[chunk * 32 + l] >> 4) | (((qh[l] >> (2 * chunk + 1)) & 1) << 4);
+        }
+    k_groups(b, s, m);
+}
+
+static void decode_q6_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *scales = (const int8_t *)(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int half = 0; half < 2; half++) { /* value = code - 32 */
+        const uint8_t *low = ql + half * 64, *high = qh + half * 32;
+        uint8_t *out = c + half * 128;
+        for (int l = 0; l < 32; l++) {
+            out[l] = (low[l] & 0xf) | ((high[l] & 3) << 4);
+            out[l + 32] = (low[l + 32] & 0xf) | (((high[l] >> 2) & 3) << 4);
+            out[l + 64] = (low[l] >> 4) | (((high[l] >> 4) & 3) << 4);
+            out[l + 96] = (low[l + 32] >> 4) | ((high[l] >> 6) << 4);
+        }
+    }
+    for (int g = 0; g < 16; g++) { s[g] = d * (float)scales[g]; m[g] = 32.f * s[g]; }
+}
+
+typedef void (*decode_fn)(const uint8_t *, uint8_t *, float *, float *);
+
+typedef struct {
+    decode_fn decode;
+    int block_values, block_bytes;
+} format;
+
+static int find_format(int type, format *f) {
+    switch (type) {
+    case Q4_0: *f = (format){decode_q4_0, 32, 18}; return 0;
+    case Q4_1: *f = (format){decode_q4_1, 32, 20}; return 0;
+    case Q5_0: *f = (format){decode_q5_0, 32, 22}; return 0;
+    case Q5_1: *f = (format){decode_q5_1, 32, 24}; return 0;
+    case Q8_0: *f = (format){decode_q8_0, 32, 34}; return 0;
+    case Q2_K: *f = (format){decode_q2_k, 256, 84}; return 0;
+    case Q3_K: *f = (format){decode_q3_k, 256, 110}; return 0;
+    case Q4_K: *f = (format){decode_q4_k, 256, 144}; return 0;
+    case Q5_K: *f = (format){decode_q5_k, 256, 176}; return 0;
+    case Q6_K: *f = (format){decode_q6_k, 256, 210}; return 0;
+    default: return -1;
+    }
+}
+
+/* One weight row of k values: codes [k], scale and min [k / 16]. */
+static inline void decode_row(const format *f, const uint8_t *row, int64_t k, uint8_t *codes, float *scale,
+                              float *min) {
+    const int64_t blocks = k / f->block_values;
+    const int groups = f->block_values / GROUP;
+    for (int64_t b = 0; b < blocks; b++)
+        f->decode(row + b * f->block_bytes, codes + b * f->block_values, scale + b * groups, min + b * groups);
+}
+
+/* ---- activations to int8 ----------------------------------------------------------------------- */
+
+/* Per block of 32: d = max|x| / 127, q = round(x / d); gsum[g] = d * sum of q over group g (16). */
+static void quantize_activation_row(const void *x, int is_bf16, int64_t k, int8_t *q, float *d, float *gsum) {
+    for (int64_t b = 0; b < k / ABLOCK; b++) {
+        float v[ABLOCK], amax = 0.f;
+        for (int i = 0; i < ABLOCK; i++) {
+            v[i] = load_float(x, b * ABLOCK + i, is_bf16);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
+        int sums[2] = {0, 0};
+        for (int i = 0; i < ABLOCK; i++) {
+            const int value = (int)lrintf(v[i] * inverse);
+            q[b * ABLOCK + i] = (int8_t)value;
+            sums[i / GROUP] += value;
+        }
+        d[b] = scale;
+        gsum[2 * b] = scale * (float)sums[0];
+        gsum[2 * b + 1] = scale * (float)sums[1];
+    }
+}
+
+/* ---- the dot product of a decoded row with a quantized activation row -------------------------- */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* 64 values (4 groups) an iteration: vpdpbusd leaves lane l the sum of 4 products of group l / 4. */
+static inline float codes_dot_simd(const uint8_t *codes, const float *scale, const int8_t *q, const float *d,
+                                   int64_t k) {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 64) {
+        const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(codes + i),
+                                                 _mm512_loadu_si512(q + i));
+        const __m128 four_scales = _mm_loadu_ps(scale + i / 16);
+        const __m128 two_blocks = _mm_castpd_ps(_mm_load_sd((const double *)(d + i / 32)));
+        const __m512 group_scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four_scales));
+        const __m512 block_scale = _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(two_blocks));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(group_scale, block_scale), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#define CODES_STEP 64
+#elif defined(__AVX2__)
+/* 16 values (1 group) an iteration, widened to 16 bits: vpmaddubsw would saturate on Q8_0's codes. */
+static inline float codes_dot_simd(const uint8_t *codes, const float *scale, const int8_t *q, const float *d,
+                                   int64_t k) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(codes + i)));
+        const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i)));
+        const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(c, a));
+        acc = _mm256_fmadd_ps(dots, _mm256_set1_ps(scale[i / 16] * d[i / 32]), acc);
+    }
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
+}
+#define CODES_STEP 16
+#else
+static inline float codes_dot_simd(const uint8_t *codes, const float *scale, const int8_t *q, const float *d,
+                                   int64_t k) {
+    (void)codes, (void)scale, (void)q, (void)d, (void)k;
+    return 0.f;
+}
+#define CODES_STEP 0
+#endif
+
+/* Groups [from, to) one at a time: the portable build, and what is left past the vector loop. */
+static inline float codes_dot_groups(const uint8_t *codes, const float *scale, const int8_t *q, const float *d,
+                                     int64_t from, int64_t to) {
+    float total = 0.f;
+    for (int64_t g = from; g < to; g++) {
+        int32_t sum = 0;
+        for (int i = 0; i < GROUP; i++) sum += (int32_t)codes[g * GROUP + i] * (int32_t)q[g * GROUP + i];
+        total += scale[g] * d[g / 2] * (float)sum;
+    }
+    return total;
+}
+
+static inline float codes_dot(const uint8_t *codes, const float *scale, const int8_t *q, const float *d, int64_t k) {
+    const int64_t whole = CODES_STEP ? k / (CODES_STEP ? CODES_STEP : 1) * CODES_STEP : 0;
+    const float head = whole ? codes_dot_simd(codes, scale, q, d, whole) : 0.f;
+    return whole == k ? head : head + codes_dot_groups(codes, scale, q, d, whole / GROUP, k / GROUP);
+}
+
+static inline float min_dot(const float *min, const float *gsum, int64_t groups) {
+    float total = 0.f;
+    for (int64_t g = 0; g < groups; g++) total += min[g] * gsum[g];
+    return total;
+}
+
+/* ---- entry points ---------------------------------------------------------------------------- */
+
+int gguf_supported(int type) {
+    format f;
+    return find_format(type, &f) == 0;
+}
+
+/* y[m, n] (row stride ldy, float32 or bfloat16 like x) = x[m, :k] . W[n, :k] (+ bias[n]) for n < rows.
+ * w: rows x row_bytes of type `type`; k a multiple of the type's block (and of 64). Returns 0, -1 for
+ * an unknown type or k, -2 when out of memory. */
+int gguf_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    format f;
+    if (find_format(type, &f) || k % f.block_values || k % ABLOCK) return -1;
+    const int64_t groups = k / GROUP, blocks = k / ABLOCK;
+    int8_t *q = malloc((size_t)(m * k));
+    float *d = malloc(sizeof(float) * (size_t)(m * blocks)), *gsum = malloc(sizeof(float) * (size_t)(m * groups));
+    int status = 0;
+    if (!q || !d || !gsum) {
+        status = -2;
+        goto done;
+    }
+    const int quantize_threads = m >= 4 ? num_threads : 1;
+#pragma omp parallel for num_threads(quantize_threads) schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        quantize_activation_row((const char *)x + r * ldx * (is_bf16 ? 2 : 4), is_bf16, k, q + r * k, d + r * blocks,
+                                gsum + r * groups);
+    const int64_t tiles = (rows + TILE - 1) / TILE;
+    const int threads = tiles < num_threads ? (int)tiles : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *codes = malloc((size_t)(TILE * k));
+        float *scale = malloc(sizeof(float) * (size_t)(TILE * groups));
+        float *min = malloc(sizeof(float) * (size_t)(TILE * groups));
+        if (!codes || !scale || !min) {
+#pragma omp atomic write
+            status = -2;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t first = tile * TILE, count = rows - first < TILE ? rows - first : TILE;
+                for (int64_t t = 0; t < count; t++)
+                    decode_row(&f, w + (first + t) * row_bytes, k, codes + t * k, scale + t * groups, min + t * groups);
+                for (int64_t r = 0; r < m; r++) {
+                    for (int64_t t = 0; t < count; t++) {
+                        float value = codes_dot(codes + t * k, scale + t * groups, q + r * k, d + r * blocks, k) -
+                                      min_dot(min + t * groups, gsum + r * groups, groups);
+                        if (bias) value += load_float(bias, first + t, is_bf16);
+                        store_float(y, r * ldy + first + t, value, is_bf16);
+                    }
+                }
+            }
+        }
+        free(codes);
+        free(scale);
+        free(min);
+    }
+done:
+    free(q);
+    free(d);
+    free(gsum);
+    return status;
+}
+
+/* out[i, :k] = row ids[i] of w (rows x row_bytes) dequantized (float32 or bfloat16): the embedding
+ * table's gather. Returns 0, -1 for an unknown type or k, -2 out of memory, -3 for an id past the rows. */
+int gguf_dequantize_rows(const uint8_t *w, int64_t row_bytes, int64_t rows, int type, const int64_t *ids,
+                         int64_t count, int64_t k, void *out, int is_bf16, int num_threads) {
+    format f;
+    if (find_format(type, &f) || k % f.block_values) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -3;
+    const int64_t groups = k / GROUP;
+    const int threads = count >= 8 ? num_threads : 1;
+    int status = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *codes = malloc((size_t)k);
+        float *scale = malloc(sizeof(float) * (size_t)groups), *min = malloc(sizeof(float) * (size_t)groups);
+        if (!codes || !scale || !min) {
+#pragma omp atomic write
+            status = -2;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < count; i++) {
+                decode_row(&f, w + ids[i] * row_bytes, k, codes, scale, min);
+                for (int64_t j = 0; j < k; j++)
+                    store_float(out, i * k + j, scale[j / GROUP] * (float)codes[j] - min[j / GROUP], is_bf16);
+            }
+        }
+        free(codes);
+        free(scale);
+        free(min);
+    }
+    return status;
+}

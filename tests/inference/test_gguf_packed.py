@@ -1,0 +1,164 @@
+"""GGUF weights kept as their blocks (weights="packed", inference/quantization/gguf.py).
+
+Tiny random models written as llama.cpp writes them, one matrix per tensor type, loaded twice
+from the same file: packed, and dequantized to float32 (the HF-exact path test_gguf.py checks).
+Packed layers are not bit-equal to float32 ones (the activations go through int8); each output
+must be within the bound that rounding allows (tests/kernels/test_quant_cpu.py states it), plus,
+for types converted to Q8_0 at load, the bound of that weight rounding (half a Q8_0 step a weight).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf import ENGINE, PROMPTS, write_gguf
+from tiny_models import make_tiny_model
+
+from inference import LLM, SamplingParams
+from inference.gguf_loader import open_gguf, supported_types
+from inference.layers.linear import LinearBase
+
+# Every type the file below can hold: the ten kernel types, three converted to Q8_0 at load
+# (the gguf package quantizes TQ1_0, TQ2_0 and MXFP4; it has no quantizer for the IQ types, which
+# take the same conversion) and the float types, which stay dense.
+EVERY_TYPE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "TQ1_0", "TQ2_0", "MXFP4", "F16", "BF16", "F32")
+CONVERTED = ("TQ1_0", "TQ2_0", "MXFP4")
+PACKED = {k: v for k, v in ENGINE.items() if k != "dtype"}  # dtype unset: "auto" weights pack a GGUF file
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def every_type_file(tmp_path_factory):
+    """A 2-layer llama (256 wide: K-quant blocks hold 256 values) whose 16 matrices take the 16 types."""
+    root = tmp_path_factory.mktemp("every-type")
+    hf_dir = make_tiny_model(root / "hf", "llama", hidden_size=256, intermediate_size=256)
+    return write_gguf(hf_dir, root / "tiny-every-type.gguf", EVERY_TYPE)
+
+
+@pytest.fixture(scope="module")
+def both_engines(every_type_file, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TESSERA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        packed = LLM(model=str(every_type_file), **PACKED)
+        dense = LLM(model=str(every_type_file), **ENGINE)
+        yield packed, dense
+
+
+def test_the_file_holds_every_type_and_each_is_one_the_loader_accepts(every_type_file):
+    kinds = {t.tensor_type.name for t in open_gguf(str(every_type_file)).tensors}
+    assert kinds == set(EVERY_TYPE)
+    assert set(EVERY_TYPE) <= set(supported_types())
+    assert {"IQ2_XXS", "IQ3_S", "IQ4_XS", "IQ1_M", "NVFP4"} <= set(supported_types())  # dequantized by gguf too
+
+
+def dense_weight(layer) -> torch.Tensor:
+    weight = layer.weight
+    return (weight.to_dense() if weight.is_mkldnn else weight).float()
+
+
+def conversion_bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Q8_0 of a weight moves each value by at most half a step, max|w| of its block / 254."""
+    step = weight.reshape(weight.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 254
+    return x.abs().float() @ step.T
+
+
+def activation_bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    step = x.float().reshape(x.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 254
+    return step @ weight.abs().T
+
+
+def test_the_packed_engine_keeps_blocks_and_says_so(both_engines, every_type_file):
+    packed, dense = (llm.llm_engine for llm in both_engines)
+    assert (packed.memory["weights_dtype"], packed.memory["quantization"]) == ("packed", "gguf")
+    assert dense.memory["weights_dtype"] == "float32"
+    file_bytes = sum(int(t.n_bytes) for t in open_gguf(str(every_type_file)).tensors)
+    # F16/BF16 matrices stay dense in float32 (2x) and TQ/MXFP4 grow to Q8_0: still far below float32
+    assert packed.memory["weights_bytes"] < 0.5 * dense.memory["weights_bytes"]
+    assert packed.memory["weights_bytes"] < 3 * file_bytes
+    held = {t.name: held_as(t.tensor_type.name) for t in open_gguf(str(every_type_file)).tensors}
+    segments = {seg.kind for m in packed.model.modules() if isinstance(m, LinearBase) for seg in m.segments}
+    matrices = {kind for name, kind in held.items() if name.startswith("blk.") and not name.endswith("norm.weight")}
+    assert segments == matrices
+    assert packed.model.lm_head.weight.ggml_type == held["output.weight"]
+    assert packed.model.embed_tokens.weight.ggml_type == held["token_embd.weight"]
+
+
+def held_as(kind: str) -> str:
+    """What a matrix of `kind` becomes in a packed model."""
+    return "dense" if kind in ("F16", "BF16", "F32") else "Q8_0" if kind in CONVERTED else kind
+
+
+def test_every_packed_layer_is_within_its_rounding_bound_of_float32(both_engines, every_type_file):
+    packed, dense = (llm.llm_engine.model for llm in both_engines)
+    kinds = {t.name: t.tensor_type.name for t in open_gguf(str(every_type_file)).tensors}
+    converted_layers = {name for name, kind in kinds.items() if kind in CONVERTED}
+    checked = 0
+    for name, layer in packed.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        reference_layer = dense.get_submodule(name)
+        weight = dense_weight(reference_layer)
+        x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(checked))
+        out, reference = layer(x), reference_layer(x)
+        bound = activation_bound(weight, x) + conversion_bound(weight, x) + 1e-5 * reference.abs().max()
+        assert ((out - reference).abs() <= bound).all(), name
+        checked += 1
+    assert checked == 2 * 4 and converted_layers  # qkv, o, gate_up, down in each layer; some converted
+
+
+def test_embedding_rows_and_logits_come_from_the_packed_tables(both_engines):
+    packed, dense = (llm.llm_engine.model for llm in both_engines)
+    ids = torch.tensor([3, 250, 3, 17])
+    assert torch.equal(packed.embed_tokens(ids), dense.embed_tokens(ids))  # dequantized exactly, as at load
+    hidden = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    reference = dense.compute_logits(hidden)
+    head = dense.lm_head.weight.float()
+    bound = activation_bound(head, hidden) + 1e-5 * reference.abs().max()
+    assert ((packed.compute_logits(hidden) - reference).abs() <= bound).all()
+
+
+def test_the_packed_engine_generates_the_same_tokens_each_time(both_engines):
+    packed = both_engines[0]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in packed.generate(prompt_token_ids=PROMPTS, sampling_params=params,
+                                                             use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in packed.generate(prompt_token_ids=PROMPTS[::-1], sampling_params=params,
+                                                             use_tqdm=False)]
+    assert all(len(o) == 10 for o in first) and first == again[::-1]
+
+
+def test_qwen2_tied_table_biases_and_mixed_qkv_types(tmp_path):
+    # The 0.5B Qwen file's mix: Q8_0 and Q5_0 beside Q4_K / Q6_K; the tied table serves both ends.
+    hf_dir = make_tiny_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=256)
+    file = write_gguf(hf_dir, tmp_path / "tiny-qwen2.gguf", ("Q8_0", "Q5_0", "Q4_K", "Q6_K"))
+    packed = LLM(model=str(file), **PACKED).llm_engine.model
+    dense = LLM(model=str(file), **ENGINE).llm_engine.model
+    assert packed.lm_head.weight is packed.embed_tokens.weight
+    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"):
+        layer, reference_layer = packed.get_submodule(name), dense.get_submodule(name)
+        x = torch.randn(4, layer.in_features, generator=torch.Generator().manual_seed(3))
+        reference = reference_layer(x)
+        bound = activation_bound(dense_weight(reference_layer), x) + 1e-5 * reference.abs().max()
+        assert ((layer(x) - reference).abs() <= bound).all(), name
+
+
+# ---- the weights option -------------------------------------------------------------------------
+
+def test_an_explicit_float_dtype_or_weights_dequantizes(every_type_file):
+    as_bf16 = LLM(model=str(every_type_file), **{**PACKED, "weights": "bfloat16"}).llm_engine
+    assert as_bf16.dtype == torch.bfloat16 and as_bf16.memory["weights_dtype"] == "bfloat16"
+    assert as_bf16.memory["quantization"] is None
+
+
+def test_weights_packed_on_a_folder_and_disagreeing_options_are_refused(tmp_path, every_type_file):
+    hf_dir = make_tiny_model(tmp_path / "hf", "llama")
+    with pytest.raises(ValueError, match="weights='packed' needs a GGUF file"):
+        LLM(model=str(hf_dir), **{**PACKED, "weights": "packed"})
+    with pytest.raises(ValueError, match="weights='bfloat16' and dtype='float32' disagree"):
+        LLM(model=str(every_type_file), **{**ENGINE, "weights": "bfloat16"})
+    with pytest.raises(ValueError, match="weights must be one of auto, packed, float32, bfloat16"):
+        LLM(model=str(every_type_file), **{**PACKED, "weights": "int3"})

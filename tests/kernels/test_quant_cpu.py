@@ -1,0 +1,130 @@
+"""kernels/quant_cpu.py (csrc/quant_gemm.c) against the gguf package's dequantization.
+
+Every kernel type, on three builds of the library: as the engine builds it (AVX-512 VNNI on the
+machines we run on), without AVX-512 (the AVX2 loop) and without AVX2 (the plain C loop).
+
+Tolerance: the kernel quantizes each activation block of 32 values to int8 (step max|x| / 127),
+so an output may differ from the dequantize-then-matmul reference by up to
+sum_i |w_i| * max|x| of i's block / 254 (half a step per product); each output is checked
+against its own bound, plus 1e-5 of the output's scale for float32 rounding. Dequantized rows
+must equal the gguf package's values exactly.
+"""
+import platform
+
+import numpy as np
+import pytest
+import torch
+from test_native_cpu import compiler
+
+from kernels import native_cpu, quant_cpu
+
+# The gguf package quantizes these five; K-quant blocks are random bytes with sane f16 scales at
+# these byte offsets (random bytes there would give scales up to 65504 or NaN).
+K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+BUILDS = {"engine build": (), "AVX2 build": ("-mno-avx512f",),
+          "portable build": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def lib(request):
+    if request.param == "engine build":
+        built = native_cpu.load()
+        assert built is not None, "kernels/csrc failed to build"
+        return built
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the -mno-* flags are x86 flags; elsewhere the engine build is already the portable one")
+    return native_cpu.open_library(native_cpu._compile(compiler(), extra_flags=BUILDS[request.param]))
+
+
+def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """[rows, row_bytes] uint8 blocks of type `kind` holding rows x cols values."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    if kind not in K_SCALE_OFFSETS:
+        values = rng.standard_normal((rows, cols)).astype(np.float32)
+        return torch.from_numpy(quants.quantize(values, GGMLQuantizationType[kind]))
+    block_values, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    blocks = rng.integers(0, 256, (rows, cols // block_values, block_bytes), dtype=np.uint8)
+    for offset in K_SCALE_OFFSETS[kind]:
+        scales = rng.uniform(1e-3, 1e-2, blocks.shape[:2]).astype(np.float16)
+        blocks[..., offset:offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def dequantized(packed: torch.Tensor, kind: str) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.ascontiguousarray(dequantize(packed.numpy(), GGMLQuantizationType[kind])))
+
+
+def activation_bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[m, rows]: the most the int8 activations can move each output (see the module docstring)."""
+    step = x.float().reshape(x.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 254
+    return step @ weight.abs().float().T
+
+
+def assert_within_bound(out, reference, weight, x):
+    bound = activation_bound(weight, x) + 1e-5 * reference.abs().max() + 1e-6
+    excess = ((out.float() - reference).abs() - bound).max()
+    assert excess <= 0, f"an output is {float(excess):.3g} past its bound"
+
+
+@pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
+@pytest.mark.parametrize("rows_in", [1, 7])
+def test_linear_matches_dequantize_then_matmul(lib, kind, rows_in):
+    cols = 512
+    packed = gguf_blocks(kind, 37, cols, seed=rows_in)  # 37: a partial last tile of 4 weight rows
+    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(2))
+    out = quant_cpu.linear(x, packed, kind, cols, bias, library=lib)
+    assert out.shape == (rows_in, 37) and out.dtype == torch.float32
+    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind, bias), dequantized(packed, kind), x)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q8_0"])
+def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, kind):
+    # 96 values: one 64-wide VNNI step and 32 left for the tail loop; the result lands in columns
+    # 3..19 of a wider output (a merged layer's segment), leaving the others untouched.
+    cols = 96
+    packed = gguf_blocks(kind, 16, cols, seed=5)
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(6))
+    wide = torch.full((3, 24), 7.0)
+    quant_cpu.linear(x, packed, kind, cols, out=wide[:, 3:19], library=lib)
+    assert_within_bound(wide[:, 3:19], quant_cpu.reference_linear(x, packed, kind), dequantized(packed, kind), x)
+    assert torch.equal(wide[:, :3], torch.full((3, 3), 7.0)) and torch.equal(wide[:, 19:], torch.full((3, 5), 7.0))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
+def test_bfloat16_activations_give_bfloat16_outputs(lib, kind):
+    packed = gguf_blocks(kind, 20, 256, seed=3)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = quant_cpu.linear(x, packed, kind, 256, library=lib)
+    assert out.dtype == torch.bfloat16
+    reference = quant_cpu.reference_linear(x, packed, kind)
+    # bfloat16 rounding of the output adds up to 2^-8 of each value
+    bound = activation_bound(dequantized(packed, kind), x) + reference.abs() / 256 + 1e-5
+    assert ((out.float() - reference).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
+def test_dequantized_rows_equal_the_gguf_package(lib, kind):
+    packed = gguf_blocks(kind, 30, 512, seed=9)
+    ids = torch.tensor([29, 0, 7, 7, 13])
+    rows = quant_cpu.dequantize_rows(packed, kind, ids, 512, library=lib)
+    assert torch.equal(rows, dequantized(packed, kind)[ids])
+    as_bf16 = quant_cpu.dequantize_rows(packed, kind, ids, 512, torch.bfloat16, library=lib)
+    assert torch.equal(as_bf16, dequantized(packed, kind)[ids].bfloat16())
+
+
+def test_a_row_id_past_the_table_is_refused(lib):
+    packed = gguf_blocks("Q8_0", 4, 64)
+    with pytest.raises(IndexError, match="outside the packed table"):
+        quant_cpu.dequantize_rows(packed, "Q8_0", torch.tensor([1, 4]), 64, library=lib)
+
+
+def test_rows_that_do_not_fill_a_block_are_refused(lib):
+    packed = gguf_blocks("Q4_K", 4, 256)
+    with pytest.raises(ValueError, match="no packed kernel for Q4_K rows of 128 values"):
+        quant_cpu.linear(torch.randn(1, 128), packed, "Q4_K", 128, library=lib)
