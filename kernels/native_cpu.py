@@ -40,7 +40,7 @@ HEADERS = [CSRC / "bf16.h", CSRC / "vec.h"]
 # with -ffast-math, gcc 12 adds crtfastmath.o, which turns on flush-to-zero for the whole process
 # that loads the library (every float op of torch, numpy and hypothesis in it, not just this kernel).
 # gcc keeps to 256-bit vectors on AVX-512 machines unless told: 512-bit loops and libmvec's 16-wide
-# expf made the kernel 13% faster at 256 sequences of 350 tokens (x86 only: other targets lack the flag).
+# expf are faster (docs/kernels.md; x86 only: other targets lack the flag).
 # -Wno-psabi: vec.h's 64-byte vectors on a target without AVX-512 (the portable build) make gcc warn
 # that such arguments would pass differently across a call; its helpers are always inlined.
 COMPILE_FLAGS = ["-O3", "-march=native", *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []),

@@ -1,8 +1,8 @@
 """CPU GEMMs through oneDNN with weights packed once at load.
 
-torch's nn.functional.linear sends float32 to MKL, which on this machine (AMD EPYC with AVX-512) runs near
-210 GFLOP/s; oneDNN with a weight pre-packed into its blocked layout runs the same shapes at
-430-500 GFLOP/s (benchmarks/gemm.py measures both). bfloat16 already goes to oneDNN in torch, and
+torch's nn.functional.linear sends float32 to MKL; oneDNN with a weight pre-packed into its blocked
+layout runs the same shapes about twice as fast (benchmarks/gemm.py measures both; the figures are in
+docs/kernels.md). bfloat16 already goes to oneDNN in torch, and
 packing still saves the per-call reorder. The results are float32 GEMMs either way; only the
 summation order differs.
 
@@ -55,8 +55,7 @@ def warm_up(gemms) -> None:
     """Build oneDNN's primitive of every GEMM shape a model will run, now, at start-up.
 
     gemms: (packed weight, bias or None, most rows) per linear layer. The first call of a shape
-    builds its primitive: about 2 ms more per call in bfloat16 (AMX), 0.5 ms in float32, measured
-    at 100..480 rows of a 512 -> 2816 weight. Without this a server pays it on requests, 4 GEMM
+    builds its primitive (docs/kernels.md has the cost). Without this a server pays it on requests, 4 GEMM
     shapes a layer on the first prompt of each padded length, which showed in its TTFT. Primitives
     are cached by shape, not by weight, so one layer of each shape is enough.
     """
