@@ -49,6 +49,7 @@ FIELDS = {
     "logit_bias": optional(st.dictionaries(st.integers(0, 300), floats(-100.0, 100.0), max_size=3)),
     "allowed_token_ids": optional(st.lists(st.integers(10, 300), min_size=1, max_size=5)),  # 0..9: special tokens
     "bad_words": optional(st.lists(st.text(alphabet="abcdefghij", min_size=1, max_size=4), max_size=2)),
+    "speculative": st.booleans(),
 }
 
 

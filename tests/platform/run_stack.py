@@ -62,7 +62,9 @@ def environ(pid: int) -> dict[str, str]:
 
 def make_run_env(model_dir: str, var_dir: Path, **extra: str) -> dict[str, str]:
     """The environment of a `make run` on a free port with its own var dir (embedded Redis, SQLite)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    # The test session's own database (make test's TESSERA_DB) is not the stack's: make run's default is SQLite.
+    inherited = ("REDIS_URL", "DATABASE_URL", "DJANGO_SETTINGS_MODULE", "TESSERA_DB")
+    env = {k: v for k, v in os.environ.items() if k not in inherited}
     env.update({
         "PORT": str(free_port()), "MODEL": model_dir, "TESSERA_VAR_DIR": str(var_dir),
         "DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "CELERY_CONCURRENCY": "1", "READY_TIMEOUT": "240",
