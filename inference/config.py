@@ -43,15 +43,15 @@ class EngineArgs:
     # "auto" packs a GGUF file on CPU unless dtype names a float type (inference/quantization/__init__.py).
     weights: str = "auto"
     served_model_name: str | None = None
+    # vLLM's speculative decoding argument, a dict or JSON: {"method": "ngram" | "draft_model",
+    # "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max": n, "model": draft path}
+    speculative_config: dict | str | None = None
 
     def __post_init__(self):
         if self.weights in DTYPES and self.dtype not in ("auto", self.weights):
             raise ValueError(f"weights={self.weights!r} and dtype={self.dtype!r} disagree; set one of them")
         if self.weights in DTYPES:
             self.dtype = self.weights
-    # vLLM's speculative decoding argument, a dict or JSON: {"method": "ngram" | "draft_model",
-    # "num_speculative_tokens": k, "prompt_lookup_min"/"prompt_lookup_max": n, "model": draft path}
-    speculative_config: dict | str | None = None
 
     @classmethod
     def names(cls) -> set[str]:
