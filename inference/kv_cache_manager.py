@@ -12,8 +12,7 @@ Design after vLLM v1's BlockPool + KVCacheManager:
 Placement: a sequence grows into the block right after its last one when that block is free and
 empty (no cached prefix), and new runs start at points spread over the pool, so one sequence's
 K/V mostly lies in consecutive memory. The CPU decode kernel reads a sequence's blocks in order,
-and on shuffled 4 KiB blocks it waited on memory: 256 bfloat16 sequences took 4.1-4.5 ms a call
-on shuffled blocks and 2.5-2.9 ms on ordered ones (docs/kernels.md). Only empty blocks are placed
+and on shuffled 4 KiB blocks it waits on memory (docs/kernels.md has the figures). Only empty blocks are placed
 this way; freed blocks that hold a cached prefix are still evicted in LRU order.
 """
 from __future__ import annotations

@@ -71,8 +71,8 @@ def warm_up(gemms) -> None:
 def empty_rows(rows: int, *tail: int, like: torch.Tensor) -> torch.Tensor:
     """An uninitialised [rows, *tail] tensor whose storage has room for padded_rows(rows) rows (the
     extra ones zero): a GEMM reads it at the padded row count in place (linear) instead of copying
-    it into a padded tensor. The elementwise and attention kernels write their outputs into these;
-    the copies were about 2% of a 300-token prefill of the bench model (29.8 -> 29.3 ms)."""
+    it into a padded tensor. The elementwise and attention kernels write their outputs into these
+    (what the copies cost: docs/kernels.md)."""
     padded = padded_rows(rows)
     if padded == rows:  # every step of up to 16 tokens: no slicing on the decode hot path
         return like.new_empty(rows, *tail)

@@ -7,8 +7,8 @@
  * values) is read once and whole. Sequences are shared out dynamically because their lengths
  * differ a lot. The threads are OpenMP's: built with -fopenmp and loaded after torch, this library
  * binds to the libgomp torch already loaded (same soname), so it runs on torch's own thread pool
- * instead of fighting its spinning threads for the cores (a private pthread pool ran 10% slower
- * than the torch path inside the engine for exactly that reason).
+ * instead of fighting its spinning threads for the cores (a private pool lost to the torch path
+ * inside the engine for exactly that reason: docs/kernels.md).
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,8 +29,7 @@ typedef struct {
 
 /* Copy the first `len` K or V rows of one sequence (Hkv * D values each) out of its blocks into
  * `stage`, widening bfloat16 to float. Block-sized memcpys keep many loads in flight, which the
- * compute loops cannot; the staged rows then sit in L2 for the math (measured on 256 sequences:
- * 11 ms with loads straight from the pool, see docs/kernels.md for the staged figure). */
+ * compute loops cannot; the staged rows then sit in L2 for the math (docs/kernels.md). */
 static void stage_rows(const Job *job, const void *cache, const int32_t *table, int len, float *stage) {
     const int bs = job->block_size;
     const size_t width = (size_t)job->num_kv_heads * job->head_dim;
@@ -100,11 +99,9 @@ static void run_sequence(const Job *job, int seq, float *scores, float *acc, flo
  *   sequences are pipelined: the K pass asks for the V rows it has just scored, and the V pass
  *   asks for the K rows of the sequence this thread runs next (each thread claims its next
  *   sequence before it starts the current one). A sequence's K often fits the window whole, so
- *   without this each pass began by waiting for memory (measured: 4.5-5.0 ms -> 3.7-4.0 ms for
- *   256 bfloat16 sequences of 100..700 tokens). The K pass's prefetches go out row by row between
- *   the dot products (Ahead), not as one burst per chunk, so the arithmetic no longer waits
- *   behind them: the engine ran the float32 peers workload 4-7% faster (docs/kernels.md).
- * Measured on 256 sequences of 350..700 tokens (docs/kernels.md): 1.5-2x the portable path. */
+ *   without this each pass began by waiting for memory. The K pass's prefetches go out row by row
+ *   between the dot products (Ahead), not as one burst per chunk, so the arithmetic does not wait
+ *   behind them. What each step bought, and this path against the portable one: docs/kernels.md. */
 #define CHUNK 16
 
 static inline __m512 load16(const void *base, size_t index, const int is_bf16) {
@@ -245,7 +242,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const Job *job, c
 /* chunk_values for bfloat16 V with the whole query group's accumulators (G heads x V vectors) in
  * registers: each row is widened once, in registers, and multiplied into every head of the group.
  * The general loop widens the rows into memory and reads them back once per head, which kept
- * bfloat16 at 14-16 GB/s where float32 reads 18-20. Every accumulator sees the same FMAs in the
+ * bfloat16 slower than float32 (docs/kernels.md). Every accumulator sees the same FMAs in the
  * same order as there, so the results are bit-equal. */
 static inline __attribute__((always_inline)) void chunk_values_grouped(const Job *job, const float *scores,
                                                                        const size_t *rows, int n, int g, int t0,

@@ -133,8 +133,8 @@ void rotary_embedding(const int64_t *positions, void *q, int64_t q_row_stride, i
 }
 
 /* Row t of k and of v (row_bytes each; rows k_stride / v_stride bytes apart: views into the QKV
- * output) to slot slot_mapping[t] of the caches; -1 skips. torch's index_copy_ took 0.13 ms a
- * call for this on the real model, a tenth of a prefill step's attention. Returns the first row
+ * output) to slot slot_mapping[t] of the caches; -1 skips (torch's index_copy_ cost a noticeable
+ * share of a prefill step's attention: docs/kernels.md). Returns the first row
  * whose slot is past num_slots (nothing is written then), else -1. */
 int64_t store_kv_cache(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *k_cache, char *v_cache,
                        const int64_t *slot_mapping, int64_t rows, int64_t row_bytes, int64_t num_slots) {

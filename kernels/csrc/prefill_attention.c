@@ -1,7 +1,7 @@
 /* Paged prefill attention for the CPU: a ragged batch of new tokens, each attending causally to its
  * sequence's cached prefix and to the new tokens up to itself. Meaning: kernels/torch_ref.py
- * paged_prefill_attention. torch's SDPA (one call per sequence, on K/V gathered out of the blocks)
- * ran at 50-100 GFLOP/s here and took 40% of a 2048-token prefill step of the bench model.
+ * paged_prefill_attention. It replaces torch's SDPA, one call per sequence on K/V gathered out of
+ * the blocks, which was a large share of a long prefill step (docs/kernels.md).
  *
  * Layouts: q [T, Hq, D] with tokens q_stride elements apart (a view into the fused QKV output);
  * out [T, Hq, D] contiguous; caches [num_blocks, block_size, Hkv, D]; block_tables int32

@@ -142,8 +142,8 @@ def loads(text: str | bytes):
 
 
 def _may_be_unsafe(text: str | bytes) -> bool:
-    """Cheap scans of the raw text that rule out the tree walk for almost every body (a 2.4 MB prompt
-    took 18 ms walked, on the event loop): a lone surrogate needs a \\uD800-\\uDFFF escape (or, in a str,
+    """Cheap scans of the raw text that rule out the tree walk for almost every body (a walk of a
+    large prompt blocks the event loop: docs/architecture.md): a lone surrogate needs a \\uD800-\\uDFFF escape (or, in a str,
     the character itself), and depth past the limit needs more brackets than the limit."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:

@@ -139,8 +139,8 @@ class Generation:
 # ---------------------------------------------------------------- the bookkeeping thread
 
 # Admission, quota renewal and settlement (database + Redis) run on one dedicated thread, first
-# come first served. On Django's per-request threads a burst of 24 requests ran 24 admissions side
-# by side under the GIL, so each one finished ~280 ms late instead of the first after ~4 ms.
+# come first served. On Django's per-request threads a burst of requests ran its admissions side
+# by side under the GIL, so every one finished late (docs/architecture.md has the measurement).
 # A large admission (a long prompt to tokenize: milliseconds to seconds) runs on a thread of its
 # own instead, so a flood of them queues behind itself, never in front of the small ones.
 _bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-bookkeeping")

@@ -21,8 +21,8 @@ class APIHandler(ASGIHandler):
 
     In async mode every MiddlewareMixin middleware hops to the sync thread and back twice per
     request, and WhiteNoise is sync-only; the API's views are async, authenticate by API key and
-    need none of the browser middleware (sessions, CSRF, messages). Measured on the bench model:
-    the full stack cost these requests about 15 ms before the view ran.
+    need none of the browser middleware (sessions, CSRF, messages), whose cost before the view ran
+    is measured in docs/architecture.md.
     """
 
     def load_middleware(self, is_async=False):
@@ -38,7 +38,7 @@ class APIHandler(ASGIHandler):
         # Django wraps each request in a ThreadSensitiveContext, which starts a thread of its own for
         # the request's thread-sensitive sync code: here only the request_started/finished receivers
         # (the API's views run sync code on the bookkeeping thread). asgiref's one sync thread serves
-        # them instead: 0.4 ms less per request, and no thread start on a busy machine. (http_app
+        # them instead: less time per request, and no thread start on a busy machine. (http_app
         # sends it HTTP only.)
         await self.handle(scope, receive, send)
 
