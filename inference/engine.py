@@ -60,6 +60,7 @@ class LLMEngine:
         self.speculator = create_speculator(self.spec_config, self)
         self.requests: dict[str, Request] = {}
         self._idle_since_arrival: float | None = None
+        self.warmed_up_at: float | None = None  # time.time() when warm_up() finished
         logger.info("engine ready: %s", self.memory)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -67,6 +68,25 @@ class LLMEngine:
     def _load_model(self, progress: bool):
         return load_model(self.args, self.model_config, self.ops, self.dtype, self.device, self.max_model_len,
                           progress, self.executor.parallel)
+
+    WARM_UP_PROMPT_TOKENS = 16
+
+    def warm_up(self) -> None:
+        """One short prefill and one decode through the model and the LM head, before a worker says it
+        is ready: what loads on a forward's first use (the C kernel library, per-shape primitives,
+        first-call allocations) loads here rather than on the first request. Once per engine;
+        warmed_up_at says when it finished."""
+        if self.warmed_up_at is not None:
+            return
+        tokens = max(1, min(self.WARM_UP_PROMPT_TOKENS, self.max_model_len - 1, self.args.max_num_batched_tokens))
+        # blocks no sequence holds and no cached prefix names; an engine that has used them all is warm
+        empty = [block for block, state in enumerate(self.kv.pool.state_codes()) if state == 0]
+        table = empty[: self.kv.blocks_needed(tokens + 1)]
+        if len(table) == self.kv.blocks_needed(tokens + 1):
+            with torch.inference_mode():
+                for inputs in self.runner.warm_up_inputs(tokens, table):
+                    self.executor.execute(inputs)
+        self.warmed_up_at = time.time()
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op with one); also runs at interpreter exit."""

@@ -77,6 +77,29 @@ class ModelRunner:
             meta=meta, sample_rows=sample_rows, sampling_requests=sampling_requests, prompt_rows=prompt_rows,
         )
 
+    def warm_up_inputs(self, prompt_tokens: int, table: list[int]) -> list[StepInputs]:
+        """A prefill of `prompt_tokens` tokens, then one decode after it, for one sequence in the blocks
+        `table` (LLMEngine.warm_up gives empty ones: a request writes a block's K/V before it reads it,
+        so what these steps leave there never shows)."""
+        dev, bs = self.device, self.block_size
+        steps = []
+        for start, count, num_decodes in ((0, prompt_tokens, 0), (prompt_tokens, 1, 1)):
+            positions = list(range(start, start + count))
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.int64,
+                                          device=dev),
+                query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([start + count], dtype=torch.int32, device=dev),
+                block_tables=torch.tensor([table], dtype=torch.int32, device=dev),
+                num_decodes=num_decodes,
+            )
+            steps.append(StepInputs(
+                input_ids=torch.zeros(count, dtype=torch.int64, device=dev),
+                positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+                meta=meta, sample_rows=[count - 1], sampling_requests=[], prompt_rows={},
+            ))
+        return steps
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before a sequence writes into its own copy."""
         if not copies:

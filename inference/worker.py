@@ -149,6 +149,8 @@ class EngineWorker:
                     raise
         self._pubsub = pubsub = self.r.pubsub(ignore_subscribe_messages=True)
         pubsub.subscribe(protocol.ABORT_CHANNEL)
+        # Before the first heartbeat: what loads on first use must not be the first request's wait.
+        getattr(self.engine, "warm_up", lambda: None)()
         self.membership.join()
         log.info("engine worker %s serving %s", self.worker_id, ", ".join(self.config.served_model_names))
 
