@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from functools import lru_cache
@@ -11,6 +12,7 @@ from jinja2 import TemplateError
 from errors import InvalidRequest
 
 _lock = threading.Lock()
+log = logging.getLogger("tessera.tokenization")
 
 
 @lru_cache(maxsize=8)
@@ -24,6 +26,22 @@ def _load(path: str):
 def tokenizer_for(path: str):
     with _lock:  # one load per path even when the first requests arrive together
         return _load(path)
+
+
+def warm_up(path: str) -> bool:
+    """Load `path`'s tokenizer and render its chat template once, now: a web process does it before it
+    listens, so the first chat after `ready:` does not wait seconds for them. False (logged) when the
+    model cannot be loaded here; requests then say why, as they would without this."""
+    try:
+        tok = tokenizer_for(path)
+        if getattr(tok, "chat_template", None):
+            chat_prompt_ids(path, [{"role": "user", "content": "Hello"}])
+        else:
+            tok.encode("Hello")
+    except Exception as exc:  # never a reason not to serve: the engine side may still answer
+        log.warning("the tokenizer of %s did not load before serving: %s", path, exc)
+        return False
+    return True
 
 
 def chat_prompt_ids(path: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

@@ -41,8 +41,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def warm_up() -> None:
+    """Set Django up and load the served model's tokenizer and chat template before the socket opens:
+    /health, and so make run's `ready:`, waits for them, not the first chat (seconds for a GGUF file)."""
+    import tessera.asgi  # noqa: F401  (the app uvicorn serves: importing it sets Django up)
+    from django.conf import settings
+
+    from generation import tokenization
+
+    tokenization.warm_up(str(settings.MODEL))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    warm_up()
     uvicorn.Server(config(host=args.host, port=args.port, fd=args.fd, proxy_headers=args.proxy_headers)).run()
 
 

@@ -1,0 +1,23 @@
+"""The web process loads the served model's tokenizer and chat template before it listens (issue #32:
+the first chat after `ready:` waited seconds for them)."""
+from __future__ import annotations
+
+from django.test import override_settings
+
+from generation import tokenization
+from tessera import web
+
+
+def test_web_warm_up_loads_the_served_models_tokenizer_before_serving(tiny_model_dir):
+    tokenization._load.cache_clear()
+    with override_settings(MODEL=tiny_model_dir):
+        web.warm_up()
+    assert tokenization._load.cache_info().currsize == 1
+    hits = tokenization._load.cache_info().hits
+    # the first chat's prompt is then built from the loaded tokenizer, not a new load
+    assert tokenization.chat_prompt_ids(tiny_model_dir, [{"role": "user", "content": "Hi"}])
+    assert tokenization._load.cache_info().hits == hits + 1 and tokenization._load.cache_info().currsize == 1
+
+
+def test_a_model_that_cannot_load_here_does_not_stop_the_web_process(tmp_path):
+    assert tokenization.warm_up(str(tmp_path / "missing")) is False
