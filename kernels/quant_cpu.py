@@ -7,9 +7,17 @@ weight dequantized by the gguf package, then a float matmul). The int8 activatio
 result differ from the reference by at most sum_i |w_i| * max|x| of i's block / 254 (half a step of
 the activation's quantization), which the tests check per output.
 
+At DEQUANTIZE_FROM_ROWS activation rows and more (a prefill, a large decode batch) `linear` instead
+dequantizes the weight to bfloat16, a slice of rows at a time into a reused per-thread buffer, and runs
+oneDNN's bfloat16 GEMM on it (AMX where the CPU has it): measured per shape, that is faster from there on,
+and the weight stays packed in memory (docs/kernels.md has the table). Its error against the reference is
+bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation rounded) plus 2^-8 of the output.
+
 KERNEL_TYPES have kernels; other ggml types are converted at load (inference/quantization/gguf.py).
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -17,6 +25,9 @@ import torch
 from kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DEQUANTIZE_FROM_ROWS = 32  # the crossover measured on SmolLM2's and Qwen2.5-0.5B's layers (docs/kernels.md)
+SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
+_scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
 
 def type_number(name: str) -> int:
@@ -38,7 +49,16 @@ def supports(x: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None, library=None) -> torch.Tensor:
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
-    x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given."""
+    x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
+    From DEQUANTIZE_FROM_ROWS rows on, through dequantized_linear."""
+    if x.shape[0] >= DEQUANTIZE_FROM_ROWS:
+        return dequantized_linear(x, packed, kind, in_features, bias, out, library)
+    return integer_linear(x, packed, kind, in_features, bias, out, library)
+
+
+def integer_linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int,
+                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None, library=None) -> torch.Tensor:
+    """`linear` by the C kernel: int8 activations, integer dot products against the blocks' codes."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = packed.shape[0]
@@ -53,11 +73,45 @@ def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int, b
     return out
 
 
+def dequantized_linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int,
+                       bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                       library=None) -> torch.Tensor:
+    """`linear` through bfloat16: SCRATCH_VALUES of the weight at a time dequantized into this thread's
+    buffer, then oneDNN's GEMM on it; nothing dequantized outlives the call."""
+    rows = packed.shape[0]
+    out = x.new_empty(x.shape[0], rows) if out is None else out
+    activations = x.to(torch.bfloat16)
+    step = max(1, SCRATCH_VALUES // in_features)
+    buffer = scratch(min(step, rows) * in_features)
+    for start in range(0, rows, step):
+        end = min(start + step, rows)
+        weight = buffer[: (end - start) * in_features].view(end - start, in_features)
+        dequantize_rows(packed, kind, torch.arange(start, end), in_features, torch.bfloat16, library, out=weight)
+        part = torch.nn.functional.linear(activations, weight)
+        if bias is None:
+            out[:, start:end].copy_(part)
+        else:  # the bias added in the output's dtype, not rounded to bfloat16 first
+            torch.add(part, bias[start:end].to(out.dtype), out=out[:, start:end])
+    return out
+
+
+def scratch(values: int) -> torch.Tensor:
+    """This thread's bfloat16 buffer of at least `values` elements (grown, never shrunk)."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < values:
+        buffer = _scratch.buffer = torch.empty(values, dtype=torch.bfloat16)
+    return buffer
+
+
 def dequantize_rows(packed: torch.Tensor, kind: str, ids: torch.Tensor, in_features: int, dtype=torch.float32,
-                    library=None) -> torch.Tensor:
-    """Rows `ids` of the packed weight, dequantized: [len(ids), in_features] in `dtype`."""
+                    library=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `ids` of the packed weight, dequantized: [len(ids), in_features] in `dtype`, written into
+    `out` (contiguous, that shape and dtype) when given."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(ids.shape[0], in_features, dtype=dtype)
+    if out is None:
+        out = torch.empty(ids.shape[0], in_features, dtype=dtype)
+    elif out.shape != (ids.shape[0], in_features) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{ids.shape[0]}, {in_features}] {dtype} tensor")
     status = (library or native_cpu.load()).gguf_dequantize_rows(
         packed.data_ptr(), packed.shape[1], packed.shape[0], type_number(kind), ids.data_ptr(), ids.shape[0],
         in_features, out.data_ptr(), native_cpu.SUPPORTED_DTYPES[dtype], torch.get_num_threads())

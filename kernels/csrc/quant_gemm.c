@@ -307,6 +307,41 @@ static inline float codes_dot(const uint8_t *codes, const float *scale, const in
     return whole == k ? head : head + codes_dot_groups(codes, scale, q, d, whole / GROUP, k / GROUP);
 }
 
+#ifndef ROW_BLOCK
+#define ROW_BLOCK 4 /* activation rows that share each load of a weight row's codes */
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* codes_dot of one decoded weight row against ROW_BLOCK activation rows (q, d: row strides k and
+ * k / 32): each 64 codes and their group scales are loaded once for all the rows. */
+static inline void codes_dot_rows(const uint8_t *codes, const float *scale, const int8_t *q, const float *d,
+                                  int64_t k, float *out) {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int64_t whole = k / 64 * 64, blocks = k / ABLOCK;
+    __m512 acc[ROW_BLOCK];
+    for (int j = 0; j < ROW_BLOCK; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < whole; i += 64) {
+        const __m512i c = _mm512_loadu_si512(codes + i);
+        const __m512 group_scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(scale + i / 16)));
+        for (int j = 0; j < ROW_BLOCK; j++) {
+            const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, _mm512_loadu_si512(q + j * k + i));
+            const __m128 two_blocks = _mm_castpd_ps(_mm_load_sd((const double *)(d + j * blocks + i / 32)));
+            const __m512 block_scale = _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(two_blocks));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(group_scale, block_scale), acc[j]);
+        }
+    }
+    for (int j = 0; j < ROW_BLOCK; j++)
+        out[j] = _mm512_reduce_add_ps(acc[j]) +
+                 (whole == k ? 0.f : codes_dot_groups(codes, scale, q + j * k, d + j * blocks, whole / GROUP, k / GROUP));
+}
+#else
+static inline void codes_dot_rows(const uint8_t *codes, const float *scale, const int8_t *q, const float *d,
+                                  int64_t k, float *out) {
+    for (int j = 0; j < ROW_BLOCK; j++) out[j] = codes_dot(codes, scale, q + j * k, d + j * (k / ABLOCK), k);
+}
+#endif
+
 static inline float min_dot(const float *min, const float *gsum, int64_t groups) {
     float total = 0.f;
     for (int64_t g = 0; g < groups; g++) total += min[g] * gsum[g];
@@ -356,7 +391,19 @@ int gguf_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t 
                 const int64_t first = tile * TILE, count = rows - first < TILE ? rows - first : TILE;
                 for (int64_t t = 0; t < count; t++)
                     decode_row(&f, w + (first + t) * row_bytes, k, codes + t * k, scale + t * groups, min + t * groups);
-                for (int64_t r = 0; r < m; r++) {
+                int64_t r = 0;
+                for (; ROW_BLOCK > 1 && r + ROW_BLOCK <= m; r += ROW_BLOCK) {
+                    for (int64_t t = 0; t < count; t++) {
+                        float dots[ROW_BLOCK];
+                        codes_dot_rows(codes + t * k, scale + t * groups, q + r * k, d + r * blocks, k, dots);
+                        for (int j = 0; j < ROW_BLOCK; j++) {
+                            float value = dots[j] - min_dot(min + t * groups, gsum + (r + j) * groups, groups);
+                            if (bias) value += load_float(bias, first + t, is_bf16);
+                            store_float(y, (r + j) * ldy + first + t, value, is_bf16);
+                        }
+                    }
+                }
+                for (; r < m; r++) {
                     for (int64_t t = 0; t < count; t++) {
                         float value = codes_dot(codes + t * k, scale + t * groups, q + r * k, d + r * blocks, k) -
                                       min_dot(min + t * groups, gsum + r * groups, groups);

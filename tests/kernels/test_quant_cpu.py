@@ -7,7 +7,10 @@ Tolerance: the kernel quantizes each activation block of 32 values to int8 (step
 so an output may differ from the dequantize-then-matmul reference by up to
 sum_i |w_i| * max|x| of i's block / 254 (half a step per product); each output is checked
 against its own bound, plus 1e-5 of the output's scale for float32 rounding. Dequantized rows
-must equal the gguf package's values exactly.
+must equal the gguf package's values exactly. From quant_cpu.DEQUANTIZE_FROM_ROWS rows on, `linear`
+runs a bfloat16 GEMM on the dequantized weight instead: weight and activations rounded to bfloat16
+(2^-8 each, so 2^-7 of sum_i |w_i x_i|), the product rounded once more (2^-8 of the output), plus
+float32 accumulation (in_features * 2^-24 of sum_i |w_i x_i|).
 """
 import platform
 
@@ -84,16 +87,67 @@ def test_linear_matches_dequantize_then_matmul(lib, kind, rows_in):
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q8_0"])
-def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, kind):
-    # 96 values: one 64-wide VNNI step and 32 left for the tail loop; the result lands in columns
-    # 3..19 of a wider output (a merged layer's segment), leaving the others untouched.
+@pytest.mark.parametrize("rows_in", [3, 6])
+def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, kind, rows_in):
+    # 96 values: one 64-wide VNNI step and 32 left for the tail loop (6 rows: one block of 4 rows and
+    # 2 alone); the result lands in columns 3..19 of a wider output (a merged layer's segment),
+    # leaving the others untouched.
     cols = 96
     packed = gguf_blocks(kind, 16, cols, seed=5)
-    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(6))
-    wide = torch.full((3, 24), 7.0)
+    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(6))
+    wide = torch.full((rows_in, 24), 7.0)
     quant_cpu.linear(x, packed, kind, cols, out=wide[:, 3:19], library=lib)
     assert_within_bound(wide[:, 3:19], quant_cpu.reference_linear(x, packed, kind), dequantized(packed, kind), x)
-    assert torch.equal(wide[:, :3], torch.full((3, 3), 7.0)) and torch.equal(wide[:, 19:], torch.full((3, 5), 7.0))
+    assert torch.equal(wide[:, :3], torch.full((rows_in, 3), 7.0))
+    assert torch.equal(wide[:, 19:], torch.full((rows_in, 5), 7.0))
+
+
+@pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
+def test_the_integer_kernel_on_many_rows_in_blocks_of_four(lib, kind):
+    # below the crossover only, in the engine; called directly here so blocks of 4 rows and a rest of 3
+    # meet a partial last tile of weight rows at a size `linear` would send to bfloat16
+    cols = 512
+    packed = gguf_blocks(kind, 37, cols, seed=11)
+    x = torch.randn(quant_cpu.DEQUANTIZE_FROM_ROWS + 3, cols, generator=torch.Generator().manual_seed(12))
+    out = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
+    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), dequantized(packed, kind), x)
+
+
+def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """[m, rows]: the most the bfloat16 path can move each output (see the module docstring)."""
+    magnitude = x.float().abs() @ weight.abs().float().T
+    return magnitude * (2 ** -7 + x.shape[1] * 2 ** -24) + reference.abs() * 2 ** -8 + 1e-6
+
+
+@pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_run_in_bfloat16_within_its_bound(lib, kind, dtype):
+    cols, rows_in = 512, quant_cpu.DEQUANTIZE_FROM_ROWS + 5
+    packed = gguf_blocks(kind, 37, cols, seed=13)
+    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(14)).to(dtype)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(15))
+    out = quant_cpu.linear(x, packed, kind, cols, bias, library=lib)
+    assert out.shape == (rows_in, 37) and out.dtype == dtype
+    reference = quant_cpu.reference_linear(x, packed, kind, bias)
+    bound = bfloat16_bound(dequantized(packed, kind), x, reference)
+    if dtype == torch.bfloat16:  # the bias is added after the product, then rounded with it
+        bound = bound + reference.abs() * 2 ** -8
+    excess = ((out.float() - reference).abs() - bound).max()
+    assert excess <= 0, f"an output is {float(excess):.3g} past its bound"
+
+
+def test_bfloat16_path_in_slices_of_the_weight_into_an_output_slice(lib, monkeypatch):
+    # a scratch of 5 rows: 37 weight rows in 8 slices (the last one partial), as an LM head goes
+    monkeypatch.setattr(quant_cpu, "SCRATCH_VALUES", 5 * 256)
+    kind, cols, rows_in = "Q4_K", 256, quant_cpu.DEQUANTIZE_FROM_ROWS
+    packed = gguf_blocks(kind, 37, cols, seed=16)
+    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(17))
+    wide = torch.full((rows_in, 45), 7.0)
+    quant_cpu.linear(x, packed, kind, cols, out=wide[:, 4:41], library=lib)
+    reference = quant_cpu.reference_linear(x, packed, kind)
+    assert ((wide[:, 4:41] - reference).abs() <= bfloat16_bound(dequantized(packed, kind), x, reference)).all()
+    assert torch.equal(wide[:, :4], torch.full((rows_in, 4), 7.0))
+    assert torch.equal(wide[:, 41:], torch.full((rows_in, 4), 7.0))
 
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q8_0"])
