@@ -13,7 +13,7 @@ import traceback
 from benchmarks.common import BENCH_DIR, machine_line
 
 SECTIONS = ["peers", "serving_peers", "throughput", "profile", "gemm", "scheduling", "serving", "grammar", "quant_tp",
-            "kernels", "fairness"]
+            "kernels", "fairness", "gguf"]
 
 
 def run_section(name: str) -> str:

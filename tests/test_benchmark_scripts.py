@@ -43,3 +43,15 @@ def test_the_grammar_bench_walks_constrained_rows_and_reports_each_batch():
     table = grammar.main(["--batches", "1,3", "--steps", "5"])
     lines = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
     assert len(lines) == 2
+
+
+def test_the_gguf_bench_loads_the_default_file_packed_and_reports_its_row():
+    from benchmarks import gguf
+
+    table = gguf.main(["--models", "smollm2", "--weights", "packed", "--prompt", "16", "--decode", "4",
+                       "--repeats", "1"])
+    [row] = [line for line in table.splitlines() if line.startswith("| SmolLM2")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1:3] == ["packed", "packed"]
+    load_s, rss_mib, prompt_tok_s, decode_tok_s = (float(cell.replace(",", "")) for cell in cells[3:])
+    assert load_s > 0 and rss_mib > 0 and prompt_tok_s > 0 and decode_tok_s > 0
