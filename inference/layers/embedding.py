@@ -6,7 +6,7 @@ from torch import nn
 
 from inference.distributed import SINGLE, ParallelConfig, all_gather_last_dim, all_reduce
 from inference.layers import onednn
-from inference.layers.linear import copy_checked
+from inference.layers.linear import copy_checked, with_loader
 from kernels import quant_cpu
 
 
@@ -23,8 +23,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = parallel.rank * self.shard
         self.end = min(self.start + self.shard, vocab_size)
         self.hidden, self.dtype = hidden, dtype
-        self.weight = nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight = with_loader(nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False),
+                                  self.weight_loader)
 
     def weight_loader(self, param, loaded, shard_id=None):
         if packed_kind(loaded) is not None:

@@ -7,6 +7,8 @@ unquantized one is below, quantized formats plug in the same way.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,16 +19,16 @@ from inference.layers import onednn
 class UnquantizedLinearMethod:
     """A plain [out, in] weight in the model's dtype, packed for oneDNN on CPU after loading."""
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        layer.weight.weight_loader = layer.weight_loader
+    def create_weights(self, layer: Any, in_features: int, out_features: int, dtype) -> None:
+        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.weight = with_loader(weight, layer.weight_loader)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.weight.is_mkldnn:
             return onednn.linear(x, layer.weight, bias)
         return nn.functional.linear(x, layer.weight, bias)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         if onednn.can_pack(layer.weight):  # replaces the dense copy: no extra memory
             layer.weight = nn.Parameter(onednn.pack(layer.weight.data), requires_grad=False)
 
@@ -41,11 +43,10 @@ class LinearBase(nn.Module):
         self.parallel = parallel  # before create_weights: quantized formats lay out groups by it
         self.method = method or UnquantizedLinearMethod()
         self.method.create_weights(self, in_features, out_features, dtype)
+        self.bias: nn.Parameter | None = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.bias = None
+            self.bias = with_loader(nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False),
+                                    self.weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
@@ -165,6 +166,12 @@ def divide(numerator: int, denominator: int) -> int:
     if numerator % denominator:
         raise ValueError(f"{numerator} is not divisible by tensor_parallel_size {denominator}")
     return numerator // denominator
+
+
+def with_loader(param: nn.Parameter, loader) -> nn.Parameter:
+    """`param` carrying its weight_loader (an attribute torch's Parameter does not declare)."""
+    setattr(param, "weight_loader", loader)
+    return param
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from inference.layers.linear import with_loader
 from kernels import quant_cpu
 
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
@@ -65,22 +67,23 @@ class GGUFLinearMethod:
     name = "gguf"
     weight_dtype = "packed"
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+    # `layer` is a LinearBase that this method gives attributes of its own (gguf_shards, segments, ...)
+    def create_weights(self, layer: Any, in_features: int, out_features: int, dtype) -> None:
         if layer.parallel.size > 1:
             raise ValueError("packed GGUF weights run on one rank; use weights='bfloat16' or 'float32' "
                              "with tensor_parallel_size > 1")
-        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # until loaded
-        layer.weight.weight_loader = functools.partial(self.load_weight, layer)
+        empty = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # until loaded
+        layer.weight = with_loader(empty, functools.partial(self.load_weight, layer))
         layer.gguf_shards, layer.segments, layer.compute_dtype = {}, [], dtype
 
     @staticmethod
-    def load_weight(layer: nn.Module, param, loaded, shard_id=None) -> None:
+    def load_weight(layer: Any, param, loaded, shard_id=None) -> None:
         if loaded.shape[1] != layer.in_features:
             raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a layer of "
                              f"{layer.in_features} inputs")
         layer.gguf_shards[shard_id] = loaded
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         shards = [layer.gguf_shards[key] for key in sorted(layer.gguf_shards, key=shard_position)]
         del layer.weight
         start = 0
@@ -95,7 +98,7 @@ class GGUFLinearMethod:
             raise ValueError(f"GGUF shards give {start} output features; the layer has {layer.out_features}")
         layer.gguf_shards = {}
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         segments = layer.segments
         if len(segments) == 1:
             return segment_linear(layer, segments[0], x, bias)
