@@ -25,7 +25,7 @@ import torch
 from kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-DEQUANTIZE_FROM_ROWS = 32  # the crossover measured on SmolLM2's and Qwen2.5-0.5B's layers (docs/kernels.md)
+DEQUANTIZE_FROM_ROWS = 16  # the crossover measured on SmolLM2's and Qwen2.5-0.5B's layers (docs/kernels.md)
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
