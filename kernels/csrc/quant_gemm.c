@@ -331,9 +331,12 @@ static inline void codes_dot_rows(const uint8_t *codes, const float *scale, cons
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(group_scale, block_scale), acc[j]);
         }
     }
-    for (int j = 0; j < ROW_BLOCK; j++)
-        out[j] = _mm512_reduce_add_ps(acc[j]) +
-                 (whole == k ? 0.f : codes_dot_groups(codes, scale, q + j * k, d + j * blocks, whole / GROUP, k / GROUP));
+    for (int j = 0; j < ROW_BLOCK; j++) {
+        const int8_t *row = q + j * k;
+        const float tail =
+            whole == k ? 0.f : codes_dot_groups(codes, scale, row, d + j * blocks, whole / GROUP, k / GROUP);
+        out[j] = _mm512_reduce_add_ps(acc[j]) + tail;
+    }
 }
 #else
 static inline void codes_dot_rows(const uint8_t *codes, const float *scale, const int8_t *q, const float *d,
@@ -432,13 +435,15 @@ static inline void store_values(const uint8_t *codes, const float *scale, const 
     int64_t g = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     for (; g < k / GROUP; g++) {
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + g * GROUP))));
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + g * GROUP));
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
         const __m512 v = _mm512_fmsub_ps(_mm512_set1_ps(scale[g]), c, _mm512_set1_ps(min[g]));
         if (is_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)out + g * GROUP), (__m256i)_mm512_cvtneps_pbh(v));
         else _mm512_storeu_ps((float *)out + g * GROUP, v);
     }
 #endif
-    for (int64_t j = g * GROUP; j < k; j++) store_float(out, j, scale[j / GROUP] * (float)codes[j] - min[j / GROUP], is_bf16);
+    for (int64_t j = g * GROUP; j < k; j++)
+        store_float(out, j, scale[j / GROUP] * (float)codes[j] - min[j / GROUP], is_bf16);
 }
 
 /* out[i, :k] = row ids[i] of w (rows x row_bytes) dequantized (float32 or bfloat16): the embedding

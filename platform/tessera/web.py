@@ -44,9 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def warm_up() -> None:
     """Set Django up and load the served model's tokenizer and chat template before the socket opens:
     /health, and so make run's `ready:`, waits for them, not the first chat (seconds for a GGUF file)."""
-    import tessera.asgi  # noqa: F401  (the app uvicorn serves: importing it sets Django up)
     from django.conf import settings
 
+    import tessera.asgi  # noqa: F401  (the app uvicorn serves: importing it sets Django up)
     from generation import tokenization
 
     tokenization.warm_up(str(settings.MODEL))
