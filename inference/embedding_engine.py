@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -22,8 +23,14 @@ from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
 from inference.kv_cache_manager import KVCacheManager
 from inference.layers import onednn
-from inference.loader import check_model_path, init_dummy_weights, load_tokenizer, load_weights, packed_gemms
-from inference.loader import process_weights_after_loading
+from inference.loader import (
+    check_model_path,
+    init_dummy_weights,
+    load_tokenizer,
+    load_weights,
+    packed_gemms,
+    process_weights_after_loading,
+)
 from inference.metrics import EngineMetrics
 from inference.models.bert import BertConfig, BertModel, is_encoder_config
 from inference.outputs import RequestMetrics
@@ -56,6 +63,7 @@ class EmbeddingRequestOutput:
 
     def float32_bytes(self) -> bytes:
         """The embedding as the protocol carries it: float32, little-endian."""
+        assert self.embedding is not None, "a failed request has no embedding"
         return self.embedding.float().contiguous().numpy().astype("<f4").tobytes()
 
 
@@ -197,9 +205,9 @@ class EmbeddingEngine:
     def step(self, final_only: bool = False) -> list[EmbeddingRequestOutput]:
         """Schedule whole prompts, encode them in one forward, pool; every scheduled request ends here."""
         plan = self.scheduler.schedule()
-        ended = list(plan.finished)
+        ended = cast(list[PoolingRequest], list(plan.finished))  # this engine's scheduler holds nothing else
         if not plan.is_empty:
-            requests = list(plan.scheduled)
+            requests = cast(list[PoolingRequest], list(plan.scheduled))
             try:
                 vectors = self._encode(requests)
             except Exception as exc:  # the batch's requests fail; the next step runs as usual

@@ -8,11 +8,11 @@ import torch
 
 from inference.config import EngineArgs, ModelConfig
 from inference.detokenizer import IncrementalDetokenizer
-from inference.kv_cache_manager import KVCacheManager
 from inference.engine_setup import choose_ops, resolve_device, resolve_max_model_len
 from inference.executor import create_executor
 from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
+from inference.kv_cache_manager import KVCacheManager
 from inference.loader import check_model_path, end_of_turn_token_ids, load_model, load_tokenizer
 from inference.metrics import EngineMetrics
 from inference.model_runner import ModelRunner
@@ -298,6 +298,7 @@ class LLMEngine:
 
     def _verify(self, seq: Request, logits: torch.Tensor, drafts: list[int],
                 plan: SchedulerOutput) -> list[SampledToken]:
+        assert self.speculator is not None  # only speculating engines verify
         try:
             tokens, entries = self.speculator.verify(logits, seq, drafts)
         except Exception as exc:
@@ -388,6 +389,7 @@ class LLMEngine:
     def _prompt_logprobs_of(self, request: Request, hidden_rows: torch.Tensor, first_pos: int) -> None:
         logprobs = torch.log_softmax(self.executor.logits_of(hidden_rows).float(), dim=-1)
         k = request.params.prompt_logprobs
+        assert request.prompt_logprobs is not None and k is not None  # only requests that asked have rows
         for i in range(hidden_rows.shape[0]):
             target = first_pos + i + 1  # the row at position p predicts the token at p + 1
             # a preempted request recomputes its prompt: each position is recorded once

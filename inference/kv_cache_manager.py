@@ -18,6 +18,7 @@ this way; freed blocks that hold a cached prefix are still evicted in LRU order.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -195,7 +196,7 @@ class KVCacheManager:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
 
-    def allocate_slots(self, seq, num_new_tokens: int, computed_blocks: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, seq, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = ()) -> bool:
         """Make room for num_new_tokens more K/V entries; False (and no change) if the pool is short."""
         table = self.tables.get(seq, [])
         num_tokens = seq.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -208,7 +209,7 @@ class KVCacheManager:
         table = self.tables.setdefault(seq, table)
         table.extend(computed_blocks)
         if computed_blocks:
-            self.hashes[seq] = [b.block_hash for b in computed_blocks]
+            self.hashes[seq] = [b.block_hash for b in computed_blocks if b.block_hash is not None]  # hits: all hashed
         for index in shared:
             self._copy_on_write(table, index)
         if num_new_blocks > 0:
@@ -244,7 +245,7 @@ class KVCacheManager:
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            if i and self.pool.cached.get(parent) != table[i - 1].block_id:
+            if i and self.pool.cached.get(hashes[i - 1]) != table[i - 1].block_id:
                 # The previous block is not the one cached under its hash (a duplicate, or a hash
                 # collision with other tokens): caching this block would let a lookup that verified
                 # only parent hash + own tokens reuse K/V computed after a different prefix.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -82,11 +83,13 @@ class LLM:
         """An encoder model's embeddings, one per prompt in input order (vLLM's LLM.embed)."""
         if not isinstance(self.llm_engine, EmbeddingEngine):
             raise ValueError("embed() needs an embedding (encoder) model; this one generates text")
-        return self.generate(prompts, pooling_params or PoolingParams(), prompt_token_ids, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, pooling_params or PoolingParams(), prompt_token_ids, use_tqdm=use_tqdm)
+        return cast(list[EmbeddingRequestOutput], outputs)  # what an EmbeddingEngine's steps return
 
-    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
+        """The engine's final outputs in request order: RequestOutputs, or an encoder's EmbeddingRequestOutputs."""
         engine = self.llm_engine
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         while engine.has_unfinished_requests():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -61,7 +62,7 @@ def build_model(cfg: ModelConfig, ops, dtype, device, max_position: int, linear_
                                 parallel)
 
 
-def load_weights(model: LlamaForCausalLM, path: str, progress: bool = True) -> None:
+def load_weights(model: Any, path: str, progress: bool = True) -> None:
     """Stream every checkpoint tensor through its parameter's weight_loader."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -163,7 +164,7 @@ def default_weight_loader(param, loaded, shard_id=None) -> None:
     copy_checked(param.data, loaded)
 
 
-def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+def init_dummy_weights(model: Any, seed: int) -> None:
     """Random weights of the right shapes (benchmarks of real model sizes without a checkpoint)."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():

@@ -40,7 +40,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_start, seq_lens, tables = [0], [], []
-        sample_rows, sampling_requests, prompt_rows = [], [], {}
+        sample_rows: list[int] = []
+        sampling_requests, prompt_rows = [], {}
         bs = self.block_size
         # Decodes first: attention runs them as one batch and only the rest as ragged prefill.
         order = sorted(plan.scheduled.items(), key=lambda item: item[1] != 1)
@@ -110,8 +111,8 @@ class ModelRunner:
             cache[dst] = cache[src]
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the forward; returns (hidden states of all tokens, logits of the sampling rows)."""
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the forward; returns (hidden states of all tokens, logits of the sampling rows, if any)."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if inputs.sample_rows else None

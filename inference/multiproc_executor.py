@@ -27,12 +27,22 @@ import logging
 import multiprocessing.connection
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from inference.distributed import (ParallelConfig, TensorParallelError, control_group, destroy_groups, free_port,
-                                   has_groups, init_groups, step_timeout, under_torchrun)
+from inference.distributed import (
+    ParallelConfig,
+    TensorParallelError,
+    control_group,
+    destroy_groups,
+    free_port,
+    has_groups,
+    init_groups,
+    step_timeout,
+    under_torchrun,
+)
 from inference.step_wire import CMD_COPY, CMD_EXECUTE, CMD_LOGITS, CMD_STOP, header, pack_step
 from inference.tp_worker import worker_main
 
@@ -47,7 +57,7 @@ class MultiprocExecutor:
         self.parallel = ParallelConfig(0, self.world_size)
         self.device = device
         self.procs: list = []
-        self.runner = None
+        self.runner: Any = None  # rank 0's model runner, from bind()
         self._closed = False
         self._serving = False  # the other ranks are in their step loop (and can take a stop message)
         self._threads = torch.get_num_threads()

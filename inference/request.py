@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from inference.detokenizer import IncrementalDetokenizer
 from inference.outputs import Logprob, RequestMetrics
 from inference.sampling_params import SamplingParams
 
@@ -62,7 +63,7 @@ class Request:
         )
         self.cumulative_logprob = 0.0
         self.group: list[Request] = [self]
-        self.detok = None  # set by the engine (IncrementalDetokenizer)
+        self.detok: IncrementalDetokenizer = None  # type: ignore[assignment]  # set by the engine at once
         self.grammar = None  # structured outputs: a Future of the compiled grammar, and this sequence's matcher
         self.matcher = None
         self.spec_token_ids: list[int] = []  # this step's proposed next tokens (speculative decoding)

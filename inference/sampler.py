@@ -8,17 +8,22 @@ request whatever else is in the batch.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from inference.outputs import Logprob
 from inference.request import Request
+
+if TYPE_CHECKING:
+    from inference.structured_output import TokenMasker
 
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]):
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self._masker = None  # TokenMasker, made for the first row with a grammar
+        self._masker: TokenMasker | None = None  # made for the first row with a grammar
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[list[int], list[dict[int, Logprob] | None]]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from inference.structured_output import KINDS, StructuredOutputs
 
@@ -73,34 +74,35 @@ class SamplingParams:
         self._validate()
 
     def _validate(self):
+        p: Any = self  # the fields as given, of any type, until these checks pass
         checks = [
-            ("n", lambda: isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
-            ("temperature", lambda: self.temperature >= 0, "must be >= 0"),
-            ("top_p", lambda: 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", lambda: isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "must be -1, 0 (off) or >= 1"),
-            ("min_p", lambda: 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", lambda: self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "must be an integer >= 1"),
-            ("min_tokens", lambda: isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
-            ("min_tokens", lambda: self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
-            ("presence_penalty", lambda: -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("frequency_penalty", lambda: -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", lambda: self.repetition_penalty > 0, "must be > 0"),
-            ("logprobs", lambda: self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "must be an integer in [0, 20]"),
-            ("prompt_logprobs", lambda: self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
-            ("stop", lambda: all(isinstance(s, str) and s for s in self.stop_strings), "must be a non-empty string or a list of them"),
-            ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be a list of token ids"),
-            ("logit_bias", lambda: all(-100 <= b <= 100 for b in self.logit_bias.values()),
+            ("n", lambda: isinstance(p.n, int) and p.n >= 1, "must be an integer >= 1"),
+            ("temperature", lambda: p.temperature >= 0, "must be >= 0"),
+            ("top_p", lambda: 0 < p.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", lambda: isinstance(p.top_k, int) and (p.top_k == -1 or p.top_k >= 1), "must be -1, 0 (off) or >= 1"),
+            ("min_p", lambda: 0 <= p.min_p <= 1, "must be in [0, 1]"),
+            ("max_tokens", lambda: p.max_tokens is None or (isinstance(p.max_tokens, int) and p.max_tokens >= 1), "must be an integer >= 1"),
+            ("min_tokens", lambda: isinstance(p.min_tokens, int) and p.min_tokens >= 0, "must be an integer >= 0"),
+            ("min_tokens", lambda: p.max_tokens is None or p.min_tokens <= p.max_tokens, "must be <= max_tokens"),
+            ("presence_penalty", lambda: -2 <= p.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", lambda: -2 <= p.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", lambda: p.repetition_penalty > 0, "must be > 0"),
+            ("logprobs", lambda: p.logprobs is None or (isinstance(p.logprobs, int) and 0 <= p.logprobs <= 20), "must be an integer in [0, 20]"),
+            ("prompt_logprobs", lambda: p.prompt_logprobs is None or (isinstance(p.prompt_logprobs, int) and 0 <= p.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
+            ("stop", lambda: all(isinstance(s, str) and s for s in p.stop_strings), "must be a non-empty string or a list of them"),
+            ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids), "must be a list of token ids"),
+            ("logit_bias", lambda: all(-100 <= b <= 100 for b in p.logit_bias.values()),
              "biases must be in [-100, 100]"),
-            ("allowed_token_ids", lambda: self.allowed_token_ids is None or (
-                self.allowed_token_ids and all(_is_token_id(t) for t in self.allowed_token_ids)),
+            ("allowed_token_ids", lambda: p.allowed_token_ids is None or (
+                p.allowed_token_ids and all(_is_token_id(t) for t in p.allowed_token_ids)),
              "must be a non-empty list of token ids"),
-            ("bad_words", lambda: all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            ("bad_words", lambda: all(isinstance(w, str) and w.strip() for w in p.bad_words),
              "must be a list of non-empty strings"),
-            ("speculative", lambda: isinstance(self.speculative, bool), "must be true or false"),
-            ("seed", lambda: self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+            ("speculative", lambda: isinstance(p.speculative, bool), "must be true or false"),
+            ("seed", lambda: p.seed is None or (isinstance(p.seed, int) and -2**63 <= p.seed < 2**64),
              "must be an integer in [-2**63, 2**64) (what torch.Generator takes)"),
             # both say which tokens may come next; their intersection is usually empty
-            ("allowed_token_ids", lambda: self.allowed_token_ids is None or self.structured_outputs is None,
+            ("allowed_token_ids", lambda: p.allowed_token_ids is None or p.structured_outputs is None,
              "cannot be combined with structured_outputs (the grammar decides which tokens may come)"),
         ]
         for name, check, why in checks:
@@ -118,7 +120,7 @@ class SamplingParams:
 
     def bind_tokenizer(self, tokenizer, vocab_size: int) -> "SamplingParams":
         """Check token ids against the vocabulary and tokenize bad_words (the engine calls this once)."""
-        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or [])):
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or [])):
             out_of_range = [t for t in ids if t >= vocab_size]
             if out_of_range:
                 raise ValueError(f"SamplingParams.{name} has token ids outside the vocabulary [0, {vocab_size}): "
@@ -132,6 +134,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         # vLLM's epsilon: dividing logits by a temperature of 1e-100 overflows them to +-inf (NaN probs)
+        assert self.temperature is not None  # __post_init__ puts the model's default in
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property

@@ -14,12 +14,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 from inference.fairness import VirtualTokenCounters, new_prompt_tokens
 from inference.kv_cache_manager import KVCacheManager
 from inference.metrics import EngineMetrics
 from inference.outputs import Logprob
 from inference.request import Request, RequestStatus
+from inference.sampling_params import SamplingParams
 from inference.scheduling_policy import WaitingQueue, make_policy
 
 logger = logging.getLogger("inference")
@@ -278,7 +280,7 @@ class Scheduler:
         """Whether token, as seq's num_output_tokens-th output token, ends it by a token rule (a stop
         token, EOS, max_tokens, max_model_len): where a speculating sequence's accepted tokens are cut."""
         params = seq.params
-        if num_output_tokens >= params.min_tokens and (token in params.stop_token_ids or (
+        if num_output_tokens >= params.min_tokens and (token in stop_ids(params) or (
                 not params.ignore_eos and token in self.config.eos_token_ids)):
             return True
         if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
@@ -328,6 +330,7 @@ class Scheduler:
         if seq.metrics.first_token_time is None:
             self._observe_first_token(seq, now)
         if item.logprobs is not None:
+            assert seq.logprobs is not None  # logprobs come only for requests that asked
             seq.logprobs.append(item.logprobs)
             seq.cumulative_logprob += item.logprobs[token].logprob
         status = self._stop_status(seq, token, item.stop_string)
@@ -349,7 +352,7 @@ class Scheduler:
             # ignore_eos cannot hold a finished structure open; the sampler lets it end)
             return RequestStatus.FINISHED_STOPPED
         may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and token in params.stop_token_ids:
+        if may_stop and token in stop_ids(params):
             seq.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if may_stop and not params.ignore_eos and token in self.config.eos_token_ids:
@@ -362,3 +365,8 @@ class Scheduler:
         if seq.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def stop_ids(params: SamplingParams) -> list[int]:
+    """params.stop_token_ids, a list once SamplingParams is built (None only in the constructor's signature)."""
+    return cast(list[int], params.stop_token_ids)

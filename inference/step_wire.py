@@ -5,6 +5,8 @@ follows on the default group. A step's inputs travel as one int64 tensor cut apa
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from inference.layers.ops import AttentionMetadata
@@ -14,7 +16,7 @@ CMD_EXECUTE, CMD_COPY, CMD_LOGITS, CMD_STOP = 1, 2, 3, 4
 HEADER = 8  # int64 slots: command + its sizes
 
 
-def header(command: int, sizes: list[int] = ()) -> torch.Tensor:
+def header(command: int, sizes: Sequence[int] = ()) -> torch.Tensor:
     out = torch.zeros(HEADER, dtype=torch.int64)
     out[0] = command
     out[1:1 + len(sizes)] = torch.tensor(list(sizes), dtype=torch.int64)

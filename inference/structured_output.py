@@ -76,10 +76,11 @@ def build_grammar(spec: StructuredOutputs):
         schema = spec.json if spec.kind == "json" else {"type": "object"}
         # Compact JSON: "any whitespace" lets a small model pad with spaces until max_tokens.
         return Grammar.from_json_schema(schema if isinstance(schema, str) else json.dumps(schema), any_whitespace=False)
-    if spec.kind == "regex":
+    if spec.kind == "regex" and spec.regex is not None:
         return Grammar.from_regex(spec.regex)
-    if spec.kind == "choice":
+    if spec.kind == "choice" and spec.choice is not None:
         return Grammar.from_regex("(" + "|".join(re.escape(choice) for choice in spec.choice) + ")")
+    assert spec.grammar is not None  # StructuredOutputs holds exactly one kind, and its value
     return Grammar.from_ebnf(spec.grammar)
 
 

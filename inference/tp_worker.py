@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ def worker_main(rank: int, world_size: int, init_method: str, backend: str, join
 
 
 def serve(parallel: ParallelConfig) -> None:
-    received = [None]
+    received: list[Any] = [None]
     dist.broadcast_object_list(received, src=0, group=control_group())
     args = EngineArgs(**received[0])
     runner, status = None, "ok"
@@ -52,6 +53,7 @@ def serve(parallel: ParallelConfig) -> None:
     dist.all_gather_object(statuses, status, group=control_group())
     if any(s != "ok" for s in statuses):
         return
+    assert runner is not None  # every rank, this one included, said ok
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, src=0, group=control_group())
     runner.allocate(int(num_blocks))

@@ -262,7 +262,7 @@ class EngineWorker:
             raise ValueError(f"model {request.model!r} is an embedding model: use /v1/embeddings" if embeds else
                              f"model {request.model!r} generates text; it does not make embeddings")
         if embeds:
-            return PoolingParams(**request.pooling_params)
+            return PoolingParams(**(request.pooling_params or {}))
         return SamplingParams(**request.sampling_params)
 
     def _prompt_len(self, request: protocol.EngineRequest) -> int:

@@ -7,6 +7,7 @@ Checkpoint names follow HF's BertModel (a "bert." prefix, as in BertForMaskedLM,
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from inference.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
-ACTIVATIONS = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
                "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
 

@@ -20,7 +20,7 @@ from inference.quantization.gptq import GPTQLinearMethod
 from inference.quantization.int8 import Int8LinearMethod
 
 QUANTIZATIONS = ("int8", "gptq", "awq")
-CHECKPOINT_FORMATS = {"gptq": GPTQLinearMethod, "awq": AWQLinearMethod}
+CHECKPOINT_FORMATS: dict[str, type[GPTQLinearMethod] | type[AWQLinearMethod]] = {"gptq": GPTQLinearMethod, "awq": AWQLinearMethod}
 
 
 WEIGHT_FORMATS = ("auto", "packed", "float32", "bfloat16")

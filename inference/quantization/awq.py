@@ -4,8 +4,9 @@ scales and zeros with the inputs.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 
 from inference.quantization.packed_int4 import PACK, bind_loaders, group_layout, local_g_idx, packed_param, use_triton
 from kernels.quant_ref import awq_linear
@@ -28,7 +29,7 @@ class AWQLinearMethod:
             raise ValueError("AWQ checkpoints without zero points are not supported")
         return cls(qcfg.get("group_size", qcfg.get("q_group_size", 128)))
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+    def create_weights(self, layer: Any, in_features: int, out_features: int, dtype) -> None:
         group, groups, split = group_layout(layer, in_features, self.group_size, replicate_groups=False)
         group_dim = 0 if split else None
         layer.quant_group_size = group
@@ -39,12 +40,12 @@ class AWQLinearMethod:
         # The kernel looks groups up per input row, as for GPTQ; not a checkpoint tensor.
         layer.register_buffer("g_idx", local_g_idx(in_features, group, None), persistent=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if use_triton(x):
             from kernels.dequant_gemm import dequant_gemm
 
             return dequant_gemm(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, "awq", 0, bias)
         return awq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.quant_group_size, bias)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         pass

@@ -8,9 +8,9 @@ any group); otherwise scales and zeros are split with the inputs.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
-from torch import nn
 
 from inference.quantization.packed_int4 import PACK, bind_loaders, group_layout, local_g_idx, packed_param, use_triton
 from kernels.quant_ref import gptq_linear
@@ -33,7 +33,7 @@ class GPTQLinearMethod:
         # v1 stores zero - 1 (AutoGPTQ's historic convention); v2 stores the zero itself.
         return cls(qcfg.get("group_size", 128), bool(qcfg.get("desc_act", False)), 1 if fmt == "gptq" else 0)
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+    def create_weights(self, layer: Any, in_features: int, out_features: int, dtype) -> None:
         group, groups, split = group_layout(layer, in_features, self.group_size, self.desc_act)
         group_dim = 0 if split else None
         layer.quant_group_size = group
@@ -46,7 +46,7 @@ class GPTQLinearMethod:
         layer.g_idx.weight_loader = functools.partial(self.load_g_idx, layer)
 
     @staticmethod
-    def load_g_idx(layer: nn.Module, param, loaded: torch.Tensor, shard_id=None) -> None:
+    def load_g_idx(layer: Any, param, loaded: torch.Tensor, shard_id=None) -> None:
         """Merged projections (q/k/v, gate/up) read one input, so their act-order g_idx must agree."""
         before = param.data.clone() if getattr(layer, "g_idx_loaded", False) else None
         layer.weight_loader(param, loaded, shard_id)
@@ -55,7 +55,7 @@ class GPTQLinearMethod:
                              f"({type(layer).__name__}); the checkpoint cannot be merged")
         layer.g_idx_loaded = True
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if use_triton(x):
             from kernels.dequant_gemm import dequant_gemm
 
@@ -63,6 +63,6 @@ class GPTQLinearMethod:
                                 self.zero_offset, bias)
         return gptq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, bias, self.zero_offset)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         if not self.desc_act:  # groups in input order: recompute for this rank's inputs
             layer.g_idx.data = local_g_idx(layer.g_idx.shape[0], layer.quant_group_size, layer.g_idx.device)

@@ -7,6 +7,7 @@ depends on its own output row, and row-parallel layers keep every row's whole-ro
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,21 +19,21 @@ class Int8LinearMethod:
     name = "int8"
     weight_dtype = "int8"
 
-    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype) -> None:
+    def create_weights(self, layer: Any, in_features: int, out_features: int, dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
         layer.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
-        layer.weight_scale.derived = True  # filled by the weight's loader, absent from checkpoints
-        layer.weight.weight_loader = functools.partial(self.load_weight, layer)
-        layer.weight_scale.weight_loader = layer.weight_loader
+        setattr(layer.weight_scale, "derived", True)  # filled by the weight's loader, absent from checkpoints
+        setattr(layer.weight, "weight_loader", functools.partial(self.load_weight, layer))
+        setattr(layer.weight_scale, "weight_loader", layer.weight_loader)
 
     @staticmethod
-    def load_weight(layer: nn.Module, param, loaded: torch.Tensor, shard_id=None) -> None:
+    def load_weight(layer: Any, param, loaded: torch.Tensor, shard_id=None) -> None:
         q, scale = quantize_int8_per_channel(loaded)
         layer.weight_loader(layer.weight, q, shard_id)
         layer.weight_loader(layer.weight_scale, scale, shard_id)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int8_linear(x, layer.weight, layer.weight_scale, bias)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         pass

@@ -7,6 +7,8 @@ dequantize-GEMM on CUDA and the torch reference (dequantize, then matmul) elsewh
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -15,16 +17,17 @@ PACK = 8
 
 def packed_param(shape, dtype, output_dim, input_dim, output_pack=1) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-    param.output_dim, param.input_dim, param.output_pack = output_dim, input_dim, output_pack
+    for name, value in (("output_dim", output_dim), ("input_dim", input_dim), ("output_pack", output_pack)):
+        setattr(param, name, value)  # attributes the loader reads; torch's Parameter does not declare them
     return param
 
 
-def bind_loaders(layer: nn.Module, names) -> None:
+def bind_loaders(layer: Any, names) -> None:
     for name in names:
         getattr(layer, name).weight_loader = layer.weight_loader
 
 
-def group_layout(layer: nn.Module, in_features: int, group_size: int,
+def group_layout(layer: Any, in_features: int, group_size: int,
                  replicate_groups: bool) -> tuple[int, int, bool]:
     """(group size, number of groups held, whether groups are split with the input features).
 

@@ -3,17 +3,20 @@ policy that picks k per step (speculator.py) and the verification (rejection_sam
 from __future__ import annotations
 
 from inference.spec_decode.config import SpeculativeConfig
-from inference.spec_decode.speculator import Speculator
+from inference.spec_decode.speculator import Proposer, Speculator
 
 
 def create_speculator(config: SpeculativeConfig | None, engine) -> Speculator | None:
     """The engine's speculator for its speculative_config (None: plain decoding)."""
     if config is None:
         return None
+    proposer: Proposer
     if config.method == "ngram":
         from inference.spec_decode.ngram import NgramProposer
 
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        low, high = config.prompt_lookup_min, config.prompt_lookup_max
+        assert low is not None and high is not None  # with_lookup_defaults sets both for ngram
+        proposer = NgramProposer(low, high)
     else:
         from inference.spec_decode.draft_model import DraftModelProposer
 

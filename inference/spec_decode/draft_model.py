@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import cast
 
 import torch
 
@@ -52,6 +53,7 @@ class DraftSequence:
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, engine):
         args = engine.args
+        assert config.model is not None  # SpeculativeConfig requires it for draft_model
         check_model_path(config.model, args.load_format)
         draft_config = ModelConfig.from_path(config.model)
         target_vocab = engine.model_config.vocab_size
@@ -78,11 +80,14 @@ class DraftModelProposer:
         while active:
             got = self._forward(seqs, active, drafts)
             for i, token in got.items():
-                drafts[i].append(token)
+                tokens = drafts[i]
+                assert isinstance(tokens, list)  # rows that failed are not in got
+                tokens.append(token)
                 draft = self.seqs[seqs[i]]
                 draft.num_computed_tokens = draft.num_tokens
                 draft.token_ids.append(token)
-            active = [i for i in got if len(drafts[i]) < ks[i]]  # not those out of blocks, failed or done
+            # not those out of blocks, failed or done
+            active = [i for i in got if isinstance(row := drafts[i], list) and len(row) < ks[i]]
         return drafts
 
     def _catch_up(self, seq: Request) -> None:
@@ -129,12 +134,14 @@ class DraftModelProposer:
     @torch.inference_mode()
     def _run(self, drafts: list[DraftSequence]) -> list[int]:
         plan = SchedulerOutput()
-        plan.scheduled = {draft: draft.num_tokens - draft.num_computed_tokens for draft in drafts}
-        plan.block_tables = {draft: self.kv.block_ids(draft) for draft in drafts}
+        seqs = cast(list[Request], drafts)  # a DraftSequence has all of a Request the runner reads
+        plan.scheduled = {seq: seq.num_tokens - seq.num_computed_tokens for seq in seqs}
+        plan.block_tables = {seq: self.kv.block_ids(seq) for seq in seqs}
         inputs = self.runner.prepare(plan)
         _, logits = self.runner.execute(inputs)
+        assert logits is not None  # every draft row samples
         by_draft = dict(zip(inputs.sampling_requests, first_max_index(logits).tolist()))  # decodes come first
-        return [by_draft[draft] for draft in drafts]
+        return [by_draft[seq] for seq in seqs]
 
     def _forget_finished(self) -> None:
         for seq in [s for s in self.seqs if s.is_finished]:

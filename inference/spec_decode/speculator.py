@@ -15,6 +15,7 @@ text); a sequence at k = 0 drifts back to the prior and tries again later.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +33,7 @@ MIN_SPEEDUP = 1.02  # below this expected gain a step runs plain (proposing and 
 
 
 class Proposer(Protocol):
-    def propose(self, seqs: list[Request], ks: list[int]) -> list[list[int] | BaseException]:
+    def propose(self, seqs: list[Request], ks: list[int]) -> Sequence[list[int] | BaseException]:
         """Up to ks[i] proposed next tokens for each sequence (fewer, or none, where it has no guess),
         or the exception that sequence's proposal failed with (it fails that request alone)."""
 
