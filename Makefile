@@ -51,7 +51,7 @@ $(ASSETS): package.json package-lock.json
 # test` runs its fast subset (marker chaos_fast: the engine-worker kill).
 # DB=postgres (the default): a throwaway PostgreSQL server for the session
 # (platform/tessera/embedded_postgres.py); DB=sqlite: SQLite, for a quick run.
-test: install browser assets $(if $(filter sqlite,$(DB)),,postgres-server)
+test: install lint browser assets $(if $(filter sqlite,$(DB)),,postgres-server)
 	TESSERA_DB=$(or $(DB),postgres) $(BIN)/python -m pytest -m "not chaos or chaos_fast"
 
 # Faults injected into the real stack on loopback (tests/chaos): prints the table of scenarios and
@@ -72,7 +72,7 @@ security: install
 	FUZZ_MAX_EXAMPLES=$(FUZZ_MAX_EXAMPLES) FUZZ_RANDOM=$(FUZZ_RANDOM) $(BIN)/python -m pytest -q \
 		tests/platform/security tests/platform/fuzz tests/platform/accounts
 
-# The static gate: ruff (its settings are the lead's) and mypy ([tool.mypy] in pyproject.toml).
+# The static gate, first in make test: ruff (lint and format; [tool.ruff]) and mypy ([tool.mypy]).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

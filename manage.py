@@ -1,5 +1,6 @@
 #!/usr/bin/env python
 """Django's command-line utility. platform/ is a source root, not a package (see docs)."""
+
 import os
 import sys
 from pathlib import Path

@@ -1,4 +1,5 @@
 """Shared pieces of the benchmarks: the bench models, workloads and table printing."""
+
 from __future__ import annotations
 
 import os
@@ -11,10 +12,21 @@ import torch
 BENCH_DIR = Path(os.environ.get("TESSERA_BENCH_DIR", Path(__file__).resolve().parents[1] / "var" / "bench"))
 
 # The issue's CPU bench model: ~31M params, a Llama with GQA (8 heads, 2 KV heads).
-BENCH_CONFIG = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                    bos_token_id=0, eos_token_id=1, initializer_range=0.02)
+BENCH_CONFIG = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=1,
+    initializer_range=0.02,
+)
 
 
 def bench_model_dir(dtype: str = "float32") -> str:
@@ -63,15 +75,19 @@ def hf_model(path: str, dtype: str):
     from inference.gguf_files import is_gguf
 
     file = Path(path)
-    where = dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name) if is_gguf(path) else \
-        dict(pretrained_model_name_or_path=path)
+    where = (
+        dict(pretrained_model_name_or_path=str(file.parent), gguf_file=file.name)
+        if is_gguf(path)
+        else dict(pretrained_model_name_or_path=path)
+    )
     model = AutoModelForCausalLM.from_pretrained(**where, dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # ignore_eos, as in the engine's workload
     return model
 
 
-def random_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                    seed: int = 0, vocab: int = 8192) -> list[tuple[list[int], int]]:
+def random_workload(
+    num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0, vocab: int = 8192
+) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) pairs, uniform lengths, random ids (no special tokens)."""
     rng = random.Random(seed)
     work = []
@@ -110,5 +126,7 @@ def machine_line() -> str:
     import platform
 
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads{gpu}")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads{gpu}"
+    )

@@ -7,6 +7,7 @@ the paper's weighted tokens (prompt x1 when the first token comes, output x2 as 
 This runs the bare engine in this process (no web tier, Redis or worker): the served-stack version the
 issue asks for is still to be built (docs/benchmarks.md says so).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,22 @@ from inference import LLM, SamplingParams
 from inference.fairness import service_bound
 
 
-def run(policy: str, rates: dict[str, float], weights: dict[str, float], seconds: float, prompt_len: int,
-        output_len: int, max_num_seqs: int) -> dict:
-    llm = LLM(model=bench_model_dir(), dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs,
-              scheduling_policy=policy)
+def run(
+    policy: str,
+    rates: dict[str, float],
+    weights: dict[str, float],
+    seconds: float,
+    prompt_len: int,
+    output_len: int,
+    max_num_seqs: int,
+) -> dict:
+    llm = LLM(
+        model=bench_model_dir(),
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=max_num_seqs,
+        scheduling_policy=policy,
+    )
     engine = llm.llm_engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -54,8 +67,13 @@ def run(policy: str, rates: dict[str, float], weights: dict[str, float], seconds
     elapsed = time.monotonic() - start
     kv_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
     engine.abort_request(list(engine.requests))
-    return {"served": served, "max_diff": max_diff, "tok_s": tokens / elapsed, "ttft": ttft,
-            "bound": service_bound(prompt_len, min(kv_tokens, max_num_seqs * (prompt_len + output_len)))}
+    return {
+        "served": served,
+        "max_diff": max_diff,
+        "tok_s": tokens / elapsed,
+        "ttft": ttft,
+        "bound": service_bound(prompt_len, min(kv_tokens, max_num_seqs * (prompt_len + output_len))),
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -72,24 +90,63 @@ def main(argv: list[str]) -> str:
     args = parser.parse_args(argv)
     rows = []
     for policy in ("fcfs", "fair"):
-        result = run(policy, {"A": args.rate, "B": 2 * args.rate}, {"A": 1.0, "B": 1.0}, args.seconds, args.prompt,
-                     args.output, args.max_num_seqs)
+        result = run(
+            policy,
+            {"A": args.rate, "B": 2 * args.rate},
+            {"A": 1.0, "B": 1.0},
+            args.seconds,
+            args.prompt,
+            args.output,
+            args.max_num_seqs,
+        )
         served, ttft = result["served"], result["ttft"]
-        rows.append([policy, round(served["A"]), round(served["B"]), served["B"] / max(served["A"], 1.0),
-                     round(result["max_diff"]), round(result["bound"]), result["tok_s"],
-                     pct(ttft["A"], 50), pct(ttft["A"], 99), pct(ttft["B"], 50), pct(ttft["B"], 99)])
-    tables = [print_table(
-        f"Two tenants, B at 2x A's rate ({args.rate}/s and {2 * args.rate}/s), prompt {args.prompt}, output "
-        f"{args.output}, max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s each (bare engine)",
-        ["policy", "W_A", "W_B", "W_B/W_A", "max |W_A-W_B|", "2U", "output tok/s", "A TTFT p50 ms", "A p99",
-         "B TTFT p50 ms", "B p99"], rows)]
+        rows.append(
+            [
+                policy,
+                round(served["A"]),
+                round(served["B"]),
+                served["B"] / max(served["A"], 1.0),
+                round(result["max_diff"]),
+                round(result["bound"]),
+                result["tok_s"],
+                pct(ttft["A"], 50),
+                pct(ttft["A"], 99),
+                pct(ttft["B"], 50),
+                pct(ttft["B"], 99),
+            ]
+        )
+    tables = [
+        print_table(
+            f"Two tenants, B at 2x A's rate ({args.rate}/s and {2 * args.rate}/s), prompt {args.prompt}, output "
+            f"{args.output}, max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s each (bare engine)",
+            [
+                "policy",
+                "W_A",
+                "W_B",
+                "W_B/W_A",
+                "max |W_A-W_B|",
+                "2U",
+                "output tok/s",
+                "A TTFT p50 ms",
+                "A p99",
+                "B TTFT p50 ms",
+                "B p99",
+            ],
+            rows,
+        )
+    ]
     weights = {"w1": 1.0, "w2": 2.0, "w3": 3.0, "w4": 4.0}
-    result = run("fair", {t: 2 * args.rate for t in weights}, weights, args.seconds, args.prompt, args.output,
-                 args.max_num_seqs)
+    result = run(
+        "fair", {t: 2 * args.rate for t in weights}, weights, args.seconds, args.prompt, args.output, args.max_num_seqs
+    )
     total = sum(result["served"].values())
-    tables.append(print_table("Four tenants, weights 1:2:3:4, each at 2x A's rate (fair)",
-                              ["tenant", "weight", "share", "target"],
-                              [[t, w, result["served"][t] / total, w / 10] for t, w in weights.items()]))
+    tables.append(
+        print_table(
+            "Four tenants, weights 1:2:3:4, each at 2x A's rate (fair)",
+            ["tenant", "weight", "share", "target"],
+            [[t, w, result["served"][t] / total, w / 10] for t, w in weights.items()],
+        )
+    )
     return "\n".join(tables)
 
 

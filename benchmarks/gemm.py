@@ -3,6 +3,7 @@ weights (inference/layers/onednn.py), and what rounding the row count does to on
 
     python -m benchmarks.gemm
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,11 @@ def gflops_table(rows_list: list[int]) -> str:
             dense = seconds_per_call(lambda: F.linear(x, w), repeat)
             fast = seconds_per_call(lambda: onednn.linear(x, packed), repeat)
             rows.append([rows_count, f"{in_f}x{out_f}", flops / dense / 1e9, flops / fast / 1e9, dense / fast])
-    return print_table(f"float32 GEMM GFLOP/s, {machine_line()}",
-                       ["rows", "in x out", "F.linear (MKL)", "oneDNN packed", "speed-up"], rows)
+    return print_table(
+        f"float32 GEMM GFLOP/s, {machine_line()}",
+        ["rows", "in x out", "F.linear (MKL)", "oneDNN packed", "speed-up"],
+        rows,
+    )
 
 
 def shape_cache_table(max_rows: int, passes: int) -> str:
@@ -58,10 +62,12 @@ def shape_cache_table(max_rows: int, passes: int) -> str:
                 for x, w in zip(inputs[n], packed):
                     fn(x, w)
             times.append(time.perf_counter() - started)
-        rows.append([name, len({onednn.padded_rows(n) if fn is onednn.linear else n for n in counts}) * 4,
-                     *times])
-    return print_table(f"oneDNN primitive cache: 4 GEMMs x {max_rows} row counts, seconds per pass",
-                       ["shapes", "distinct GEMM shapes", *[f"pass {i + 1} s" for i in range(passes)]], rows)
+        rows.append([name, len({onednn.padded_rows(n) if fn is onednn.linear else n for n in counts}) * 4, *times])
+    return print_table(
+        f"oneDNN primitive cache: 4 GEMMs x {max_rows} row counts, seconds per pass",
+        ["shapes", "distinct GEMM shapes", *[f"pass {i + 1} s" for i in range(passes)]],
+        rows,
+    )
 
 
 @torch.inference_mode()
@@ -73,8 +79,9 @@ def main(argv=None) -> str:
     if not onednn.enabled():
         print("oneDNN linear ops are not available in this torch build")
         return ""
-    return "\n".join([gflops_table([int(r) for r in args.rows.split(",")]),
-                      shape_cache_table(args.cache_rows, passes=3)])
+    return "\n".join(
+        [gflops_table([int(r) for r in args.rows.split(",")]), shape_cache_table(args.cache_rows, passes=3)]
+    )
 
 
 if __name__ == "__main__":

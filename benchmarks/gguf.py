@@ -8,6 +8,7 @@ llama-bench's `-p 512 -n 128` style: prompt tok/s (a 512-token prompt's prefill)
 next 128 tokens, greedy, ignore_eos). Formats alternate within each repeat, so a busy machine slows every
 format alike; the table gives the median over repeats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,15 +57,24 @@ def measure(model: str, weights: str, prompt_tokens: int, decode_tokens: int) ->
     from inference import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(model=model, device="cpu", weights=weights, max_model_len=prompt_tokens + decode_tokens + 16,
-              max_num_seqs=4, max_num_batched_tokens=max(2048, prompt_tokens))
+    llm = LLM(
+        model=model,
+        device="cpu",
+        weights=weights,
+        max_model_len=prompt_tokens + decode_tokens + 16,
+        max_num_seqs=4,
+        max_num_batched_tokens=max(2048, prompt_tokens),
+    )
     load_s = time.perf_counter() - started
     rss = resident_mib()
     engine = llm.llm_engine
     engine.warm_up()
     prompt = [1000 + (7919 * i) % 20000 for i in range(prompt_tokens)]  # ordinary tokens, no special ones
-    engine.add_request("bench", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
+    engine.add_request(
+        "bench",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True),
+    )
     started = time.perf_counter()
     while not any(output.outputs[0].token_ids for output in engine.step()):
         pass
@@ -73,15 +83,27 @@ def measure(model: str, weights: str, prompt_tokens: int, decode_tokens: int) ->
         engine.step()
     done = time.perf_counter()
     engine.shutdown()
-    return {"load_s": load_s, "rss_mib": rss, "prompt_tok_s": prompt_tokens / (first_token - started),
-            "decode_tok_s": (decode_tokens - 1) / (done - first_token),
-            "weights_dtype": engine.memory["weights_dtype"]}
+    return {
+        "load_s": load_s,
+        "rss_mib": rss,
+        "prompt_tok_s": prompt_tokens / (first_token - started),
+        "decode_tok_s": (decode_tokens - 1) / (done - first_token),
+        "weights_dtype": engine.memory["weights_dtype"],
+    }
 
 
 def run_child(model: str, weights: str, prompt_tokens: int, decode_tokens: int) -> dict:
     """measure() in a fresh process: load time and resident set are the load's alone."""
-    command = [sys.executable, "-m", "benchmarks.gguf", "--child", model, weights, str(prompt_tokens),
-               str(decode_tokens)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.gguf",
+        "--child",
+        model,
+        weights,
+        str(prompt_tokens),
+        str(decode_tokens),
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{weights} run of {model} failed:\n{done.stderr[-3000:]}")
@@ -96,15 +118,27 @@ def table(files: dict[str, str], weights: list[str], prompt_tokens: int, decode_
                 runs.setdefault((name, fmt), []).append(run_child(path, fmt, prompt_tokens, decode_tokens))
     rows = []
     for (name, fmt), results in runs.items():
+
         def median(key: str) -> float:
             return statistics.median(r[key] for r in results)
 
-        rows.append([name, fmt, results[0]["weights_dtype"], median("load_s"), median("rss_mib"),
-                     median("prompt_tok_s"), median("decode_tok_s")])
+        rows.append(
+            [
+                name,
+                fmt,
+                results[0]["weights_dtype"],
+                median("load_s"),
+                median("rss_mib"),
+                median("prompt_tok_s"),
+                median("decode_tok_s"),
+            ]
+        )
     return print_table(
         f"GGUF weight formats, batch 1 (prompt {prompt_tokens}, decode {decode_tokens}), median of {repeats}, "
         f"{machine_line()}",
-        ["model", "weights", "linear weights", "load s", "RSS after load MiB", "prompt tok/s", "decode tok/s"], rows)
+        ["model", "weights", "linear weights", "load s", "RSS after load MiB", "prompt tok/s", "decode tok/s"],
+        rows,
+    )
 
 
 def main(argv=None) -> str:

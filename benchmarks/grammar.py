@@ -6,6 +6,7 @@ and applies each row's token mask, the masked argmax picks a token and each matc
 Random logits stand in for the model, so rows wander through the grammar as an unhelpful model
 would; strings are pattern-bounded so every walk ends. Reported per step: the median and mean.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,9 +17,16 @@ import torch
 
 from benchmarks.common import machine_line, print_table, real_model_path
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,12}$"}, "age": {"type": "integer"},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+}
 
 
 def step_times(compiler, masker, batch: int, steps: int, seed: int = 0) -> list[float]:
@@ -59,8 +67,11 @@ def main(argv=None) -> str:
         times = step_times(compiler, masker, batch, args.steps)
         rows.append([batch, statistics.median(times) * 1000, statistics.mean(times) * 1000])
     compiler.shutdown()
-    return print_table(f"Grammar mask cost per step (xgrammar, {len(tokenizer):,}-token vocabulary), {machine_line()}",
-                       ["rows constrained", "p50 ms per step", "mean ms per step"], rows)
+    return print_table(
+        f"Grammar mask cost per step (xgrammar, {len(tokenizer):,}-token vocabulary), {machine_line()}",
+        ["rows constrained", "p50 ms per step", "mean ms per step"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Prefill: ragged causal prefill/extend attention; reports TFLOP/s for both paths.
 Without CUDA it prints a message and exits 0 (the kernels' correctness is covered by
 tests/kernels on CPU through Triton's interpreter).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,7 @@ def decode_rows(args, device, gen):
             k_cache, v_cache, block_tables = make_paged(batch, context, hkv, d, bs, torch.bfloat16, device, gen)
             seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
             q = torch.randn(batch, hq, d, dtype=torch.bfloat16, device=device, generator=gen)
-            scale = d ** -0.5
+            scale = d**-0.5
             args_ = (q, k_cache, v_cache, block_tables, seq_lens, scale)
             out = paged_decode_attention(*args_)
             ref = torch_ref.paged_decode_attention(*args_)
@@ -65,15 +66,29 @@ def decode_rows(args, device, gen):
             ms_ref = bench(lambda: torch_ref.paged_decode_attention(*args_))
             gbps = (kv_bytes + other_bytes) / ms / 1e6
             gbps_ref = (kv_bytes + other_bytes) / ms_ref / 1e6
-            rows.append(dict(kind="decode", batch=batch, context=context,
-                             splits=pick_num_splits(batch, hkv, block_tables.shape[1] * bs, device),
-                             triton_ms=ms, torch_ms=ms_ref, triton_gbps=gbps, torch_gbps=gbps_ref,
-                             triton_peak_frac=gbps / args.peak_gbps, torch_peak_frac=gbps_ref / args.peak_gbps,
-                             speedup=ms_ref / ms, max_abs_err=max_err))
-            print(f"decode  B={batch:4d} ctx={context:5d} splits={rows[-1]['splits']:2d}  "
-                  f"triton {ms:8.3f} ms {gbps:7.0f} GB/s ({100 * gbps / args.peak_gbps:5.1f}% of peak)  "
-                  f"torch {ms_ref:8.3f} ms {gbps_ref:7.0f} GB/s ({100 * gbps_ref / args.peak_gbps:5.1f}%)  "
-                  f"x{ms_ref / ms:5.2f}  max|err| {max_err:.3g}", flush=True)
+            rows.append(
+                dict(
+                    kind="decode",
+                    batch=batch,
+                    context=context,
+                    splits=pick_num_splits(batch, hkv, block_tables.shape[1] * bs, device),
+                    triton_ms=ms,
+                    torch_ms=ms_ref,
+                    triton_gbps=gbps,
+                    torch_gbps=gbps_ref,
+                    triton_peak_frac=gbps / args.peak_gbps,
+                    torch_peak_frac=gbps_ref / args.peak_gbps,
+                    speedup=ms_ref / ms,
+                    max_abs_err=max_err,
+                )
+            )
+            print(
+                f"decode  B={batch:4d} ctx={context:5d} splits={rows[-1]['splits']:2d}  "
+                f"triton {ms:8.3f} ms {gbps:7.0f} GB/s ({100 * gbps / args.peak_gbps:5.1f}% of peak)  "
+                f"torch {ms_ref:8.3f} ms {gbps_ref:7.0f} GB/s ({100 * gbps_ref / args.peak_gbps:5.1f}%)  "
+                f"x{ms_ref / ms:5.2f}  max|err| {max_err:.3g}",
+                flush=True,
+            )
             del k_cache, v_cache, block_tables, q, out, ref
             torch.cuda.empty_cache()
     return rows
@@ -85,8 +100,9 @@ def prefill_rows(args, device, gen):
 
     hq, hkv, d, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     # (sequences, new tokens each, cached prefix each): fresh prompts and an extend over a prefix.
-    shapes = [(4, 2048, 0), (4, 512, 3584)] if args.quick else [(8, 1024, 0), (4, 2048, 0), (1, 8192, 0),
-                                                                 (4, 512, 3584)]
+    shapes = (
+        [(4, 2048, 0), (4, 512, 3584)] if args.quick else [(8, 1024, 0), (4, 2048, 0), (1, 8192, 0), (4, 512, 3584)]
+    )
     rows = []
     for num_seqs, q_len, prefix in shapes:
         total = q_len + prefix
@@ -94,7 +110,7 @@ def prefill_rows(args, device, gen):
         seq_lens = torch.full((num_seqs,), total, dtype=torch.int32, device=device)
         qsl = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * q_len
         q = torch.randn(num_seqs * q_len, hq, d, dtype=torch.bfloat16, device=device, generator=gen)
-        args_ = (q, k_cache, v_cache, block_tables, qsl, seq_lens, d ** -0.5)
+        args_ = (q, k_cache, v_cache, block_tables, qsl, seq_lens, d**-0.5)
         out = paged_prefill_attention(*args_)
         ref = torch_ref.paged_prefill_attention(*args_)
         max_err = (out.float() - ref.float()).abs().max().item()
@@ -104,12 +120,26 @@ def prefill_rows(args, device, gen):
         flops = 4 * pairs * d * hq
         ms = bench(lambda: paged_prefill_attention(*args_))
         ms_ref = bench(lambda: torch_ref.paged_prefill_attention(*args_))
-        rows.append(dict(kind="prefill", num_seqs=num_seqs, q_len=q_len, prefix=prefix,
-                         triton_ms=ms, torch_ms=ms_ref, triton_tflops=flops / ms / 1e9,
-                         torch_tflops=flops / ms_ref / 1e9, speedup=ms_ref / ms, max_abs_err=max_err))
-        print(f"prefill seqs={num_seqs} new={q_len:5d} prefix={prefix:5d}  "
-              f"triton {ms:8.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s  torch {ms_ref:8.3f} ms "
-              f"{flops / ms_ref / 1e9:6.1f} TFLOP/s  x{ms_ref / ms:5.2f}  max|err| {max_err:.3g}", flush=True)
+        rows.append(
+            dict(
+                kind="prefill",
+                num_seqs=num_seqs,
+                q_len=q_len,
+                prefix=prefix,
+                triton_ms=ms,
+                torch_ms=ms_ref,
+                triton_tflops=flops / ms / 1e9,
+                torch_tflops=flops / ms_ref / 1e9,
+                speedup=ms_ref / ms,
+                max_abs_err=max_err,
+            )
+        )
+        print(
+            f"prefill seqs={num_seqs} new={q_len:5d} prefix={prefix:5d}  "
+            f"triton {ms:8.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s  torch {ms_ref:8.3f} ms "
+            f"{flops / ms_ref / 1e9:6.1f} TFLOP/s  x{ms_ref / ms:5.2f}  max|err| {max_err:.3g}",
+            flush=True,
+        )
         del k_cache, v_cache, block_tables, q, out, ref
         torch.cuda.empty_cache()
     return rows
@@ -128,12 +158,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA device available; nothing to measure "
-              "(kernel correctness runs on CPU: pytest tests/kernels).")
+        print(
+            "benchmarks/kernels.py: no CUDA device available; nothing to measure "
+            "(kernel correctness runs on CPU: pytest tests/kernels)."
+        )
         return 0
     device = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(device)}; peak assumed {args.peak_gbps:.0f} GB/s; "
-          f"Hq={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} block={args.block_size}, bf16", flush=True)
+    print(
+        f"device: {torch.cuda.get_device_name(device)}; peak assumed {args.peak_gbps:.0f} GB/s; "
+        f"Hq={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} block={args.block_size}, bf16",
+        flush=True,
+    )
     gen = torch.Generator(device=device).manual_seed(0)
     rows = decode_rows(args, device, gen)
     if not args.skip_prefill:

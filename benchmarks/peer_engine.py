@@ -8,6 +8,7 @@ request) and TPOT (the extra time of 1 + SINGLE_TOKENS tokens, per token), and t
 engine reports. Tessera and vLLM share the offline API, so the same lines drive both; under vLLM's
 venv nothing of Tessera is imported.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,11 @@ SINGLE_REPEATS = 3
 def load_engine(engine: str, model: str, dtype: str):
     if engine == "vllm":
         from vllm import LLM, SamplingParams  # noqa: F401  (vLLM's venv only)
+
         llm = LLM(model=model, dtype=dtype, max_model_len=1024, seed=0, disable_log_stats=False)
     else:
         from inference import LLM, SamplingParams  # noqa: F401
+
         llm = LLM(model=model, dtype=dtype, max_model_len=1024, seed=0)
     return llm, SamplingParams
 
@@ -69,8 +72,11 @@ def main() -> None:
     parser.add_argument("--engine", choices=["tessera", "vllm"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--workload", required=True,
-                        help='JSON {"requests": [[prompt_token_ids, output_len], ...], "single_prompt": [...]}')
+    parser.add_argument(
+        "--workload",
+        required=True,
+        help='JSON {"requests": [[prompt_token_ids, output_len], ...], "single_prompt": [...]}',
+    )
     args = parser.parse_args()
     work = json.loads(open(args.workload).read())
     llm, SamplingParams = load_engine(args.engine, args.model, args.dtype)
@@ -80,9 +86,11 @@ def main() -> None:
     result = run_workload(llm, SamplingParams, work["requests"])
     done.set()
     if args.engine == "tessera":
-        kv = {"kv_fill_at_peak": llm.llm_engine.metrics.kv_fill_at_peak,
-              "kv_blocks_used_at_peak": llm.llm_engine.metrics.peak_allocated_slots
-              / (llm.llm_engine.kv.pool.num_blocks * llm.llm_engine.kv.block_size)}
+        kv = {
+            "kv_fill_at_peak": llm.llm_engine.metrics.kv_fill_at_peak,
+            "kv_blocks_used_at_peak": llm.llm_engine.metrics.peak_allocated_slots
+            / (llm.llm_engine.kv.pool.num_blocks * llm.llm_engine.kv.block_size),
+        }
     result.update(kv)
     result.update(run_single(llm, SamplingParams, work["single_prompt"]))
     print("RESULT " + json.dumps(result), flush=True)

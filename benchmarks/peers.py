@@ -12,6 +12,7 @@ A missing peer is skipped with a line that says how to get it.
 
     python -m benchmarks.peers --models llama-31m,smollm2 --dtypes float32,bfloat16 --repeats 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,13 +33,20 @@ from benchmarks.common import BENCH_DIR, bench_model_dir, machine_line, print_ta
 REPO_DIR = Path(__file__).resolve().parents[1]
 PEER_ENGINE = Path(__file__).with_name("peer_engine.py")
 # vLLM's CPU settings as ../shared/peers/vllm-cpu.sh writes them into vllm-env.sh.
-VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "4",
-            "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_USE_AOT_COMPILE": "0"}
-HOW_TO = {"vllm": "bash ../shared/peers/vllm-cpu.sh, then VLLM_PYTHON=<venv>/bin/python",
-          "llama.cpp": "bash ../shared/peers/llama-cpp.sh, then LLAMA_SERVER=<path to llama-server>"}
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+    "VLLM_USE_AOT_COMPILE": "0",
+}
+HOW_TO = {
+    "vllm": "bash ../shared/peers/vllm-cpu.sh, then VLLM_PYTHON=<venv>/bin/python",
+    "llama.cpp": "bash ../shared/peers/llama-cpp.sh, then LLAMA_SERVER=<path to llama-server>",
+}
 
 
 # ---- models ------------------------------------------------------------------------------------
+
 
 def smollm2_hf_folder() -> str:
     """The GGUF's weights dequantized once into an HF folder, so every engine loads the same numbers."""
@@ -70,6 +78,7 @@ MODELS = {  # name: (HF folder builder, GGUF for llama.cpp or None, requests, vo
 
 # ---- one engine run ----------------------------------------------------------------------------
 
+
 def engine_command(engine: str) -> tuple[list[str], dict] | None:
     if engine == "tessera":
         env = {"PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}"}
@@ -83,11 +92,20 @@ def engine_command(engine: str) -> tuple[list[str], dict] | None:
 def run_offline(engine: str, model_dir: str, dtype: str, workload_file: str) -> dict:
     python, env = engine_command(engine)
     # -P: the script's folder (benchmarks/, with its kernels.py) must not shadow the kernels package.
-    cmd = python + ["-P", str(PEER_ENGINE), "--engine", engine, "--model", model_dir, "--dtype", dtype,
-                    "--workload", workload_file]
+    cmd = python + [
+        "-P",
+        str(PEER_ENGINE),
+        "--engine",
+        engine,
+        "--model",
+        model_dir,
+        "--dtype",
+        dtype,
+        "--workload",
+        workload_file,
+    ]
     # A session of its own: vLLM leaves EngineCore processes behind a killed parent.
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate()
     finally:
@@ -95,7 +113,7 @@ def run_offline(engine: str, model_dir: str, dtype: str, workload_file: str) -> 
     lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{engine} exited with {proc.returncode} on {model_dir} {dtype}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -108,8 +126,22 @@ def kill_group(proc: subprocess.Popen) -> None:
 def run_llama_server(gguf: Path, work: dict) -> dict:
     """llama.cpp's own server, continuous batching over 64 slots, driven by the aiohttp client."""
     port = 8790
-    cmd = [os.environ["LLAMA_SERVER"], "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1",
-           "-np", "64", "-c", str(64 * 1024), "-t", str(os.cpu_count()), "--cont-batching"]
+    cmd = [
+        os.environ["LLAMA_SERVER"],
+        "-m",
+        str(gguf),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "-np",
+        "64",
+        "-c",
+        str(64 * 1024),
+        "-t",
+        str(os.cpu_count()),
+        "--cont-batching",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         return asyncio.run(llama_client(f"http://127.0.0.1:{port}", work))
@@ -167,6 +199,7 @@ async def wait_ready(session, base: str, timeout: float = 300) -> None:
 
 # ---- the table ---------------------------------------------------------------------------------
 
+
 def peer_missing(engine: str) -> bool:
     if engine == "vllm":
         return engine_command("vllm") is None
@@ -187,8 +220,10 @@ def measure(model: str, dtype: str, engines: list[str], repeats: int, quick: boo
     build_folder, gguf, requests, vocab = MODELS[model]
     folder = build_folder()
     count, outputs = (16, (8, 32)) if quick else (requests, (32, 256))
-    work = {"requests": random_workload(count, (32, 512), outputs, seed=0, vocab=vocab),
-            "single_prompt": random_workload(1, (128, 128), (1, 1), seed=1, vocab=vocab)[0][0]}
+    work = {
+        "requests": random_workload(count, (32, 512), outputs, seed=0, vocab=vocab),
+        "single_prompt": random_workload(1, (128, 128), (1, 1), seed=1, vocab=vocab)[0][0],
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(work, f)
     runs: dict[str, list[dict]] = {e: [] for e in engines}
@@ -201,8 +236,11 @@ def measure(model: str, dtype: str, engines: list[str], repeats: int, quick: boo
                     result = run_llama_server(Path(gguf()), work)
                 else:
                     result = run_offline(engine, folder, dtype, f.name)
-                print(f"{model} {dtype} {engine} run {repeat + 1}: {result['tok_s']:,.0f} tok/s, "
-                      f"TTFT {result['ttft_ms']:.1f} ms, TPOT {result['tpot_ms']:.2f} ms", flush=True)
+                print(
+                    f"{model} {dtype} {engine} run {repeat + 1}: {result['tok_s']:,.0f} tok/s, "
+                    f"TTFT {result['ttft_ms']:.1f} ms, TPOT {result['tpot_ms']:.2f} ms",
+                    flush=True,
+                )
                 runs[engine].append(result)
     finally:
         os.unlink(f.name)
@@ -217,11 +255,23 @@ def summary_row(model: str, dtype: str, runs: dict[str, list[dict]]) -> list:
     ratios = [t["tok_s"] / v["tok_s"] for t, v in zip(runs["tessera"], runs.get("vllm", []))]
     spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
     tpot_ratio = (med("vllm", "tpot_ms") / med("tessera", "tpot_ms")) if runs.get("vllm") else "-"
-    return [model, dtype, med("tessera", "tok_s"), med("vllm", "tok_s"), med("llama.cpp", "tok_s"),
-            statistics.median(ratios) if ratios else "-", spread,
-            med("tessera", "ttft_ms"), med("vllm", "ttft_ms"), med("tessera", "tpot_ms"), med("vllm", "tpot_ms"),
-            tpot_ratio, percent(med("tessera", "kv_fill_at_peak")), percent(med("tessera", "kv_blocks_used_at_peak")),
-            percent(med("vllm", "vllm_kv_blocks_used_at_peak"))]
+    return [
+        model,
+        dtype,
+        med("tessera", "tok_s"),
+        med("vllm", "tok_s"),
+        med("llama.cpp", "tok_s"),
+        statistics.median(ratios) if ratios else "-",
+        spread,
+        med("tessera", "ttft_ms"),
+        med("vllm", "ttft_ms"),
+        med("tessera", "tpot_ms"),
+        med("vllm", "tpot_ms"),
+        tpot_ratio,
+        percent(med("tessera", "kv_fill_at_peak")),
+        percent(med("tessera", "kv_blocks_used_at_peak")),
+        percent(med("vllm", "vllm_kv_blocks_used_at_peak")),
+    ]
 
 
 def percent(value) -> str:
@@ -243,10 +293,23 @@ def main(argv=None) -> str:
             rows.append(summary_row(model, dtype, measure(model, dtype, engines, args.repeats, args.quick)))
     return print_table(
         f"Tessera vs peers, offline, median of {args.repeats} alternating runs, {machine_line()}",
-        ["model", "dtype", "Tessera tok/s", "vLLM tok/s", "llama.cpp tok/s (native GGUF)", "Tessera / vLLM",
-         "ratio spread", "TTFT ms Tessera", "TTFT ms vLLM", "TPOT ms Tessera", "TPOT ms vLLM",
-         "batch-1 speed Tessera / vLLM", "Tessera KV slots holding real tokens at peak",
-         "Tessera KV pool used at peak", "vLLM KV pool used at peak (its gauge)"],
+        [
+            "model",
+            "dtype",
+            "Tessera tok/s",
+            "vLLM tok/s",
+            "llama.cpp tok/s (native GGUF)",
+            "Tessera / vLLM",
+            "ratio spread",
+            "TTFT ms Tessera",
+            "TTFT ms vLLM",
+            "TPOT ms Tessera",
+            "TPOT ms vLLM",
+            "batch-1 speed Tessera / vLLM",
+            "Tessera KV slots holding real tokens at peak",
+            "Tessera KV pool used at peak",
+            "vLLM KV pool used at peak (its gauge)",
+        ],
         rows,
     )
 

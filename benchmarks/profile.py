@@ -6,6 +6,7 @@ operators inside the forward. Every request is decoding when the timed steps run
 so a row is a pure decode step of that batch size. What to change comes from this table, not from
 guesses (issue 20: "profile before changing anything").
 """
+
 from __future__ import annotations
 
 import argparse

@@ -10,6 +10,7 @@
 The workload is smaller than the throughput benchmark's (default 64 requests, prompts 32..256,
 outputs 16..64, greedy, ignore_eos): every configuration loads its own engine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,12 @@ def run(model_dir: str, work, **engine_args) -> dict:
         with Timer() as t:
             outs = llm.generate(prompt_token_ids=[p for p, _ in work], sampling_params=params, use_tqdm=False)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"tok_s": tokens / t.seconds, "step_ms": 1000 * t.seconds / max(steps[0], 1),
-                "weights_mib": engine.memory["weights_bytes"] / 2**20, "weights_dtype": engine.memory["weights_dtype"]}
+        return {
+            "tok_s": tokens / t.seconds,
+            "step_ms": 1000 * t.seconds / max(steps[0], 1),
+            "weights_mib": engine.memory["weights_bytes"] / 2**20,
+            "weights_dtype": engine.memory["weights_dtype"],
+        }
     finally:
         engine.shutdown()
 
@@ -69,19 +74,26 @@ def format_table(work, label: str) -> str:
         folder = gptq_bench_dir() if kind == "gptq" else bench_model_dir("float32")
         r = run(folder, work, **engine_args)
         rows.append([name, r["weights_dtype"], r["weights_mib"], r["tok_s"], r["step_ms"]])
-    return print_table(f"Weight formats, {label}, {machine_line()}",
-                       ["format", "linear weights", "weights MiB", "tok/s", "ms/step"], rows)
+    return print_table(
+        f"Weight formats, {label}, {machine_line()}",
+        ["format", "linear weights", "weights MiB", "tok/s", "ms/step"],
+        rows,
+    )
 
 
 def tp_table(work, label: str) -> str:
     one = run(bench_model_dir("float32"), work, dtype="float32")
     two = run(bench_model_dir("float32"), work, dtype="float32", tensor_parallel_size=2)
     overhead = two["step_ms"] - one["step_ms"] / 2
-    rows = [["1", one["weights_mib"], one["tok_s"], one["step_ms"], "-"],
-            ["2 (gloo)", two["weights_mib"], two["tok_s"], two["step_ms"], overhead]]
-    return print_table(f"Tensor parallelism on CPU, fp32, {label}, {machine_line()}",
-                       ["tensor_parallel_size", "weights MiB per rank", "tok/s", "ms/step",
-                        "overhead ms/step vs ideal halving"], rows)
+    rows = [
+        ["1", one["weights_mib"], one["tok_s"], one["step_ms"], "-"],
+        ["2 (gloo)", two["weights_mib"], two["tok_s"], two["step_ms"], overhead],
+    ]
+    return print_table(
+        f"Tensor parallelism on CPU, fp32, {label}, {machine_line()}",
+        ["tensor_parallel_size", "weights MiB per rank", "tok/s", "ms/step", "overhead ms/step vs ideal halving"],
+        rows,
+    )
 
 
 def main(argv=None) -> str:
@@ -94,8 +106,10 @@ def main(argv=None) -> str:
     prompt = tuple(int(v) for v in args.prompt.split(","))
     output = tuple(int(v) for v in args.output.split(","))
     work = random_workload(args.requests, prompt, output, seed=0)
-    label = (f"{args.requests} requests (prompts {prompt[0]}..{prompt[1]}, outputs {output[0]}..{output[1]}; "
-             "smaller than the throughput benchmark)")
+    label = (
+        f"{args.requests} requests (prompts {prompt[0]}..{prompt[1]}, outputs {output[0]}..{output[1]}; "
+        "smaller than the throughput benchmark)"
+    )
     tables = []
     if "formats" in args.sections:
         tables.append(format_table(work, label))

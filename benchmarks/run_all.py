@@ -3,6 +3,7 @@
 Sections run one after another in this process (the serving one starts its own stack).
 Select with `make bench ARGS="throughput scheduling"`; kernels print a notice without CUDA.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -12,8 +13,20 @@ import traceback
 
 from benchmarks.common import BENCH_DIR, machine_line
 
-SECTIONS = ["peers", "serving_peers", "throughput", "profile", "gemm", "scheduling", "serving", "grammar", "quant_tp",
-            "kernels", "fairness", "gguf"]
+SECTIONS = [
+    "peers",
+    "serving_peers",
+    "throughput",
+    "profile",
+    "gemm",
+    "scheduling",
+    "serving",
+    "grammar",
+    "quant_tp",
+    "kernels",
+    "fairness",
+    "gguf",
+]
 
 
 def run_section(name: str) -> str:

@@ -1,4 +1,5 @@
 """Scheduling benchmarks (issue 3): prefix caching, chunked prefill under priority, KV capacity."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,23 +29,37 @@ def shared_prefix(requests: int) -> str:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         stats = llm.llm_engine.get_stats()
         results[caching] = tokens / t.seconds
-        rows.append(["on" if caching else "off", t.seconds, tokens / t.seconds,
-                     f"{stats['prefix_cache_hit_rate'] * 100:.1f}%", stats["prompt_tokens_total"]])
+        rows.append(
+            [
+                "on" if caching else "off",
+                t.seconds,
+                tokens / t.seconds,
+                f"{stats['prefix_cache_hit_rate'] * 100:.1f}%",
+                stats["prompt_tokens_total"],
+            ]
+        )
     rows.append(["ratio on/off", "", results[True] / results[False], "", ""])
-    return print_table(f"Shared prefix: {requests} requests, 384-token common prefix + 32..128 unique, 64 output tokens",
-                       ["prefix caching", "seconds", "output tok/s", "hit rate", "prompt tokens computed"], rows)
+    return print_table(
+        f"Shared prefix: {requests} requests, 384-token common prefix + 32..128 unique, 64 output tokens",
+        ["prefix caching", "seconds", "output tok/s", "hit rate", "prompt tokens computed"],
+        rows,
+    )
 
 
 def run_mixed(chunked: bool, shorts: int, rate: float) -> list[float]:
     """8 long low-priority prompts, then Poisson arrivals of short high-priority ones; their TTFTs."""
-    args = dict(max_num_batched_tokens=256, enable_chunked_prefill=True) if chunked else \
-        dict(max_num_batched_tokens=2048, enable_chunked_prefill=False)
+    args = (
+        dict(max_num_batched_tokens=256, enable_chunked_prefill=True)
+        if chunked
+        else dict(max_num_batched_tokens=2048, enable_chunked_prefill=False)
+    )
     llm = LLM(model=bench_model_dir(), dtype="float32", max_model_len=2048, **args)
     engine = llm.llm_engine
     rng = random.Random(2)
     for i in range(8):
-        engine.add_request(f"long{i}", {"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(2000)]},
-                           greedy(16), priority=10)
+        engine.add_request(
+            f"long{i}", {"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(2000)]}, greedy(16), priority=10
+        )
     start = time.monotonic()
     arrivals, t = [], 0.0
     for _ in range(shorts):
@@ -56,8 +71,9 @@ def run_mixed(chunked: bool, shorts: int, rate: float) -> list[float]:
         now = time.monotonic() - start
         while pending and pending[0][1] <= now:
             i, _ = pending.pop(0)
-            engine.add_request(f"short{i}", {"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(32)]},
-                               greedy(16), priority=0)
+            engine.add_request(
+                f"short{i}", {"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(32)]}, greedy(16), priority=0
+            )
         if not engine.has_unfinished_requests():
             time.sleep(0.001)
             continue
@@ -77,18 +93,33 @@ def mixed_priority(shorts: int, rate: float) -> str:
     for chunked in (False, True):
         ttfts = run_mixed(chunked, shorts, rate)
         p99[chunked] = percentile(ttfts, 99)
-        rows.append(["on (budget 256)" if chunked else "off (budget 2048)", len(ttfts),
-                     statistics.median(ttfts) * 1000, p99[chunked] * 1000])
+        rows.append(
+            [
+                "on (budget 256)" if chunked else "off (budget 2048)",
+                len(ttfts),
+                statistics.median(ttfts) * 1000,
+                p99[chunked] * 1000,
+            ]
+        )
     rows.append(["p99 ratio off/on", "", "", p99[False] / p99[True]])
-    return print_table(f"Mixed: 8 low-priority 2000-token prompts + {shorts} short high-priority (Poisson {rate}/s)",
-                       ["chunked prefill", "short requests", "p50 TTFT ms", "p99 TTFT ms"], rows)
+    return print_table(
+        f"Mixed: 8 low-priority 2000-token prompts + {shorts} short high-priority (Poisson {rate}/s)",
+        ["chunked prefill", "short requests", "p50 TTFT ms", "p99 TTFT ms"],
+        rows,
+    )
 
 
 def capacity(kv_blocks: int) -> str:
     """Peak concurrently running sequences at a fixed pool vs reserving max_model_len each."""
     max_model_len, block_size = 2048, 16
-    llm = LLM(model=bench_model_dir(), dtype="float32", max_model_len=max_model_len, num_kv_blocks=kv_blocks,
-              block_size=block_size, max_num_seqs=512)
+    llm = LLM(
+        model=bench_model_dir(),
+        dtype="float32",
+        max_model_len=max_model_len,
+        num_kv_blocks=kv_blocks,
+        block_size=block_size,
+        max_num_seqs=512,
+    )
     engine = llm.llm_engine
     for i, (prompt, n) in enumerate(random_workload(512, (32, 512), (32, 256), seed=3)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy(n))
@@ -98,9 +129,11 @@ def capacity(kv_blocks: int) -> str:
         peak = max(peak, engine.scheduler.num_running)
     engine.abort_request([str(i) for i in range(512)])
     contiguous = kv_blocks * block_size // max_model_len
-    return print_table(f"Capacity at a fixed KV pool of {kv_blocks} blocks x {block_size} tokens (max_model_len {max_model_len})",
-                       ["paged: peak running sequences", "contiguous max_model_len reservation", "ratio"],
-                       [[peak, contiguous, peak / contiguous]])
+    return print_table(
+        f"Capacity at a fixed KV pool of {kv_blocks} blocks x {block_size} tokens (max_model_len {max_model_len})",
+        ["paged: peak running sequences", "contiguous max_model_len reservation", "ratio"],
+        [[peak, contiguous, peak / contiguous]],
+    )
 
 
 def main(argv=None) -> str:

@@ -13,6 +13,7 @@ the bare engine, over HTTP for the stack). The client is aiohttp, as in vLLM's b
     python benchmarks/serving.py                       # small defaults, launches its own stack
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --api-key tsk-... --model-name tessera-demo
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,17 @@ from tessera.run import WEB_SERVERS  # noqa: E402
 # the served engine would queue and preempt where the bare one does not. Prefix caching is off:
 # every rate replays the same prompts, and cache hits from the previous rate would flatter the next.
 # The device is the engine's default (CUDA when there is one), for the bare and the served engine alike.
-ENGINE_ARGS = {"dtype": "float32", "device": "auto", "block_size": 16, "max_model_len": 1024, "max_num_seqs": 64,
-               "max_num_batched_tokens": 2048, "num_kv_blocks": None, "enable_prefix_caching": False, "seed": 0}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "device": "auto",
+    "block_size": 16,
+    "max_model_len": 1024,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 2048,
+    "num_kv_blocks": None,
+    "enable_prefix_caching": False,
+    "seed": 0,
+}
 
 
 PROBE_REQUESTS = 16  # idle-TTFT probe: this many prompts of the workload, one at a time
@@ -62,6 +72,7 @@ class RequestResult:
 
 
 # ---------------------------------------------------------------- the bare engine
+
 
 class BareEngine:
     """The same workload offline (LLM.generate) in this process: the no-stack reference.
@@ -97,8 +108,11 @@ class BareEngine:
 
         engine = self.llm.llm_engine
         started = time.perf_counter()
-        engine.add_request("ttft-probe", {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True))
+        engine.add_request(
+            "ttft-probe",
+            {"prompt_token_ids": prompt},
+            SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS, ignore_eos=True),
+        )
         first = None
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -108,6 +122,7 @@ class BareEngine:
 
 
 # ---------------------------------------------------------------- CPU time per process
+
 
 def own_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -127,15 +142,26 @@ def process_cpu_s(pid: int) -> float | None:
 
 def cpu_us_per_token(before: dict, after: dict, tokens: int) -> dict:
     """CPU microseconds each process spent per output token between two process_cpu_s snapshots."""
-    return {name: (after[name] - before[name]) / tokens * 1e6 for name in before
-            if before[name] is not None and after.get(name) is not None and tokens}
+    return {
+        name: (after[name] - before[name]) / tokens * 1e6
+        for name in before
+        if before[name] is not None and after.get(name) is not None and tokens
+    }
 
 
 # ---------------------------------------------------------------- the served stack
 
+
 async def one_request(session, url: str, headers: dict, model: str, prompt, max_tokens: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(ok=False, prompt_len=len(prompt))
     started = last = time.perf_counter()
     try:
@@ -182,6 +208,7 @@ async def run_rate(base_url: str, api_key: str, model: str, work, rate: float, s
     bar = tqdm(total=len(work), desc=f"rate {rate:g} req/s", dynamic_ncols=True)
     connector = aiohttp.TCPConnector(limit=len(work) + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
         async def timed(prompt, n):
             result = await one_request(session, url, headers, model, prompt, n)
             bar.update(1)
@@ -231,24 +258,42 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         pick = lambda q: ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * scale  # noqa: E731
         return {"mean": statistics.fmean(values) * scale, "p50": pick(0.5), "p99": pick(0.99)}
 
-    return {"completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
-            "request_throughput": len(done) / duration, "output_tokens": tokens, "output_tok_s": tokens / duration,
-            "ttft_ms": stats([r.ttft for r in timed]), "tpot_ms": stats(tpot), "itl_ms": stats(itl),
-            "errors": sorted({r.error for r in results if r.error})[:5]}
+    return {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / duration,
+        "ttft_ms": stats([r.ttft for r in timed]),
+        "tpot_ms": stats(tpot),
+        "itl_ms": stats(itl),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
 
 
-def launch_stack(model_dir: str, work_dir: Path, stream_interval: int = 1, web_server: str = WEB_SERVERS[0],
-                 engine_args: dict | None = None):
+def launch_stack(
+    model_dir: str,
+    work_dir: Path,
+    stream_interval: int = 1,
+    web_server: str = WEB_SERVERS[0],
+    engine_args: dict | None = None,
+):
     from tests.platform.live_stack import LiveStack
 
     print(f"starting redis + engine worker + {web_server} on {model_dir} ...", flush=True)
     # The worker's production heartbeat (the live stack's test defaults beat 4x a second).
-    env = {"SERVED_MODEL_NAME": "bench", "ENGINE_HEARTBEAT_INTERVAL": "1", "ENGINE_HEARTBEAT_TTL": "5",
-           "ENGINE_STREAM_INTERVAL": str(stream_interval)}
+    env = {
+        "SERVED_MODEL_NAME": "bench",
+        "ENGINE_HEARTBEAT_INTERVAL": "1",
+        "ENGINE_HEARTBEAT_TTL": "5",
+        "ENGINE_STREAM_INTERVAL": str(stream_interval),
+    }
     return LiveStack.start(model_dir, work_dir, engine_args=engine_args or ENGINE_ARGS, env=env, web_server=web_server)
 
 
 # ---------------------------------------------------------------- main
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -260,11 +305,19 @@ def parse_args(argv=None):
     parser.add_argument("--base-url", help="benchmark a running server instead of launching one")
     parser.add_argument("--api-key")
     parser.add_argument("--model-name", default="bench")
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="the launched worker's ENGINE_STREAM_INTERVAL (tokens per delta; 1 = every token)")
-    parser.add_argument("--grouped-interval", type=int, default=8,
-                        help="then the highest rate once more on a stack streaming this many tokens per delta "
-                             "(0 = skip; not with --base-url)")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the launched worker's ENGINE_STREAM_INTERVAL (tokens per delta; 1 = every token)",
+    )
+    parser.add_argument(
+        "--grouped-interval",
+        type=int,
+        default=8,
+        help="then the highest rate once more on a stack streaming this many tokens per delta "
+        "(0 = skip; not with --base-url)",
+    )
     parser.add_argument("--web-server", default=WEB_SERVERS[0], choices=WEB_SERVERS, help="the launched stack's")
     parser.add_argument("--skip-offline", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -291,15 +344,18 @@ def main(argv=None) -> dict:
         if args.base_url:
             base_url, api_key, model_name = args.base_url, args.api_key, args.model_name
         else:
-            stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), args.stream_interval,
-                                 args.web_server)
+            stack = launch_stack(
+                model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), args.stream_interval, args.web_server
+            )
             base_url, api_key, model_name = stack.base_url, stack.api_key, stack.model_name
         report["rates"] = measure_rates(base_url, api_key, model_name, work, rates, args.seed, bare, stack_pids(stack))
         # After the rates (the bare probe, too, runs after its saturated runs): both engines know these shapes.
         time.sleep(2.0)  # let the stack finish settling the burst's usage first
         ttfts = asyncio.run(idle_ttft(base_url, api_key, model_name, probe_prompts))
-        report["idle_ttft_ms"] = {"p50": statistics.median(ttfts) * 1000 if ttfts else float("nan"),
-                                  "completed": len(ttfts)}
+        report["idle_ttft_ms"] = {
+            "p50": statistics.median(ttfts) * 1000 if ttfts else float("nan"),
+            "completed": len(ttfts),
+        }
     finally:
         if stack is not None:
             stack.stop()
@@ -321,8 +377,16 @@ def stack_pids(stack) -> dict[str, int]:
     return {**{name: proc.pid for name, proc in stack.processes.items()}, "benchmark client": os.getpid()}
 
 
-def measure_rates(base_url: str, api_key: str, model: str, work, rates: list[float], seed: int,
-                  bare: BareEngine | None = None, pids: dict[str, int] | None = None) -> dict:
+def measure_rates(
+    base_url: str,
+    api_key: str,
+    model: str,
+    work,
+    rates: list[float],
+    seed: int,
+    bare: BareEngine | None = None,
+    pids: dict[str, int] | None = None,
+) -> dict:
     """Each rate once, the highest SATURATED_RUNS times (its median run is the one reported), each
     of those right after a bare-engine run. With pids, the median saturated run also reports each
     process's CPU time per output token ("cpu_us_per_token"; the bare engine's from the run before it)."""
@@ -341,18 +405,20 @@ def measure_rates(base_url: str, api_key: str, model: str, work, rates: list[flo
             cpu = bare_cpu | cpu_us_per_token(before, after, summary["output_tokens"])
             runs.append(summary | {"cpu_us_per_token": cpu})
         median_run = sorted(runs, key=lambda s: s["output_tok_s"])[len(runs) // 2]
-        measured[str(rate)] = median_run | {"runs_tok_s": [s["output_tok_s"] for s in runs],
-                                            "bare_runs_tok_s": bare_runs}
+        measured[str(rate)] = median_run | {
+            "runs_tok_s": [s["output_tok_s"] for s in runs],
+            "bare_runs_tok_s": bare_runs,
+        }
     return measured
 
 
-def grouped_saturation(model_dir: str, work, rate: float, interval: int, seed: int,
-                       bare: BareEngine | None) -> dict:
+def grouped_saturation(model_dir: str, work, rate: float, interval: int, seed: int, bare: BareEngine | None) -> dict:
     """The saturated rate on a fresh stack whose worker streams `interval` tokens per delta."""
     stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-")), interval)
     try:
-        return measure_rates(stack.base_url, stack.api_key, stack.model_name, work, [rate], seed, bare,
-                             stack_pids(stack))[str(rate)] | {"stream_interval": interval}
+        return measure_rates(
+            stack.base_url, stack.api_key, stack.model_name, work, [rate], seed, bare, stack_pids(stack)
+        )[str(rate)] | {"stream_interval": interval}
     finally:
         stack.stop()
 
@@ -360,12 +426,40 @@ def grouped_saturation(model_dir: str, work, rate: float, interval: int, seed: i
 def print_report(report: dict) -> str:
     rows = []
     for rate, s in report["rates"].items():
-        rows.append([rate, s["completed"], s["failed"], s["request_throughput"], s["output_tok_s"],
-                     s["ttft_ms"]["mean"], s["ttft_ms"]["p50"], s["ttft_ms"]["p99"],
-                     s["tpot_ms"]["mean"], s["tpot_ms"]["p50"], s["tpot_ms"]["p99"],
-                     s["itl_ms"]["mean"], s["itl_ms"]["p50"], s["itl_ms"]["p99"]])
-    headers = ["rate req/s", "ok", "failed", "req/s", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99",
-               "TPOT mean", "TPOT p50", "TPOT p99", "ITL mean", "ITL p50", "ITL p99"]
+        rows.append(
+            [
+                rate,
+                s["completed"],
+                s["failed"],
+                s["request_throughput"],
+                s["output_tok_s"],
+                s["ttft_ms"]["mean"],
+                s["ttft_ms"]["p50"],
+                s["ttft_ms"]["p99"],
+                s["tpot_ms"]["mean"],
+                s["tpot_ms"]["p50"],
+                s["tpot_ms"]["p99"],
+                s["itl_ms"]["mean"],
+                s["itl_ms"]["p50"],
+                s["itl_ms"]["p99"],
+            ]
+        )
+    headers = [
+        "rate req/s",
+        "ok",
+        "failed",
+        "req/s",
+        "out tok/s",
+        "TTFT mean",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT mean",
+        "TPOT p50",
+        "TPOT p99",
+        "ITL mean",
+        "ITL p50",
+        "ITL p99",
+    ]
     interval = report["workload"].get("stream_interval", 1)
     grouping = f", {interval} tokens per streamed delta" if interval > 1 else ""
     tables = [print_table(f"Serving over HTTP ({report['machine']}{grouping})", headers, rows)]
@@ -407,9 +501,18 @@ def print_comparison(report: dict, offline: dict, interval: int) -> str:
     ratio is of medians over runs that alternated bare, served, bare, served..."""
     added = report["idle_ttft_ms"]["p50"] - offline["idle_ttft_p50_ms"]
     runs = lambda values: " / ".join(f"{v:,.0f}" for v in values)  # noqa: E731
-    headers = ["tokens per delta", f"bare out tok/s (median of {SATURATED_RUNS})",
-               "served out tok/s (highest rate, median)", "ratio", "bare runs", "served runs",
-               "ITL p50 ms", "bare idle TTFT p50 ms", "served idle TTFT p50 ms", "added ms"]
+    headers = [
+        "tokens per delta",
+        f"bare out tok/s (median of {SATURATED_RUNS})",
+        "served out tok/s (highest rate, median)",
+        "ratio",
+        "bare runs",
+        "served runs",
+        "ITL p50 ms",
+        "bare idle TTFT p50 ms",
+        "served idle TTFT p50 ms",
+        "added ms",
+    ]
     rows, ratios = [], {}
     idle_ttft_cells = [offline["idle_ttft_p50_ms"], report["idle_ttft_ms"]["p50"], added]
     for measured, ttft_cells in zip(highest_rate_runs(report, interval), [idle_ttft_cells, ["-", "-", "-"]]):
@@ -417,11 +520,23 @@ def print_comparison(report: dict, offline: dict, interval: int) -> str:
             continue
         bare_tok_s = statistics.median(measured["bare_runs_tok_s"])
         ratios[measured["stream_interval"]] = measured["output_tok_s"] / bare_tok_s
-        rows.append([measured["stream_interval"], bare_tok_s, measured["output_tok_s"],
-                     ratios[measured["stream_interval"]], runs(measured["bare_runs_tok_s"]),
-                     runs(measured["runs_tok_s"]), measured["itl_ms"]["p50"], *ttft_cells])
-    report["comparison"] = {"served_vs_offline_tok_s": ratios.get(interval), "added_p50_ttft_ms_idle": added,
-                            "by_stream_interval": ratios}
+        rows.append(
+            [
+                measured["stream_interval"],
+                bare_tok_s,
+                measured["output_tok_s"],
+                ratios[measured["stream_interval"]],
+                runs(measured["bare_runs_tok_s"]),
+                runs(measured["runs_tok_s"]),
+                measured["itl_ms"]["p50"],
+                *ttft_cells,
+            ]
+        )
+    report["comparison"] = {
+        "served_vs_offline_tok_s": ratios.get(interval),
+        "added_p50_ttft_ms_idle": added,
+        "by_stream_interval": ratios,
+    }
     return print_table("Served vs bare engine", headers, rows)
 
 

@@ -13,6 +13,7 @@ vLLM is optional and never installed by `make test` or CI:
 
     python -m benchmarks.serving_peers --dtypes bfloat16 --rates 1,4,inf --repeats 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,12 @@ def tessera_engine_args(dtype: str) -> dict:
 
 @contextlib.contextmanager
 def tessera_server(model_dir: str, dtype: str, web_server: str):
-    stack = launch_stack(model_dir, Path(tempfile.mkdtemp(prefix="tessera-serving-peers-")),
-                         web_server=web_server, engine_args=tessera_engine_args(dtype))
+    stack = launch_stack(
+        model_dir,
+        Path(tempfile.mkdtemp(prefix="tessera-serving-peers-")),
+        web_server=web_server,
+        engine_args=tessera_engine_args(dtype),
+    )
     try:
         yield stack.base_url, stack.api_key, stack.model_name, stack_pids(stack)
     finally:
@@ -58,14 +63,31 @@ def tessera_server(model_dir: str, dtype: str, web_server: str):
 @contextlib.contextmanager
 def vllm_server(model_dir: str, dtype: str):
     python, env = engine_command("vllm")
-    cmd = python + ["-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", dtype,
-                    "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--no-enable-prefix-caching",
-                    "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(VLLM_PORT)]
+    cmd = python + [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--seed",
+        "0",
+        "--no-enable-prefix-caching",
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(VLLM_PORT),
+    ]
     print(f"starting vllm serve on {model_dir} ({dtype}) ...", flush=True)
     log = tempfile.NamedTemporaryFile("wb", prefix="vllm-serve-", suffix=".log", delete=False)
     # A session of its own: vLLM's EngineCore process must go down with the server.
-    proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         wait_healthy(f"http://127.0.0.1:{VLLM_PORT}/health", proc, log.name)
         yield f"http://127.0.0.1:{VLLM_PORT}", "unused", MODEL_NAME, {}
@@ -100,15 +122,21 @@ def measure(servers: dict, dtype: str, work, rates: list[float], repeats: int) -
             with server() as (base_url, api_key, model, pids):
                 measured = measure_rates(base_url, api_key, model, work, rates, seed=0, pids=pids)
             for rate, s in measured.items():
-                print(f"{dtype} {engine} run {repeat + 1} rate {rate}: {s['output_tok_s']:,.0f} tok/s, "
-                      f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, ITL p50 {s['itl_ms']['p50']:.1f} ms, "
-                      f"failed {s['failed']}" + (f" {s['errors']}" if s["failed"] else ""), flush=True)
+                print(
+                    f"{dtype} {engine} run {repeat + 1} rate {rate}: {s['output_tok_s']:,.0f} tok/s, "
+                    f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, ITL p50 {s['itl_ms']['p50']:.1f} ms, "
+                    f"failed {s['failed']}" + (f" {s['errors']}" if s["failed"] else ""),
+                    flush=True,
+                )
             runs[engine].append(measured)
     return runs
 
 
-PICKS = {"tok_s": lambda s: s["output_tok_s"], "ttft": lambda s: s["ttft_ms"]["p50"],
-         "itl": lambda s: s["itl_ms"]["p50"]}
+PICKS = {
+    "tok_s": lambda s: s["output_tok_s"],
+    "ttft": lambda s: s["ttft_ms"]["p50"],
+    "itl": lambda s: s["itl_ms"]["p50"],
+}
 
 
 def rows_for(dtype: str, rates: list[float], runs: dict[str, list[dict]]) -> list[list]:
@@ -117,16 +145,32 @@ def rows_for(dtype: str, rates: list[float], runs: dict[str, list[dict]]) -> lis
     rows = []
     for rate in rates:
         key = str(rate)
-        median = {(engine, name): statistics.median(pick(run[key]) for run in engine_runs)
-                  for engine, engine_runs in runs.items() if engine_runs for name, pick in PICKS.items()}
+        median = {
+            (engine, name): statistics.median(pick(run[key]) for run in engine_runs)
+            for engine, engine_runs in runs.items()
+            if engine_runs
+            for name, pick in PICKS.items()
+        }
         cell = lambda engine, name: median.get((engine, name), "-")  # noqa: E731
-        ratios = [t[key]["output_tok_s"] / v[key]["output_tok_s"]
-                  for t, v in zip(runs.get("tessera", []), runs.get("vllm", []))]
-        rows.append([dtype, f"{rate:g}", cell("tessera", "tok_s"), cell("vllm", "tok_s"),
-                     statistics.median(ratios) if ratios else "-",
-                     f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
-                     cell("tessera", "ttft"), cell("vllm", "ttft"), cell("tessera", "itl"), cell("vllm", "itl"),
-                     sum(run[key]["failed"] for engine_runs in runs.values() for run in engine_runs)])
+        ratios = [
+            t[key]["output_tok_s"] / v[key]["output_tok_s"]
+            for t, v in zip(runs.get("tessera", []), runs.get("vllm", []))
+        ]
+        rows.append(
+            [
+                dtype,
+                f"{rate:g}",
+                cell("tessera", "tok_s"),
+                cell("vllm", "tok_s"),
+                statistics.median(ratios) if ratios else "-",
+                f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
+                cell("tessera", "ttft"),
+                cell("vllm", "ttft"),
+                cell("tessera", "itl"),
+                cell("vllm", "itl"),
+                sum(run[key]["failed"] for engine_runs in runs.values() for run in engine_runs),
+            ]
+        )
     return rows
 
 
@@ -159,8 +203,19 @@ def main(argv=None) -> str:
     return print_table(
         f"Served stack vs vllm serve, streaming /v1/completions, {args.num_requests} requests a rate, "
         f"median of {args.repeats} alternating runs, {machine_line()}",
-        ["dtype", "rate req/s", "Tessera out tok/s", "vLLM out tok/s", "Tessera / vLLM", "ratio spread",
-         "TTFT p50 ms Tessera", "TTFT p50 ms vLLM", "ITL p50 ms Tessera", "ITL p50 ms vLLM", "failed requests"],
+        [
+            "dtype",
+            "rate req/s",
+            "Tessera out tok/s",
+            "vLLM out tok/s",
+            "Tessera / vLLM",
+            "ratio spread",
+            "TTFT p50 ms Tessera",
+            "TTFT p50 ms vLLM",
+            "ITL p50 ms Tessera",
+            "ITL p50 ms vLLM",
+            "failed requests",
+        ],
         rows,
     )
 

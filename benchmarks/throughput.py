@@ -7,6 +7,7 @@ Workload (issue 2): 256 requests, prompts uniform 32..512 random token ids, outp
 Models (--models): the 31M random-weight Llama and the real SmolLM2-135M-Instruct, whose 30
 layers and 49k-token LM head cost differently from the toy's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,13 @@ def run_hf_single(model, work) -> dict:
     tokens = 0
     with Timer() as t:
         for prompt, n in work:
-            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
             tokens += out.shape[1] - len(prompt)
     return {"tokens": tokens, "seconds": t.seconds}
 
@@ -44,15 +50,16 @@ def run_hf_static(model, work, batch_size: int = 16) -> dict:
     tokens = 0
     with Timer() as t:
         for i in range(0, len(work), batch_size):
-            batch = work[i:i + batch_size]
+            batch = work[i : i + batch_size]
             width = max(len(p) for p, _ in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros(len(batch), width, dtype=torch.long)
             for row, (prompt, _) in enumerate(batch):  # left padding
-                ids[row, width - len(prompt):] = torch.tensor(prompt)
-                mask[row, width - len(prompt):] = 1
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in batch),
-                           do_sample=False, pad_token_id=0)
+                ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                mask[row, width - len(prompt) :] = 1
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=max(n for _, n in batch), do_sample=False, pad_token_id=0
+            )
             tokens += sum(n for _, n in batch)  # only the tokens each request asked for count
     return {"tokens": tokens, "seconds": t.seconds}
 
@@ -77,11 +84,18 @@ def main(argv=None) -> str:
     return print_table(
         f"Offline throughput, {args.requests} requests (prompts {prompts[0]}..{prompts[1]}, outputs "
         f"{outputs[0]}..{outputs[1]}), {machine_line()}",
-        ["model", "dtype", "engine tok/s", "HF one-at-a-time tok/s", "HF static batch 16 tok/s", "vs one-at-a-time",
-         "vs static batches", "KV slots holding real tokens at peak"],
+        [
+            "model",
+            "dtype",
+            "engine tok/s",
+            "HF one-at-a-time tok/s",
+            "HF static batch 16 tok/s",
+            "vs one-at-a-time",
+            "vs static batches",
+            "KV slots holding real tokens at peak",
+        ],
         rows,
     )
-
 
 
 def measure(path: str, dtype: str, work, args) -> list:
@@ -91,8 +105,15 @@ def measure(path: str, dtype: str, work, args) -> list:
     static = run_hf_static(model, work[: args.hf_batched])
     del model
     tps = {name: r["tokens"] / r["seconds"] for name, r in (("engine", engine), ("single", single), ("static", static))}
-    return [dtype, tps["engine"], tps["single"], tps["static"], tps["engine"] / tps["single"],
-            tps["engine"] / tps["static"], f"{engine['kv_fill'] * 100:.1f}%"]
+    return [
+        dtype,
+        tps["engine"],
+        tps["single"],
+        tps["static"],
+        tps["engine"] / tps["single"],
+        tps["engine"] / tps["static"],
+        f"{engine['kv_fill'] * 100:.1f}%",
+    ]
 
 
 if __name__ == "__main__":

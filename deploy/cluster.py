@@ -16,6 +16,7 @@ host's veth address, so they reach each other over the veth links only; the brid
 
 tests/chaos imports this module to put faults between the hosts (partition, degrade).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,6 +71,7 @@ def in_namespace(host: str, argv: list[str]) -> list[str]:
 
 
 # ---------------------------------------------------------------- the network
+
 
 def create_network() -> None:
     """The bridge (with the host namespace's address) and one namespace + veth pair per host."""
@@ -126,12 +128,19 @@ def degrade(host: str, delay_ms: int, loss_percent: float) -> str:
     the loss comes from nftables (a random drop) and no latency can be added."""
     if _tc_netem(host, "delay", f"{delay_ms}ms", "loss", f"{loss_percent}%"):
         return f"{delay_ms} ms latency and {loss_percent}% loss (tc netem) on what {host} sends"
-    subprocess.run(["ip", "netns", "exec", namespace(host), "nft", "-f", "-"], check=True, capture_output=True,
-                   text=True, input="add table inet tessera_fault\nadd chain inet tessera_fault output "
-                   "{ type filter hook output priority 0; }\nadd rule inet tessera_fault output ip daddr != "
-                   f"127.0.0.0/8 numgen random mod 1000 < {int(loss_percent * 10)} drop\n")
-    return (f"{loss_percent}% loss (nftables) on what {host} sends; no latency: this kernel has no netem "
-            "(CONFIG_NET_SCH_NETEM is not set)")
+    subprocess.run(
+        ["ip", "netns", "exec", namespace(host), "nft", "-f", "-"],
+        check=True,
+        capture_output=True,
+        text=True,
+        input="add table inet tessera_fault\nadd chain inet tessera_fault output "
+        "{ type filter hook output priority 0; }\nadd rule inet tessera_fault output ip daddr != "
+        f"127.0.0.0/8 numgen random mod 1000 < {int(loss_percent * 10)} drop\n",
+    )
+    return (
+        f"{loss_percent}% loss (nftables) on what {host} sends; no latency: this kernel has no netem "
+        "(CONFIG_NET_SCH_NETEM is not set)"
+    )
 
 
 def heal(host: str) -> None:
@@ -140,6 +149,7 @@ def heal(host: str) -> None:
 
 
 # ---------------------------------------------------------------- the processes
+
 
 @dataclass
 class Cluster:
@@ -207,8 +217,14 @@ class Cluster:
 
     def manage(self, host: str, *args: str) -> str:
         """A one-off `manage.py` on a host (compose's `migrate` service, `docker compose run`)."""
-        done = subprocess.run(in_namespace(host, [sys.executable, str(REPO_DIR / "manage.py"), *args]),
-                              env=self.app_env(), cwd=REPO_DIR, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            in_namespace(host, [sys.executable, str(REPO_DIR / "manage.py"), *args]),
+            env=self.app_env(),
+            cwd=REPO_DIR,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"manage.py {' '.join(args)} on {host} failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout
@@ -216,9 +232,14 @@ class Cluster:
     def prepare_database(self) -> None:
         self.manage("celery", "migrate", "--noinput")
         self.manage("web", "collectstatic", "--noinput", "--verbosity", "0")  # the image does this at build
-        self.manage("web", "shell", "-c", "from django.contrib.auth import get_user_model; "
-                    f"get_user_model().objects.create_superuser({ADMIN!r}, 'admin@localhost', "
-                    f"{self.admin_password!r})")
+        self.manage(
+            "web",
+            "shell",
+            "-c",
+            "from django.contrib.auth import get_user_model; "
+            f"get_user_model().objects.create_superuser({ADMIN!r}, 'admin@localhost', "
+            f"{self.admin_password!r})",
+        )
         self.api_key = self.manage("web", "create_api_key", ADMIN, "--name", "cluster").strip().splitlines()[-1]
 
     def service_commands(self) -> dict[str, tuple[str, list[str], dict[str, str]]]:
@@ -226,21 +247,45 @@ class Cluster:
         py = sys.executable
         commands = {}
         for i, port in enumerate(WEB_PORTS, start=1):
-            commands[f"web-{i}"] = ("web", [py, "-m", "tessera.web", "--host", address("web"), "--port", str(port),
-                                            "--proxy-headers"], {})
+            commands[f"web-{i}"] = (
+                "web",
+                [py, "-m", "tessera.web", "--host", address("web"), "--port", str(port), "--proxy-headers"],
+                {},
+            )
         for host in ("engine-1", "engine-2"):
-            commands[host] = (host, [py, str(REPO_DIR / "manage.py"), "engine"],
-                              {**ENGINE_ENV, "ENGINE_ARGS": self.engine_args, "ENGINE_WORKER_ID": host})
-        commands["worker"] = ("celery", [py, "-m", "celery", "-A", "tessera", "worker", "--loglevel", "INFO",
-                                         "--concurrency", "2"], {})
-        commands["beat"] = ("celery", [py, "-m", "celery", "-A", "tessera", "beat", "--loglevel", "INFO",
-                                       "--schedule", str(self.work_dir / "celerybeat-schedule")], {})
+            commands[host] = (
+                host,
+                [py, str(REPO_DIR / "manage.py"), "engine"],
+                {**ENGINE_ENV, "ENGINE_ARGS": self.engine_args, "ENGINE_WORKER_ID": host},
+            )
+        commands["worker"] = (
+            "celery",
+            [py, "-m", "celery", "-A", "tessera", "worker", "--loglevel", "INFO", "--concurrency", "2"],
+            {},
+        )
+        commands["beat"] = (
+            "celery",
+            [
+                py,
+                "-m",
+                "celery",
+                "-A",
+                "tessera",
+                "beat",
+                "--loglevel",
+                "INFO",
+                "--schedule",
+                str(self.work_dir / "celerybeat-schedule"),
+            ],
+            {},
+        )
         return commands
 
     def start_services(self) -> None:
         for name, (host, argv, extra) in self.service_commands().items():
-            self.supervisor.start(name, in_namespace(host, argv), env={**self.app_env(), **extra},
-                                  cwd=str(REPO_DIR), restart=RESTART)
+            self.supervisor.start(
+                name, in_namespace(host, argv), env={**self.app_env(), **extra}, cwd=str(REPO_DIR), restart=RESTART
+            )
 
     def health(self, url: str) -> dict | None:
         import json
@@ -272,20 +317,23 @@ class Cluster:
 
 # ---------------------------------------------------------------- the smoke check
 
+
 def loopback_connections() -> dict[str, list[str]]:
     """Each host's established TCP connections whose peer is a loopback address (there should be none)."""
     found = {}
     for host in HOSTS:
-        out = subprocess.run(in_namespace(host, ["ss", "-Htn", "state", "established"]), capture_output=True,
-                             text=True).stdout
+        out = subprocess.run(
+            in_namespace(host, ["ss", "-Htn", "state", "established"]), capture_output=True, text=True
+        ).stdout
         peers = [line.split()[-1] for line in out.splitlines() if line.strip()]
         found[host] = [p for p in peers if p.startswith(("127.", "[::1]", "[::ffff:127."))]
     return found
 
 
 def established_peers(host: str) -> set[str]:
-    out = subprocess.run(in_namespace(host, ["ss", "-Htn", "state", "established"]), capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        in_namespace(host, ["ss", "-Htn", "state", "established"]), capture_output=True, text=True
+    ).stdout
     return {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
 
 
@@ -300,18 +348,23 @@ def smoke(cluster: Cluster) -> list[str]:
         with httpx.Client(base_url=url, timeout=60) as http:
             login = http.get("/accounts/login/")
             token = http.cookies.get("csrftoken", "")
-            http.post("/accounts/login/", data={"username": ADMIN, "password": cluster.admin_password,
-                                                "csrfmiddlewaretoken": token}, headers={"Referer": url + "/"})
+            http.post(
+                "/accounts/login/",
+                data={"username": ADMIN, "password": cluster.admin_password, "csrfmiddlewaretoken": token},
+                headers={"Referer": url + "/"},
+            )
             page = http.get("/chat/")
             if login.status_code != 200 or page.status_code != 200 or "playground" not in page.text.lower():
                 failures.append(f"{url}/chat/: login {login.status_code}, playground {page.status_code}")
         client = openai.OpenAI(base_url=url + "/v1", api_key=cluster.api_key, max_retries=0, timeout=120)
-        reply = client.chat.completions.create(model=model, max_tokens=8,
-                                               messages=[{"role": "user", "content": "Say hello."}])
+        reply = client.chat.completions.create(
+            model=model, max_tokens=8, messages=[{"role": "user", "content": "Say hello."}]
+        )
         if not reply.choices[0].message.content or reply.usage.completion_tokens < 1:
             failures.append(f"{url}/v1/chat/completions: empty answer {reply}")
-        stream = client.chat.completions.create(model=model, max_tokens=8, stream=True,
-                                                messages=[{"role": "user", "content": "Count to three."}])
+        stream = client.chat.completions.create(
+            model=model, max_tokens=8, stream=True, messages=[{"role": "user", "content": "Count to three."}]
+        )
         finishes = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
         if finishes not in (["length"], ["stop"]):
             failures.append(f"{url}/v1 stream ended with {finishes}")
@@ -337,14 +390,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         say = cluster.supervisor.say
-        say(f"\ncluster up: web {' '.join(cluster.web_urls)}; data {address('data')}; engines "
-            f"{address('engine-1')} {address('engine-2')}; celery {address('celery')}")
+        say(
+            f"\ncluster up: web {' '.join(cluster.web_urls)}; data {address('data')}; engines "
+            f"{address('engine-1')} {address('engine-2')}; celery {address('celery')}"
+        )
         say(f"  admin login: {ADMIN} / {cluster.admin_password}\n  API key:     {cluster.api_key}")
         failures = smoke(cluster)
         for failure in failures:
             say(f"smoke: FAILED {failure}")
-        say("smoke: " + ("failed" if failures else "the playground and /v1 answer through both web processes; "
-                         "no loopback connections; every host talks to the data host over its veth"))
+        say(
+            "smoke: "
+            + (
+                "failed"
+                if failures
+                else "the playground and /v1 answer through both web processes; "
+                "no loopback connections; every host talks to the data host over its veth"
+            )
+        )
         if args.smoke:
             return 1 if failures else 0
         say(f"ready: {cluster.web_urls[0]}/ (Ctrl-C stops everything)")

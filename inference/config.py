@@ -1,4 +1,5 @@
 """Engine arguments (vLLM's names) and the model facts read from config.json or a GGUF file."""
+
 from __future__ import annotations
 
 import json

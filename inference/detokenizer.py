@@ -7,14 +7,21 @@ in U+FFFD is an incomplete byte sequence, so nothing is emitted until the next t
 Without stop strings nothing needs the text until someone reads it, so tokens are buffered and
 decoded in one window when `text` is read (one decode per read instead of two per token).
 """
+
 from __future__ import annotations
 
 CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so leading spaces come out right
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool,
-                 stop_strings: list[str], include_stop_str: bool):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool,
+        stop_strings: list[str],
+        include_stop_str: bool,
+    ):
         self.tokenizer = tokenizer
         self.skip_special = skip_special_tokens
         self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -56,15 +63,15 @@ class IncrementalDetokenizer:
         if not allow_partial:
             saved = (len(self.ids), self.prefix_offset, self.read_offset)
         self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new_text = full[len(prefix):]
+            new_text = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self._text += new_text
             return len(new_text)
         if not allow_partial:
-            del self.ids[saved[0]:]
+            del self.ids[saved[0] :]
             self.prefix_offset, self.read_offset = saved[1], saved[2]
         return 0
 

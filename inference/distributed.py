@@ -6,6 +6,7 @@ Two process groups: the default one (finite timeout, TESSERA_TP_TIMEOUT_S, defau
 step's collectives, so a rank that hangs mid-step fails the step; and a gloo "control" group with
 a very long timeout where idle ranks wait for the next step, possibly for hours.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,7 @@ def step_timeout() -> timedelta:
 
 
 def init_groups(backend: str, init_method: str, rank: int, world_size: int) -> None:
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=step_timeout())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=step_timeout())
     _groups["control"] = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 

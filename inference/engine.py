@@ -1,4 +1,5 @@
 """The step-level engine (vLLM's LLMEngine API): add_request / step / abort_request."""
+
 from __future__ import annotations
 
 import logging
@@ -66,8 +67,16 @@ class LLMEngine:
     # ---- start-up -------------------------------------------------------------------------
 
     def _load_model(self, progress: bool):
-        return load_model(self.args, self.model_config, self.ops, self.dtype, self.device, self.max_model_len,
-                          progress, self.executor.parallel)
+        return load_model(
+            self.args,
+            self.model_config,
+            self.ops,
+            self.dtype,
+            self.device,
+            self.max_model_len,
+            progress,
+            self.executor.parallel,
+        )
 
     WARM_UP_PROMPT_TOKENS = 16
 
@@ -97,7 +106,9 @@ class LLMEngine:
         """Size the KV pool from num_kv_blocks or a memory budget; fail with numbers if too small."""
         cfg, args = self.model_config, self.args
         layer = self.model.layers[0].self_attn
-        per_block = ModelRunner.bytes_per_block(cfg.num_layers, args.block_size, layer.num_kv_heads, cfg.head_dim, self.dtype)
+        per_block = ModelRunner.bytes_per_block(
+            cfg.num_layers, args.block_size, layer.num_kv_heads, cfg.head_dim, self.dtype
+        )
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         useful = args.max_num_seqs * blocks_per_seq
@@ -135,15 +146,28 @@ class LLMEngine:
                 f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) must be "
                 f">= max_model_len ({self.max_model_len})"
             )
-        return SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
-                               args.enable_chunked_prefill, args.long_prefill_token_threshold,
-                               tuple(self.eos_token_ids), args.scheduling_policy)
+        return SchedulerConfig(
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            self.max_model_len,
+            args.enable_chunked_prefill,
+            args.long_prefill_token_threshold,
+            tuple(self.eos_token_ids),
+            args.scheduling_policy,
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None, tenant: str | None = None,
-                    weight: float = 1.0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        sampling_params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ) -> None:
         """prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt" text too).
 
         tenant / weight: whose fair share it is served from and that tenant's weight (fairness.py);
@@ -187,8 +211,13 @@ class LLMEngine:
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         p = request.params
-        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.skip_special_tokens,
-                                      p.stop_strings, p.include_stop_str_in_output)
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            p.skip_special_tokens,
+            p.stop_strings,
+            p.include_stop_str_in_output,
+        )
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop a request now and free its blocks; unknown ids are ignored."""
@@ -276,8 +305,9 @@ class LLMEngine:
         self._detokenize(sampled, plan)
         return self.scheduler.update_from_output(plan, sampled)
 
-    def _sample_and_verify(self, requests: list[Request], logits: torch.Tensor,
-                           plan: SchedulerOutput) -> list[SampledToken]:
+    def _sample_and_verify(
+        self, requests: list[Request], logits: torch.Tensor, plan: SchedulerOutput
+    ) -> list[SampledToken]:
         """Plain rows through the batched sampler; each speculating sequence's 1 + k rows are verified."""
         if not plan.spec_tokens:
             return self._sample(requests, logits, plan)
@@ -293,19 +323,26 @@ class LLMEngine:
                 row += 1
         sampled = self._sample(plain, logits[plain_rows], plan) if plain else []
         for request, first, drafts in verified:
-            sampled.extend(self._verify(request, logits[first:first + 1 + len(drafts)], drafts, plan))
+            sampled.extend(self._verify(request, logits[first : first + 1 + len(drafts)], drafts, plan))
         return sampled
 
-    def _verify(self, seq: Request, logits: torch.Tensor, drafts: list[int],
-                plan: SchedulerOutput) -> list[SampledToken]:
+    def _verify(
+        self, seq: Request, logits: torch.Tensor, drafts: list[int], plan: SchedulerOutput
+    ) -> list[SampledToken]:
         assert self.speculator is not None  # only speculating engines verify
         try:
             tokens, entries = self.speculator.verify(logits, seq, drafts)
         except Exception as exc:
             self.scheduler.fail(seq, "speculative verification", exc, plan)
             return []
-        kept = next((i + 1 for i, token in enumerate(tokens)  # a stop token ends the step's tokens there
-                     if self.scheduler.ends_at(seq, token, seq.num_output_tokens + i + 1)), len(tokens))
+        kept = next(
+            (
+                i + 1
+                for i, token in enumerate(tokens)  # a stop token ends the step's tokens there
+                if self.scheduler.ends_at(seq, token, seq.num_output_tokens + i + 1)
+            ),
+            len(tokens),
+        )
         return [SampledToken(seq, token, entry) for token, entry in zip(tokens[:kept], entries[:kept])]
 
     def _sample(self, requests: list[Request], logits: torch.Tensor, plan: SchedulerOutput) -> list[SampledToken]:
@@ -323,8 +360,9 @@ class LLMEngine:
         if rows != list(range(len(requests))):
             logits = logits[torch.tensor(rows, device=logits.device)]
         tokens, logprobs = self._sample_isolated(logits, seqs, plan)
-        return [SampledToken(seq, token, entry) for seq, token, entry in zip(seqs, tokens, logprobs)
-                if token is not None]
+        return [
+            SampledToken(seq, token, entry) for seq, token, entry in zip(seqs, tokens, logprobs) if token is not None
+        ]
 
     def _fork(self, parent: Request) -> list[Request]:
         group = parent.fork()
@@ -352,7 +390,7 @@ class LLMEngine:
             token, entry = None, None
             if not seq.is_finished:
                 try:
-                    (token,), (entry,) = self.sampler(logits[row:row + 1], [seq])
+                    (token,), (entry,) = self.sampler(logits[row : row + 1], [seq])
                 except Exception as exc:
                     self.scheduler.fail(seq, "sampling", exc, plan)
             tokens.append(token)
@@ -382,7 +420,7 @@ class LLMEngine:
     def _record_prompt_logprobs(self, inputs, hidden, plan: SchedulerOutput) -> None:
         for request, (first_row, count, first_pos) in inputs.prompt_rows.items():
             try:
-                self._prompt_logprobs_of(request, hidden[first_row:first_row + count], first_pos)
+                self._prompt_logprobs_of(request, hidden[first_row : first_row + count], first_pos)
             except Exception as exc:
                 self.scheduler.fail(request, "prompt logprobs", exc, plan)
 
@@ -410,7 +448,8 @@ class LLMEngine:
     def _group_finished(root: Request) -> bool:
         """All n sequences are done (or the prompt ended, failed or was aborted before it could fork)."""
         return all(s.is_finished for s in root.group) and (
-            len(root.group) == root.n or root.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+            len(root.group) == root.n
+            or root.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
             or root.num_output_tokens == 0
         )
 
@@ -420,17 +459,26 @@ class LLMEngine:
             self.requests.pop(root.request_id, None)
         outputs = [self._completion(s) for s in root.group]
         return RequestOutput(
-            request_id=root.request_id, prompt=root.prompt, prompt_token_ids=root.prompt_token_ids,
-            outputs=outputs, finished=finished, num_cached_tokens=root.num_cached_tokens,
-            prompt_logprobs=root.prompt_logprobs, metrics=root.metrics, error=root.error,
+            request_id=root.request_id,
+            prompt=root.prompt,
+            prompt_token_ids=root.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=root.num_cached_tokens,
+            prompt_logprobs=root.prompt_logprobs,
+            metrics=root.metrics,
+            error=root.error,
         )
 
     @staticmethod
     def _completion(seq: Request) -> CompletionOutput:
         finished = seq.is_finished
         return CompletionOutput(
-            index=seq.index, text=seq.detok.visible_text(finished), token_ids=seq.output_token_ids,
-            finish_reason=seq.status.value if finished else None, stop_reason=seq.stop_reason,
+            index=seq.index,
+            text=seq.detok.visible_text(finished),
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.status.value if finished else None,
+            stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
         )

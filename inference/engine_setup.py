@@ -1,4 +1,5 @@
 """Start-up decisions the engine and every tensor-parallel rank make the same way."""
+
 from __future__ import annotations
 
 import torch

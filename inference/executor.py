@@ -4,6 +4,7 @@ UniprocExecutor: tensor_parallel_size 1, the engine's own ModelRunner and nothin
 MultiprocExecutor (inference/multiproc_executor.py): tensor_parallel_size N, the engine process
 as rank 0 of a torch.distributed group.
 """
+
 from __future__ import annotations
 
 from typing import Protocol

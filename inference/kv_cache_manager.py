@@ -15,6 +15,7 @@ K/V mostly lies in consecutive memory. The CPU decode kernel reads a sequence's 
 and on shuffled 4 KiB blocks it waits on memory (docs/kernels.md has the figures). Only empty blocks are placed
 this way; freed blocks that hold a cached prefix are still evicted in LRU order.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -184,7 +185,7 @@ class KVCacheManager:
         max_blocks = (seq.num_tokens - 1) // self.block_size
         tokens = seq.token_ids
         for i in range(max_blocks):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             block = self.pool.lookup(parent, chunk)
             if block is None:
                 break
@@ -244,7 +245,7 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
-            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             if i and self.pool.cached.get(hashes[i - 1]) != table[i - 1].block_id:
                 # The previous block is not the one cached under its hash (a duplicate, or a hash
                 # collision with other tokens): caching this block would let a lookup that verified

@@ -1,4 +1,5 @@
 """The offline API: LLM(model=...).generate(prompts, SamplingParams(...)) and .chat(messages), as in vLLM."""
+
 from __future__ import annotations
 
 import itertools
@@ -26,9 +27,17 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Generate replies to conversations, as vLLM's LLM.chat: each one rendered with the tokenizer's
         chat template (or chat_template), then run as generate() runs prompts.
 
@@ -38,25 +47,43 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations or not all(conversations):
             raise ValueError("messages must be a non-empty conversation or a list of non-empty conversations")
-        prompts = [{"prompt_token_ids": self._chat_prompt_ids(c, chat_template, add_generation_prompt,
-                                                              continue_final_message, tools, chat_template_kwargs)}
-                   for c in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": self._chat_prompt_ids(
+                    c, chat_template, add_generation_prompt, continue_final_message, tools, chat_template_kwargs
+                )
+            }
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _chat_prompt_ids(self, conversation: list[dict], chat_template, add_generation_prompt: bool,
-                         continue_final_message: bool, tools, chat_template_kwargs) -> list[int]:
+    def _chat_prompt_ids(
+        self,
+        conversation: list[dict],
+        chat_template,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools,
+        chat_template_kwargs,
+    ) -> list[int]:
         tokenizer = self.get_tokenizer()
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass chat_template= or use generate()")
         text = tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tools=tools, tokenize=False,
+            conversation,
+            chat_template=chat_template,
+            tools=tools,
+            tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )
         # The template writes the BOS token itself; adding special tokens again would double it.
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, priority=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts=None, sampling_params=None, prompt_token_ids=None, priority=None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         Bad input (an empty prompt, one longer than max_model_len, invalid sampling values)
@@ -78,8 +105,9 @@ class LLM:
             raise
         return self._run_to_completion(request_ids, use_tqdm)
 
-    def embed(self, prompts=None, pooling_params: PoolingParams | None = None, prompt_token_ids=None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self, prompts=None, pooling_params: PoolingParams | None = None, prompt_token_ids=None, use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
         """An encoder model's embeddings, one per prompt in input order (vLLM's LLM.embed)."""
         if not isinstance(self.llm_engine, EmbeddingEngine):
             raise ValueError("embed() needs an embedding (encoder) model; this one generates text")

@@ -1,4 +1,5 @@
 """Load a model from a local Hugging Face folder (config.json, *.safetensors, tokenizer files) or a GGUF file."""
+
 from __future__ import annotations
 
 import json
@@ -55,11 +56,13 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def build_model(cfg: ModelConfig, ops, dtype, device, max_position: int, linear_method=None,
-                parallel: ParallelConfig = SINGLE) -> LlamaForCausalLM:
+def build_model(
+    cfg: ModelConfig, ops, dtype, device, max_position: int, linear_method=None, parallel: ParallelConfig = SINGLE
+) -> LlamaForCausalLM:
     with torch.device(device):
-        return LlamaForCausalLM(cfg, ops, dtype, max(max_position, cfg.max_position_embeddings), linear_method,
-                                parallel)
+        return LlamaForCausalLM(
+            cfg, ops, dtype, max(max_position, cfg.max_position_embeddings), linear_method, parallel
+        )
 
 
 def load_weights(model: Any, path: str, progress: bool = True) -> None:
@@ -78,8 +81,9 @@ def load_weights(model: Any, path: str, progress: bool = True) -> None:
         loader = getattr(param, "weight_loader", default_weight_loader)
         loader(param, as_param_dtype(tensor(), param), shard_id)
         loaded.add(name)
-    missing = [name for name, param in params.items()
-               if name not in loaded and not not_in_checkpoint(model, name, param)]
+    missing = [
+        name for name, param in params.items() if name not in loaded and not not_in_checkpoint(model, name, param)
+    ]
     if missing:
         raise ValueError(f"checkpoint in {path} lacks weights for: {', '.join(sorted(missing)[:8])}")
     process_weights_after_loading(model)
@@ -133,8 +137,16 @@ def not_in_checkpoint(model, name: str, param) -> bool:
     return getattr(param, "derived", False) or getattr(param, "optional", False)
 
 
-def load_model(args, cfg: ModelConfig, ops, dtype, device, max_model_len: int, progress: bool = True,
-               parallel: ParallelConfig = SINGLE):
+def load_model(
+    args,
+    cfg: ModelConfig,
+    ops,
+    dtype,
+    device,
+    max_model_len: int,
+    progress: bool = True,
+    parallel: ParallelConfig = SINGLE,
+):
     """This rank's shard (`parallel`) of the model: built with the linear method of args.quantization, then loaded."""
     from inference.quantization import get_linear_method
 

@@ -5,6 +5,7 @@ A worker counts as alive exactly while its heartbeat key exists. The heartbeat r
 its own, so a long engine step never makes a live worker look dead; that thread only reads the
 snapshot the loop's thread copies (only the loop's thread touches the engine).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,10 +27,23 @@ EndEarly = Callable[[redis.client.Pipeline, str, str, str, protocol.Event], None
 
 
 class Membership:
-    def __init__(self, r: redis.Redis, engine, *, worker_id: str, model_name: str, served_model_names: list[str],
-                 request_streams: list[str], extra_info: dict, heartbeat_interval: float, heartbeat_ttl: float,
-                 reap_interval: float, stopping: threading.Event, loop_stats: Callable[[], dict],
-                 end_early: EndEarly):
+    def __init__(
+        self,
+        r: redis.Redis,
+        engine,
+        *,
+        worker_id: str,
+        model_name: str,
+        served_model_names: list[str],
+        request_streams: list[str],
+        extra_info: dict,
+        heartbeat_interval: float,
+        heartbeat_ttl: float,
+        reap_interval: float,
+        stopping: threading.Event,
+        loop_stats: Callable[[], dict],
+        end_early: EndEarly,
+    ):
         self.r = r
         self.engine = engine
         self.worker_id = worker_id
@@ -104,10 +118,17 @@ class Membership:
         stats["tokens_per_s"] = self._tokens_per_s(stats)
         ttl_ms = int(self.heartbeat_ttl * 1000)
         key = protocol.heartbeat_key(self.worker_id)
-        heartbeat = protocol.Heartbeat(worker_id=self.worker_id, model=self.model_name,
-                                       served_model_names=self.served_model_names, pid=os.getpid(),
-                                       host=socket.gethostname(), started_at=self.started_at, updated_at=time.time(),
-                                       config=self.extra_info, stats=stats)
+        heartbeat = protocol.Heartbeat(
+            worker_id=self.worker_id,
+            model=self.model_name,
+            served_model_names=self.served_model_names,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_at=self.started_at,
+            updated_at=time.time(),
+            config=self.extra_info,
+            stats=stats,
+        )
         pipe = self.r.pipeline(transaction=False)
         fields: dict[Any, Any] = heartbeat.fields()  # redis-py's stubs want a wider key type than str
         pipe.hset(key, mapping=fields)
@@ -150,12 +171,16 @@ class Membership:
     def _reap_consumer(self, stream: str, name: str, pending: int) -> int:
         reaped = 0
         if pending:
-            rows = self.r.xpending_range(stream, protocol.CONSUMER_GROUP, min="-", max="+", count=pending,
-                                         consumername=name)
+            rows = self.r.xpending_range(
+                stream, protocol.CONSUMER_GROUP, min="-", max="+", count=pending, consumername=name
+            )
             ids: list[Any] = [row["message_id"] for row in rows]
             # XCLAIM with a min idle time: of two surviving workers only one wins each entry.
-            claimed: list[Any] = self.r.xclaim(stream, protocol.CONSUMER_GROUP, self.worker_id, min_idle_time=500,
-                                    message_ids=ids) if ids else []
+            claimed: list[Any] = (
+                self.r.xclaim(stream, protocol.CONSUMER_GROUP, self.worker_id, min_idle_time=500, message_ids=ids)
+                if ids
+                else []
+            )
             pipe = self.r.pipeline(transaction=False)
             for entry_id, fields in claimed:
                 if not fields:

@@ -3,13 +3,33 @@
 The worker publishes snapshot() in its heartbeat; the web tier's /metrics exports it under vLLM's
 `vllm:` names (platform/openai_api/metrics.py, docs/metrics.md).
 """
+
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 @dataclass
@@ -85,8 +105,11 @@ class EngineMetrics:
     def spec_decode(self) -> dict:
         """vLLM's counters, the acceptance rate (accepted / proposed) and the mean acceptance length
         (1 + accepted / drafts: tokens per verifying step, vLLM's formula)."""
-        drafts, proposed, accepted = (self.spec_decode_num_drafts, self.spec_decode_num_draft_tokens,
-                                      self.spec_decode_num_accepted_tokens)
+        drafts, proposed, accepted = (
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
+        )
         return {
             "spec_decode_num_drafts_total": drafts,
             "spec_decode_num_draft_tokens_total": proposed,

@@ -1,4 +1,5 @@
 """Owns the model and the K/V memory; turns a scheduler decision into one flattened forward."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,7 +76,10 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            meta=meta, sample_rows=sample_rows, sampling_requests=sampling_requests, prompt_rows=prompt_rows,
+            meta=meta,
+            sample_rows=sample_rows,
+            sampling_requests=sampling_requests,
+            prompt_rows=prompt_rows,
         )
 
     def warm_up_inputs(self, prompt_tokens: int, table: list[int]) -> list[StepInputs]:
@@ -87,18 +91,24 @@ class ModelRunner:
         for start, count, num_decodes in ((0, prompt_tokens, 0), (prompt_tokens, 1, 1)):
             positions = list(range(start, start + count))
             meta = AttentionMetadata(
-                slot_mapping=torch.tensor([table[p // bs] * bs + p % bs for p in positions], dtype=torch.int64,
-                                          device=dev),
+                slot_mapping=torch.tensor(
+                    [table[p // bs] * bs + p % bs for p in positions], dtype=torch.int64, device=dev
+                ),
                 query_start_loc=torch.tensor([0, count], dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor([start + count], dtype=torch.int32, device=dev),
                 block_tables=torch.tensor([table], dtype=torch.int32, device=dev),
                 num_decodes=num_decodes,
             )
-            steps.append(StepInputs(
-                input_ids=torch.zeros(count, dtype=torch.int64, device=dev),
-                positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-                meta=meta, sample_rows=[count - 1], sampling_requests=[], prompt_rows={},
-            ))
+            steps.append(
+                StepInputs(
+                    input_ids=torch.zeros(count, dtype=torch.int64, device=dev),
+                    positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+                    meta=meta,
+                    sample_rows=[count - 1],
+                    sampling_requests=[],
+                    prompt_rows={},
+                )
+            )
         return steps
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

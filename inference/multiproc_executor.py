@@ -20,6 +20,7 @@ sends them its engine arguments, so they need no flags of their own.
 
 The other ranks' loop is inference/tp_worker.py; what goes over the wire, inference/step_wire.py.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -77,7 +78,8 @@ class MultiprocExecutor:
                 raise TensorParallelError(
                     f"under torchrun the engine must be rank 0 of WORLD_SIZE={self.world_size}; got "
                     f"RANK={os.environ['RANK']} WORLD_SIZE={os.environ['WORLD_SIZE']} (other ranks run "
-                    "`python -m inference.tp_rank`)")
+                    "`python -m inference.tp_rank`)"
+                )
             init_method = "env://"
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -92,8 +94,12 @@ class MultiprocExecutor:
         readers = []
         for rank in range(1, self.world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(rank, self.world_size, init_method, backend, writer),
-                               name=f"tessera-tp-rank{rank}", daemon=True)
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, self.world_size, init_method, backend, writer),
+                name=f"tessera-tp-rank{rank}",
+                daemon=True,
+            )
             proc.start()
             writer.close()
             self.procs.append(proc)
@@ -111,10 +117,14 @@ class MultiprocExecutor:
                 reader.recv()  # EOFError when the rank died without a word
             except EOFError:
                 proc.join(timeout=1)
-                state = (f"exited with code {proc.exitcode}" if proc.exitcode is not None
-                         else f"did not start in {timeout:.0f} s")
+                state = (
+                    f"exited with code {proc.exitcode}"
+                    if proc.exitcode is not None
+                    else f"did not start in {timeout:.0f} s"
+                )
                 raise TensorParallelError(
-                    f"tensor-parallel rank {rank} (pid {proc.pid}) {state} before joining the group")
+                    f"tensor-parallel rank {rank} (pid {proc.pid}) {state} before joining the group"
+                )
             finally:
                 reader.close()
 
@@ -151,8 +161,9 @@ class MultiprocExecutor:
         return self._guard(lambda: self.runner.logits_of(rows))
 
     def activation_peak_bytes(self, engine) -> int:
-        raise TensorParallelError("CUDA memory profiling with tensor_parallel_size > 1 is not supported; "
-                                  "give num_kv_blocks explicitly")
+        raise TensorParallelError(
+            "CUDA memory profiling with tensor_parallel_size > 1 is not supported; give num_kv_blocks explicitly"
+        )
 
     def _send(self, command: int, sizes: list[int], payload: torch.Tensor) -> None:
         self.check_alive()
@@ -170,7 +181,8 @@ class MultiprocExecutor:
             self.shutdown()
             raise TensorParallelError(
                 f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}; "
-                "the engine stopped the whole group and cannot continue")
+                "the engine stopped the whole group and cannot continue"
+            )
 
     def _guard(self, fn):
         """Run a collective; a failure becomes a TensorParallelError naming a dead rank if one died."""
@@ -185,8 +197,9 @@ class MultiprocExecutor:
                 time.sleep(0.05)  # give a dying rank a moment to be reaped, for a precise message
             self.check_alive()
             self.shutdown()
-            raise TensorParallelError(f"tensor-parallel collective failed ({exc}); "
-                                      "the engine stopped the whole group") from exc
+            raise TensorParallelError(
+                f"tensor-parallel collective failed ({exc}); the engine stopped the whole group"
+            ) from exc
 
     def shutdown(self) -> None:
         """Stop every rank (a clean stop message first, then terminate, then kill); idempotent."""

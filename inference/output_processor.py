@@ -2,6 +2,7 @@
 usage and metrics. Pure: no Redis, no threads; the worker sends what this returns (vLLM's
 OutputProcessor plays the same part between its engine core and its API server).
 """
+
 from __future__ import annotations
 
 import time
@@ -43,15 +44,22 @@ class RequestState:
         return sum(self.sent_ids)
 
     def usage(self) -> protocol.Usage:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.cached_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+        }
 
     def metrics(self) -> dict:
         now = time.time()
         queue_ms = None if self.submitted_at is None else max(0.0, (self.received_at - self.submitted_at) * 1000)
         ttft_ms = None if self.first_token_at is None else (self.first_token_at - self.received_at) * 1000
-        return {"queue_ms": queue_ms, "ttft_ms": ttft_ms, "latency_ms": (now - self.received_at) * 1000,
-                "num_preemptions": self.num_preemptions}
+        return {
+            "queue_ms": queue_ms,
+            "ttft_ms": ttft_ms,
+            "latency_ms": (now - self.received_at) * 1000,
+            "num_preemptions": self.num_preemptions,
+        }
 
 
 class OutputProcessor:
@@ -90,8 +98,10 @@ class OutputProcessor:
         state.prompt_tokens = len(output.prompt_token_ids) or state.prompt_tokens
         state.first_token_at = time.time()
         state.finish_reasons = ["stop"]
-        return [protocol.embedding_event(output.float32_bytes()),
-                protocol.finish_event(state.finish_reasons, state.usage(), state.metrics())]
+        return [
+            protocol.embedding_event(output.float32_bytes()),
+            protocol.finish_event(state.finish_reasons, state.usage(), state.metrics()),
+        ]
 
     @staticmethod
     def abort_event(state: RequestState) -> protocol.FinishEvent:
@@ -105,22 +115,26 @@ class OutputProcessor:
         k = self.stream_interval
         if k <= 1 or state.first_token_at is None:
             return True
-        return any(c.finish_reason is not None or len(c.token_ids) - state.sent_ids[c.index] >= k
-                   for c in completions if c.index < state.n and not state.finished[c.index])
+        return any(
+            c.finish_reason is not None or len(c.token_ids) - state.sent_ids[c.index] >= k
+            for c in completions
+            if c.index < state.n and not state.finished[c.index]
+        )
 
     def _delta(self, state: RequestState, completion) -> protocol.DeltaEvent | None:
         i = completion.index
         if i >= state.n or state.finished[i]:
             return None
-        new_ids = completion.token_ids[state.sent_ids[i]:]
-        new_text = completion.text[state.sent_len[i]:]
+        new_ids = completion.token_ids[state.sent_ids[i] :]
+        new_text = completion.text[state.sent_len[i] :]
         finished = completion.finish_reason is not None
         if not new_ids and not new_text and not finished:
             return None
         event = protocol.delta_event(i, new_text, list(new_ids), completion.finish_reason, completion.stop_reason)
         if state.want_logprobs is not None and completion.logprobs is not None:
-            event["logprobs"] = self._logprobs(completion, state.sent_ids[i], len(completion.token_ids),
-                                               state.want_logprobs)
+            event["logprobs"] = self._logprobs(
+                completion, state.sent_ids[i], len(completion.token_ids), state.want_logprobs
+            )
         if new_ids and state.first_token_at is None:
             state.first_token_at = time.time()
         state.sent_ids[i] = len(completion.token_ids)
@@ -130,8 +144,10 @@ class OutputProcessor:
         return event
 
     def _logprobs(self, completion, start: int, end: int, top_n: int) -> list[protocol.LogprobEntry]:
-        return [self._logprob_entry(completion.token_ids[pos], completion.logprobs[pos], top_n)
-                for pos in range(start, min(end, len(completion.logprobs)))]
+        return [
+            self._logprob_entry(completion.token_ids[pos], completion.logprobs[pos], top_n)
+            for pos in range(start, min(end, len(completion.logprobs)))
+        ]
 
     def _prompt_logprobs(self, state: RequestState, output) -> protocol.PromptLogprobsEvent | None:
         """The prompt's logprobs, once, as soon as the engine has them for every prompt token."""
@@ -141,12 +157,20 @@ class OutputProcessor:
         if len(entries) < len(prompt):
             return None
         state.prompt_logprobs_sent = True
-        first: protocol.LogprobEntry = {"token_id": prompt[0], "token": self._token_text(prompt[0], None),
-                                        "logprob": None, "top": []}
+        first: protocol.LogprobEntry = {
+            "token_id": prompt[0],
+            "token": self._token_text(prompt[0], None),
+            "logprob": None,
+            "top": [],
+        }
         top_n = state.want_prompt_logprobs
         return protocol.prompt_logprobs_event(
-            [first] + [self._logprob_entry(token_id, candidates, top_n)
-                       for token_id, candidates in zip(prompt[1:], entries[1:])])
+            [first]
+            + [
+                self._logprob_entry(token_id, candidates, top_n)
+                for token_id, candidates in zip(prompt[1:], entries[1:])
+            ]
+        )
 
     def _logprob_entry(self, token_id: int, candidates, top_n: int) -> protocol.LogprobEntry:
         candidates = candidates or {}

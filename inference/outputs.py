@@ -1,4 +1,5 @@
 """What the engine returns: cumulative outputs per request, as in vLLM."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

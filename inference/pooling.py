@@ -7,6 +7,7 @@ embedding runner does. `dimensions` (OpenAI's parameter) truncates and renormali
 means something for models trained for it (Matryoshka); config.json says so with
 `matryoshka_dimensions` or `is_matryoshka`, as vLLM reads them.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
-                 "pooling_mode_max_tokens": "max"}
+POOLING_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max"}
 
 
 @dataclass
@@ -30,8 +30,9 @@ class PoolingParams:
     prompt_logprobs = None
 
     def __post_init__(self):
-        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
-                                            or self.dimensions < 1):
+        if self.dimensions is not None and (
+            isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int) or self.dimensions < 1
+        ):
             raise ValueError(f"dimensions must be a positive integer; got {self.dimensions!r}")
 
 
@@ -53,16 +54,23 @@ class PoolingConfig:
             mode = pooling_mode(_read_json(folder / kinds["Pooling"].get("path", "") / "config.json") or {})
             normalize = "Normalize" in kinds
         st_config = _read_json(folder / "sentence_bert_config.json") or {}
-        return cls(mode=mode, normalize=normalize, dimension=hidden_size,
-                   max_seq_length=st_config.get("max_seq_length"), matryoshka_dimensions=_matryoshka(raw_config))
+        return cls(
+            mode=mode,
+            normalize=normalize,
+            dimension=hidden_size,
+            max_seq_length=st_config.get("max_seq_length"),
+            matryoshka_dimensions=_matryoshka(raw_config),
+        )
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError naming `dimensions` when this model cannot give that size."""
         if dimensions is None or dimensions == self.dimension:
             return
         if self.matryoshka_dimensions is None:
-            raise ValueError(f"dimensions: this model does not support other output sizes than {self.dimension} "
-                             "(it was not trained for truncated embeddings)")
+            raise ValueError(
+                f"dimensions: this model does not support other output sizes than {self.dimension} "
+                "(it was not trained for truncated embeddings)"
+            )
         allowed = self.matryoshka_dimensions
         if not 1 <= dimensions <= self.dimension or (allowed and dimensions not in allowed):
             sizes = ", ".join(map(str, allowed)) if allowed else f"1..{self.dimension}"
@@ -71,11 +79,14 @@ class PoolingConfig:
 
 def pooling_mode(config: dict) -> str:
     modes = [name for key, name in POOLING_MODES.items() if config.get(key)]
-    unsupported = [key for key, value in config.items() if key.startswith("pooling_mode") and value
-                   and key not in POOLING_MODES]
+    unsupported = [
+        key for key, value in config.items() if key.startswith("pooling_mode") and value and key not in POOLING_MODES
+    ]
     if unsupported or len(modes) != 1:
-        raise ValueError(f"unsupported sentence-transformers pooling {unsupported or modes}: one of "
-                         f"{', '.join(POOLING_MODES)} is supported")
+        raise ValueError(
+            f"unsupported sentence-transformers pooling {unsupported or modes}: one of "
+            f"{', '.join(POOLING_MODES)} is supported"
+        )
     return modes[0]
 
 

@@ -1,4 +1,5 @@
 """Activation memory peak on CUDA: one forward at the largest step the scheduler can build."""
+
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,9 @@ def activation_peak_bytes(engine) -> int:
     tokens = min(args.max_num_batched_tokens, engine.max_model_len)
     layer = engine.model.layers[0].self_attn
     blocks = -(-tokens // args.block_size)
-    scratch = torch.zeros(blocks, args.block_size, layer.num_kv_heads, layer.head_dim, dtype=engine.dtype, device=device)
+    scratch = torch.zeros(
+        blocks, args.block_size, layer.num_kv_heads, layer.head_dim, dtype=engine.dtype, device=device
+    )
     for lyr in engine.model.layers:
         lyr.self_attn.attn.k_cache = lyr.self_attn.attn.v_cache = scratch
     meta = AttentionMetadata(
@@ -28,7 +31,7 @@ def activation_peak_bytes(engine) -> int:
     before = torch.cuda.memory_allocated(device)
     ids = torch.zeros(tokens, dtype=torch.long, device=device)
     hidden = engine.model(ids, torch.arange(tokens, device=device), meta)
-    engine.model.compute_logits(hidden[-args.max_num_seqs:])
+    engine.model.compute_logits(hidden[-args.max_num_seqs :])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del scratch, hidden

@@ -7,6 +7,7 @@ Messages: EngineRequest (web tier -> worker, one entry of its model's request st
 (worker -> web tier, a JSON list per entry of the request's output stream; typed dicts built by
 the *_event functions) and Heartbeat (a worker's hash, refreshed every second).
 """
+
 from __future__ import annotations
 
 import base64
@@ -36,11 +37,11 @@ TERMINAL_EVENTS = ("finish", "error")
 # An embedding request names this task; its worker must serve an embedding (encoder) model.
 EMBED_TASK = "embed"
 # Codes of error events: worker-side validation, a lost or missing worker, engine failure, the caller's timeout.
-ERROR_CODES = ("invalid_request", "worker_lost", "no_worker", "engine_error", "worker_shutdown", "expired",
-               "timeout")
+ERROR_CODES = ("invalid_request", "worker_lost", "no_worker", "engine_error", "worker_shutdown", "expired", "timeout")
 
 
 # ---------------------------------------------------------------- keys
+
 
 def request_stream(model: str) -> str:
     """One request stream (and consumer group) per served model name: a worker reads only its own."""
@@ -87,6 +88,7 @@ def decode(raw) -> Any:  # JSON: the caller knows its shape
 
 # ---------------------------------------------------------------- request
 
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -111,25 +113,45 @@ class EngineRequest:
     weight: float = 1.0  # the tenant's share weight (the user's plan share)
 
     @classmethod
-    def build(cls, *, model: str, prompt_token_ids=None, prompt: str | None = None,
-              sampling_params: dict | None = None, priority_class: str = "api", priority: int = 0, user=None,
-              request_id: str | None = None, queue_timeout: float | None = None,
-              lease_id: str | None = None, pooling_params: dict | None = None, tenant=None,
-              weight: float = 1.0) -> "EngineRequest":
+    def build(
+        cls,
+        *,
+        model: str,
+        prompt_token_ids=None,
+        prompt: str | None = None,
+        sampling_params: dict | None = None,
+        priority_class: str = "api",
+        priority: int = 0,
+        user=None,
+        request_id: str | None = None,
+        queue_timeout: float | None = None,
+        lease_id: str | None = None,
+        pooling_params: dict | None = None,
+        tenant=None,
+        weight: float = 1.0,
+    ) -> "EngineRequest":
         """Validate the arguments (ValueError) and stamp the submission time."""
         if (prompt_token_ids is None) == (prompt is None):
             raise ValueError("give exactly one of prompt_token_ids or prompt")
         if not model:
             raise ValueError("a request names the model it is for")
         now = time.time()
-        return cls(request_id=request_id or new_request_id(), model=model,
-                   prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids), prompt=prompt,
-                   sampling_params=dict(sampling_params or {}),
-                   priority=engine_priority(priority_class, priority), priority_class=priority_class,
-                   user=None if user is None else str(user), submitted_at=now,
-                   deadline=now + queue_timeout if queue_timeout else None, lease_id=lease_id,
-                   pooling_params=None if pooling_params is None else dict(pooling_params),
-                   tenant=None if tenant is None else str(tenant), weight=weight)
+        return cls(
+            request_id=request_id or new_request_id(),
+            model=model,
+            prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
+            prompt=prompt,
+            sampling_params=dict(sampling_params or {}),
+            priority=engine_priority(priority_class, priority),
+            priority_class=priority_class,
+            user=None if user is None else str(user),
+            submitted_at=now,
+            deadline=now + queue_timeout if queue_timeout else None,
+            lease_id=lease_id,
+            pooling_params=None if pooling_params is None else dict(pooling_params),
+            tenant=None if tenant is None else str(tenant),
+            weight=weight,
+        )
 
     @property
     def stream(self) -> str:
@@ -148,6 +170,7 @@ class EngineRequest:
 
 
 # ---------------------------------------------------------------- events
+
 
 class LogprobEntry(TypedDict):
     token_id: int
@@ -211,8 +234,14 @@ def accepted_event(worker_id: str, prompt_tokens: int) -> AcceptedEvent:
 
 
 def delta_event(index: int, text: str, token_ids: list[int], finish_reason, stop_reason) -> DeltaEvent:
-    return {"type": "delta", "index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+    return {
+        "type": "delta",
+        "index": index,
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
 def prompt_logprobs_event(logprobs: list[LogprobEntry]) -> PromptLogprobsEvent:
@@ -225,8 +254,11 @@ def finish_event(finish_reasons: list, usage: Usage, metrics: dict) -> FinishEve
 
 def embedding_event(float32_le: bytes) -> EmbeddingEvent:
     """An embedding request's result (sent just before its finish): the vector's float32 bytes, little-endian."""
-    return {"type": "embedding", "embedding": base64.b64encode(float32_le).decode("ascii"),
-            "dimensions": len(float32_le) // 4}
+    return {
+        "type": "embedding",
+        "embedding": base64.b64encode(float32_le).decode("ascii"),
+        "dimensions": len(float32_le) // 4,
+    }
 
 
 def embedding_floats(event: EmbeddingEvent) -> list[float]:
@@ -254,6 +286,7 @@ def events_of(fields: dict) -> list[Event]:
 
 # ---------------------------------------------------------------- heartbeat
 
+
 @dataclass
 class Heartbeat:
     """A worker's heartbeat hash. A worker is alive exactly while this key exists."""
@@ -277,14 +310,22 @@ class Heartbeat:
 
     @classmethod
     def from_fields(cls, raw: dict) -> "Heartbeat":
-        info = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-                for k, v in raw.items()}
+        info = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
         names = decode(info["served_model_names"]) if info.get("served_model_names") else [info.get("model", "")]
-        return cls(worker_id=info.get("worker_id", ""), model=info.get("model", ""), served_model_names=names,
-                   pid=int(info.get("pid") or 0), host=info.get("host", ""),
-                   started_at=float(info.get("started_at") or 0), updated_at=float(info.get("updated_at") or 0),
-                   config=decode(info["config"]) if info.get("config") else {},
-                   stats=decode(info["stats"]) if info.get("stats") else {})
+        return cls(
+            worker_id=info.get("worker_id", ""),
+            model=info.get("model", ""),
+            served_model_names=names,
+            pid=int(info.get("pid") or 0),
+            host=info.get("host", ""),
+            started_at=float(info.get("started_at") or 0),
+            updated_at=float(info.get("updated_at") or 0),
+            config=decode(info["config"]) if info.get("config") else {},
+            stats=decode(info["stats"]) if info.get("stats") else {},
+        )
 
     def as_dict(self) -> dict:
         """The plain dict callers read (dashboard, /metrics): the dataclass fields plus served_model_name."""

@@ -1,4 +1,5 @@
 """Per-request state as the scheduler and cache manager see it."""
+
 from __future__ import annotations
 
 import enum
@@ -35,9 +36,18 @@ class Request:
     0..n-1) that share its blocks; `group` holds all of them.
     """
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, priority: int = 0, arrival_time: float | None = None,
-                 index: int = 0, tenant: str | None = None, weight: float = 1.0):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        index: int = 0,
+        tenant: str | None = None,
+        weight: float = 1.0,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -86,7 +96,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -119,9 +129,17 @@ class Request:
         root_params = self.params
         self.params = root_params.for_child(0)
         for index in range(1, root_params.n):
-            child = Request(self.request_id, self.prompt, self.prompt_token_ids, root_params.for_child(index),
-                            self.priority, self.metrics.arrival_time, index=index, tenant=self.tenant,
-                            weight=self.weight)
+            child = Request(
+                self.request_id,
+                self.prompt,
+                self.prompt_token_ids,
+                root_params.for_child(index),
+                self.priority,
+                self.metrics.arrival_time,
+                index=index,
+                tenant=self.tenant,
+                weight=self.weight,
+            )
             child.arrival_order = self.arrival_order
             child.served_prompt_tokens = self.served_prompt_tokens
             child.token_ids = list(self.token_ids)
@@ -137,4 +155,5 @@ class Request:
         self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return f"Request({self.request_id}#{self.index}, {self.status.value}, {self.num_computed_tokens}/{self.num_tokens})"
+        progress = f"{self.num_computed_tokens}/{self.num_tokens}"
+        return f"Request({self.request_id}#{self.index}, {self.status.value}, {progress})"

@@ -6,6 +6,7 @@ temperature -> top-k / top-p / min-p -> sample. Sampling draws q ~ Exp(1) per ro
 row's generator and takes argmax(p / q), which is an exact sample from p and reproducible per
 request whatever else is in the batch.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -36,8 +37,13 @@ class Sampler:
         """Every row's logits after masks and penalties, and the raw logprobs (if a row asks): all but the pick."""
         # min_tokens masking and penalties write in place: into a private copy, never the caller's
         # logits (a row-by-row retry after a failure must see them unchanged); else no copy at all.
-        writes = any(s.params.uses_penalties or s.params.restricts_tokens or s.num_output_tokens < s.params.min_tokens
-                     or s.matcher is not None for s in seqs)
+        writes = any(
+            s.params.uses_penalties
+            or s.params.restricts_tokens
+            or s.num_output_tokens < s.params.min_tokens
+            or s.matcher is not None
+            for s in seqs
+        )
         # Greedy rows with nothing to write read bfloat16 logits as they are: widening changes no value,
         # and the [256, 49152] float32 copy cost more than the pick itself.
         if writes or any(not s.params.greedy or s.params.logprobs is not None for s in seqs):
@@ -73,12 +79,15 @@ class Sampler:
             if params.repetition_penalty != 1.0:
                 seen = torch.tensor(seq.token_ids, dtype=torch.long, device=logits.device).unique()
                 values = logits[row, seen]
-                logits[row, seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                                values * params.repetition_penalty)
+                logits[row, seen] = torch.where(
+                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+                )
             if params.presence_penalty or params.frequency_penalty:
                 outputs = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
                 counts = torch.bincount(outputs, minlength=logits.shape[1]).to(logits.dtype)
-                logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+                logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+                    logits.dtype
+                )
 
     def _restrict_tokens(self, logits, seqs):
         for row, seq in enumerate(seqs):
@@ -87,8 +96,9 @@ class Sampler:
                 continue
             if params.logit_bias:
                 ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
-                logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
-                                                 device=logits.device)
+                logits[row, ids] += torch.tensor(
+                    list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device
+                )
             if params.allowed_token_ids is not None:
                 allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
                 kept = logits[row, allowed]
@@ -115,8 +125,10 @@ class Sampler:
         samples row by row, so only that request fails)."""
         rows = [i for i, s in enumerate(seqs) if s.params.restricts_tokens or s.matcher is not None]
         if rows and torch.isneginf(logits[rows]).all(dim=-1).any():
-            raise ValueError("no token satisfies the request's constraints (allowed_token_ids, bad_words, "
-                             "min_tokens, structured_outputs) at this position")
+            raise ValueError(
+                "no token satisfies the request's constraints (allowed_token_ids, bad_words, "
+                "min_tokens, structured_outputs) at this position"
+            )
 
     def _pick(self, logits, seqs) -> torch.Tensor:
         greedy = first_max_index(logits)
@@ -185,7 +197,7 @@ def banned_bad_word_tokens(sequences: list[list[int]], output: list[int]) -> lis
     banned = []
     for ids in sequences:
         prefix = ids[:-1]
-        if len(output) >= len(prefix) and output[len(output) - len(prefix):] == prefix:
+        if len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix:
             banned.append(ids[-1])
     return banned
 

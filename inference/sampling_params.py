@@ -1,4 +1,5 @@
 """Sampling parameters, named and validated as in vLLM and the OpenAI API."""
+
 from __future__ import annotations
 
 import copy
@@ -79,31 +80,74 @@ class SamplingParams:
             ("n", lambda: isinstance(p.n, int) and p.n >= 1, "must be an integer >= 1"),
             ("temperature", lambda: p.temperature >= 0, "must be >= 0"),
             ("top_p", lambda: 0 < p.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", lambda: isinstance(p.top_k, int) and (p.top_k == -1 or p.top_k >= 1), "must be -1, 0 (off) or >= 1"),
+            (
+                "top_k",
+                lambda: isinstance(p.top_k, int) and (p.top_k == -1 or p.top_k >= 1),
+                "must be -1, 0 (off) or >= 1",
+            ),
             ("min_p", lambda: 0 <= p.min_p <= 1, "must be in [0, 1]"),
-            ("max_tokens", lambda: p.max_tokens is None or (isinstance(p.max_tokens, int) and p.max_tokens >= 1), "must be an integer >= 1"),
+            (
+                "max_tokens",
+                lambda: p.max_tokens is None or (isinstance(p.max_tokens, int) and p.max_tokens >= 1),
+                "must be an integer >= 1",
+            ),
             ("min_tokens", lambda: isinstance(p.min_tokens, int) and p.min_tokens >= 0, "must be an integer >= 0"),
             ("min_tokens", lambda: p.max_tokens is None or p.min_tokens <= p.max_tokens, "must be <= max_tokens"),
             ("presence_penalty", lambda: -2 <= p.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", lambda: -2 <= p.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("repetition_penalty", lambda: p.repetition_penalty > 0, "must be > 0"),
-            ("logprobs", lambda: p.logprobs is None or (isinstance(p.logprobs, int) and 0 <= p.logprobs <= 20), "must be an integer in [0, 20]"),
-            ("prompt_logprobs", lambda: p.prompt_logprobs is None or (isinstance(p.prompt_logprobs, int) and 0 <= p.prompt_logprobs <= 20), "must be an integer in [0, 20]"),
-            ("stop", lambda: all(isinstance(s, str) and s for s in p.stop_strings), "must be a non-empty string or a list of them"),
-            ("stop_token_ids", lambda: all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids), "must be a list of token ids"),
-            ("logit_bias", lambda: all(-100 <= b <= 100 for b in p.logit_bias.values()),
-             "biases must be in [-100, 100]"),
-            ("allowed_token_ids", lambda: p.allowed_token_ids is None or (
-                p.allowed_token_ids and all(_is_token_id(t) for t in p.allowed_token_ids)),
-             "must be a non-empty list of token ids"),
-            ("bad_words", lambda: all(isinstance(w, str) and w.strip() for w in p.bad_words),
-             "must be a list of non-empty strings"),
+            (
+                "logprobs",
+                lambda: p.logprobs is None or (isinstance(p.logprobs, int) and 0 <= p.logprobs <= 20),
+                "must be an integer in [0, 20]",
+            ),
+            (
+                "prompt_logprobs",
+                lambda: (
+                    p.prompt_logprobs is None or (isinstance(p.prompt_logprobs, int) and 0 <= p.prompt_logprobs <= 20)
+                ),
+                "must be an integer in [0, 20]",
+            ),
+            (
+                "stop",
+                lambda: all(isinstance(s, str) and s for s in p.stop_strings),
+                "must be a non-empty string or a list of them",
+            ),
+            (
+                "stop_token_ids",
+                lambda: all(isinstance(t, int) and t >= 0 for t in p.stop_token_ids),
+                "must be a list of token ids",
+            ),
+            (
+                "logit_bias",
+                lambda: all(-100 <= b <= 100 for b in p.logit_bias.values()),
+                "biases must be in [-100, 100]",
+            ),
+            (
+                "allowed_token_ids",
+                lambda: (
+                    p.allowed_token_ids is None
+                    or (p.allowed_token_ids and all(_is_token_id(t) for t in p.allowed_token_ids))
+                ),
+                "must be a non-empty list of token ids",
+            ),
+            (
+                "bad_words",
+                lambda: all(isinstance(w, str) and w.strip() for w in p.bad_words),
+                "must be a list of non-empty strings",
+            ),
             ("speculative", lambda: isinstance(p.speculative, bool), "must be true or false"),
-            ("seed", lambda: p.seed is None or (isinstance(p.seed, int) and -2**63 <= p.seed < 2**64),
-             "must be an integer in [-2**63, 2**64) (what torch.Generator takes)"),
+            (
+                "seed",
+                lambda: p.seed is None or (isinstance(p.seed, int) and -(2**63) <= p.seed < 2**64),
+                "must be an integer in [-2**63, 2**64) (what torch.Generator takes)",
+            ),
             # both say which tokens may come next; their intersection is usually empty
-            ("allowed_token_ids", lambda: p.allowed_token_ids is None or p.structured_outputs is None,
-             "cannot be combined with structured_outputs (the grammar decides which tokens may come)"),
+            (
+                "allowed_token_ids",
+                lambda: p.allowed_token_ids is None or p.structured_outputs is None,
+                "cannot be combined with structured_outputs (the grammar decides which tokens may come)",
+            ),
         ]
         for name, check, why in checks:
             try:
@@ -123,8 +167,9 @@ class SamplingParams:
         for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or [])):
             out_of_range = [t for t in ids if t >= vocab_size]
             if out_of_range:
-                raise ValueError(f"SamplingParams.{name} has token ids outside the vocabulary [0, {vocab_size}): "
-                                 f"{out_of_range[:5]}")
+                raise ValueError(
+                    f"SamplingParams.{name} has token ids outside the vocabulary [0, {vocab_size}): {out_of_range[:5]}"
+                )
         if not self.bad_words or self.bad_words_token_ids:
             return self
         bound = copy.copy(self)
@@ -173,7 +218,9 @@ def _as_structured_outputs(value) -> StructuredOutputs | None:
     try:
         return StructuredOutputs(**value)
     except TypeError:
-        raise ValueError(f"SamplingParams.structured_outputs takes only {', '.join(KINDS)}; got {sorted(value)}") from None
+        raise ValueError(
+            f"SamplingParams.structured_outputs takes only {', '.join(KINDS)}; got {sorted(value)}"
+        ) from None
     except ValueError as exc:
         raise ValueError(f"SamplingParams.{exc}") from None
 

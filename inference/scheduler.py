@@ -9,6 +9,7 @@ After the forward, `update_from_output` applies the step's results (vLLM's name)
 num_computed_tokens, caches newly full blocks, registers n > 1 forks, appends the sampled tokens
 and finishes stopped sequences. One request's failure (`fail`) ends that request alone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -156,7 +157,7 @@ class Scheduler:
         drafts = request.spec_token_ids
         if not drafts or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
             return []
-        drafts = drafts[:max(0, min(out.budget - 1, self.config.max_model_len - request.num_tokens - 1))]
+        drafts = drafts[: max(0, min(out.budget - 1, self.config.max_model_len - request.num_tokens - 1))]
         if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
             return []
         return drafts
@@ -280,8 +281,9 @@ class Scheduler:
         """Whether token, as seq's num_output_tokens-th output token, ends it by a token rule (a stop
         token, EOS, max_tokens, max_model_len): where a speculating sequence's accepted tokens are cut."""
         params = seq.params
-        if num_output_tokens >= params.min_tokens and (token in stop_ids(params) or (
-                not params.ignore_eos and token in self.config.eos_token_ids)):
+        if num_output_tokens >= params.min_tokens and (
+            token in stop_ids(params) or (not params.ignore_eos and token in self.config.eos_token_ids)
+        ):
             return True
         if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
             return True

@@ -10,6 +10,7 @@
 One `key` orders everything the scheduler compares: the waiting heads, running requests (whose
 chunks go first) and, by its maximum, the preemption victim.
 """
+
 from __future__ import annotations
 
 import heapq

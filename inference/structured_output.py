@@ -12,6 +12,7 @@ matcher of the same grammar (forks happen before the first output token).
 Backend: xgrammar (vLLM's default): its mask costs less per step than llguidance's at batch 1 and
 the same at batch 64 (docs/kernels.md has the measurement).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ class StructuredOutputs:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
         choice = self.choice
-        if choice is not None and (not isinstance(choice, tuple) or not choice
-                                   or not all(isinstance(c, str) and c for c in choice)):
+        if choice is not None and (
+            not isinstance(choice, tuple) or not choice or not all(isinstance(c, str) and c for c in choice)
+        ):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
 
     @property
@@ -152,8 +154,9 @@ class TokenMasker:
             self._bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         for row in rows:
             matchers[row].fill_next_token_bitmask(self._bitmask, row)
-        self._xgr.apply_token_bitmask_inplace(logits, self._bitmask[: logits.shape[0]].to(logits.device),
-                                              vocab_size=self.vocab_size, indices=rows)
+        self._xgr.apply_token_bitmask_inplace(
+            logits, self._bitmask[: logits.shape[0]].to(logits.device), vocab_size=self.vocab_size, indices=rows
+        )
 
 
 class StructuredOutputManager:

@@ -4,6 +4,7 @@ Joins the group through torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, M
 receives the engine arguments from rank 0 and executes its steps until rank 0 shuts down.
 See inference/multiproc_executor.py and docs/parallelism_and_quantization.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rank%(process)d %(message)s")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
-        raise SystemExit("rank 0 is the engine (python manage.py engine --arg tensor_parallel_size=N); "
-                         "run this module on the other ranks")
+        raise SystemExit(
+            "rank 0 is the engine (python manage.py engine --arg tensor_parallel_size=N); "
+            "run this module on the other ranks"
+        )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     local = int(os.environ.get("LOCAL_RANK", rank))
     if backend == "nccl":

@@ -4,6 +4,7 @@ A spawned rank starts in `worker_main`; a rank on another machine is started by 
 (inference/tp_rank.py). Either way `serve` receives rank 0's engine arguments, loads the shard,
 reports its load status, allocates the same KV pool and loops until CMD_STOP.
 """
+
 from __future__ import annotations
 
 import os
@@ -70,8 +71,16 @@ class WorkerRunner:
         torch.manual_seed(args.seed)
         cfg = ModelConfig.from_path(args.model)
         self.args, self.device, self.dtype = args, device, cfg.resolve_dtype(args.dtype)
-        self.model = load_model(args, cfg, choose_ops(args, device), self.dtype, device,
-                                resolve_max_model_len(cfg, args.max_model_len), progress=False, parallel=parallel)
+        self.model = load_model(
+            args,
+            cfg,
+            choose_ops(args, device),
+            self.dtype,
+            device,
+            resolve_max_model_len(cfg, args.max_model_len),
+            progress=False,
+            parallel=parallel,
+        )
 
     def allocate(self, num_blocks: int) -> None:
         self.runner = ModelRunner(self.model, self.args.block_size, num_blocks, self.dtype, self.device)

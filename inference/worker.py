@@ -12,6 +12,7 @@ This module is the loop (intake, aborts, steps) and the Redis transport; the eve
 made by output_processor.py (pure), the heartbeat and the reaping are membership.py's.
 No Django here: the web tier and this loop share nothing but Redis.
 """
+
 from __future__ import annotations
 
 import logging
@@ -113,18 +114,30 @@ class EngineWorker:
         self.output = OutputWriter()
         self.processor = OutputProcessor(engine.tokenizer, stream_interval=self.config.stream_interval)
         self.membership = Membership(
-            self.r, engine, worker_id=self.worker_id, model_name=self.config.model_name,
-            served_model_names=self.config.served_model_names, request_streams=self.request_streams,
-            extra_info=self.config.extra_info, heartbeat_interval=self.config.heartbeat_interval,
-            heartbeat_ttl=self.config.heartbeat_ttl, reap_interval=self.config.reap_interval,
-            stopping=self._stopping, loop_stats=self._loop_stats, end_early=self._end_early)
+            self.r,
+            engine,
+            worker_id=self.worker_id,
+            model_name=self.config.model_name,
+            served_model_names=self.config.served_model_names,
+            request_streams=self.request_streams,
+            extra_info=self.config.extra_info,
+            heartbeat_interval=self.config.heartbeat_interval,
+            heartbeat_ttl=self.config.heartbeat_ttl,
+            reap_interval=self.config.reap_interval,
+            stopping=self._stopping,
+            loop_stats=self._loop_stats,
+            end_early=self._end_early,
+        )
         self.max_inflight = self.config.max_inflight or 2 * self._engine_max_num_seqs()
 
     # ------------------------------------------------------------ lifecycle
 
     def _engine_max_num_seqs(self) -> int:
-        for holder in (getattr(self.engine, "args", None), getattr(self.engine, "engine_args", None),
-                       getattr(self.engine, "config", None)):
+        for holder in (
+            getattr(self.engine, "args", None),
+            getattr(self.engine, "engine_args", None),
+            getattr(self.engine, "config", None),
+        ):
             value = getattr(holder, "max_num_seqs", None)
             if isinstance(value, int):
                 return value
@@ -137,8 +150,13 @@ class EngineWorker:
 
     def _loop_stats(self) -> dict:
         """The loop's own figures for the heartbeat, beside the engine's."""
-        return {**self.counters, "inflight": len(self.states), "step_ms": round(self._step_ms, 3),
-                "last_step_at": time.time(), "draining": self._draining}
+        return {
+            **self.counters,
+            "inflight": len(self.states),
+            "step_ms": round(self._step_ms, 3),
+            "last_step_at": time.time(),
+            "draining": self._draining,
+        }
 
     def setup(self) -> None:
         for stream in self.request_streams:
@@ -208,8 +226,9 @@ class EngineWorker:
             if block_ms:
                 time.sleep(block_ms / 1000)
             return
-        reply: Any = self.r.xreadgroup(protocol.CONSUMER_GROUP, self.worker_id, {s: ">" for s in self.request_streams},
-                                  count=room, block=block_ms)
+        reply: Any = self.r.xreadgroup(
+            protocol.CONSUMER_GROUP, self.worker_id, {s: ">" for s in self.request_streams}, count=room, block=block_ms
+        )
         entries = [(text(stream), text(eid), fields) for stream, items in reply or [] for eid, fields in items]
         if not entries:
             return
@@ -232,23 +251,40 @@ class EngineWorker:
             return self._end_early(pipe, stream, entry_id, request_id_of(fields, entry_id), error)
         if was_aborted:
             self.counters["aborts_total"] += 1
-            return self._end_early(pipe, stream, entry_id, request.request_id,
-                                   protocol.finish_event(["abort"], protocol.empty_usage(), {}))
+            return self._end_early(
+                pipe, stream, entry_id, request.request_id, protocol.finish_event(["abort"], protocol.empty_usage(), {})
+            )
         if request.deadline and time.time() > request.deadline:
-            return self._end_early(pipe, stream, entry_id, request.request_id, protocol.error_event(
-                "expired", "the request waited in the queue past its deadline"))
+            return self._end_early(
+                pipe,
+                stream,
+                entry_id,
+                request.request_id,
+                protocol.error_event("expired", "the request waited in the queue past its deadline"),
+            )
         try:
             params = self._engine_params(request)
-            prompt = ({"prompt_token_ids": request.prompt_token_ids}
-                      if request.prompt_token_ids is not None else request.prompt)
+            prompt = (
+                {"prompt_token_ids": request.prompt_token_ids}
+                if request.prompt_token_ids is not None
+                else request.prompt
+            )
             tenant = None if request.tenant is None else str(request.tenant)
-            self.engine.add_request(request.request_id, prompt, params, priority=int(request.priority),
-                                    tenant=tenant, weight=request.weight)
+            self.engine.add_request(
+                request.request_id, prompt, params, priority=int(request.priority), tenant=tenant, weight=request.weight
+            )
         except (ValueError, TypeError, KeyError) as exc:
             error = protocol.error_event("invalid_request", str(exc))
             return self._end_early(pipe, stream, entry_id, request.request_id, error)
-        state = RequestState(request.request_id, entry_id, n=params.n, stream=stream, want_logprobs=params.logprobs,
-                             want_prompt_logprobs=params.prompt_logprobs, submitted_at=request.submitted_at or None)
+        state = RequestState(
+            request.request_id,
+            entry_id,
+            n=params.n,
+            stream=stream,
+            want_logprobs=params.logprobs,
+            want_prompt_logprobs=params.prompt_logprobs,
+            submitted_at=request.submitted_at or None,
+        )
         state.prompt_tokens = self._prompt_len(request)
         state.lease_id = request.lease_id
         self.states[request.request_id] = state
@@ -259,8 +295,11 @@ class EngineWorker:
         model does the other task (its tokenizer and its outputs would not fit the request)."""
         embeds = getattr(self.engine, "task", "generate") == protocol.EMBED_TASK
         if (request.pooling_params is not None) != embeds:
-            raise ValueError(f"model {request.model!r} is an embedding model: use /v1/embeddings" if embeds else
-                             f"model {request.model!r} generates text; it does not make embeddings")
+            raise ValueError(
+                f"model {request.model!r} is an embedding model: use /v1/embeddings"
+                if embeds
+                else f"model {request.model!r} generates text; it does not make embeddings"
+            )
         if embeds:
             return PoolingParams(**(request.pooling_params or {}))
         return SamplingParams(**request.sampling_params)

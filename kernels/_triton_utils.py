@@ -7,6 +7,7 @@ launchers work in CPU tests and in the engine's CPU fallback of the "triton" bac
 Every kernel module imports this module before triton: the interpreter has to be chosen before
 triton.language itself is loaded (its own helpers such as tl.sum are decorated at import).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,11 @@ import torch
 
 if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
     if "triton.language" in sys.modules:
-        warnings.warn("triton was imported before kernels on a machine without CUDA; "
-                      "set TRITON_INTERPRET=1 before importing it to run the Triton kernels", stacklevel=2)
+        warnings.warn(
+            "triton was imported before kernels on a machine without CUDA; "
+            "set TRITON_INTERPRET=1 before importing it to run the Triton kernels",
+            stacklevel=2,
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402

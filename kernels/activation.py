@@ -4,14 +4,15 @@ x [..., 2I] = [gate | up] -> silu(gate) * up. A 2-D grid (row, column tile) keep
 work bounded whatever the intermediate size. Like the reference, silu(gate) is rounded to the
 input dtype before the product.
 """
-from __future__ import annotations
 
-# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
+from kernels import _triton_utils  # noqa: F401,I001
 
 
 @triton.jit

@@ -3,24 +3,36 @@
 One program per token copies all of its KV heads: slot -> (block, offset) is computed once per
 token, and a slot of -1 (padding token) returns before touching memory.
 """
-from __future__ import annotations
 
-# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
+from kernels import _triton_utils  # noqa: F401,I001
 from kernels._triton_utils import check_last_dim_contiguous, next_pow2
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ct, stride_ch,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
     num_kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -50,9 +62,18 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     # k/v are often column slices of a fused qkv projection: any token/head stride is fine.
     check_last_dim_contiguous(k, v, k_cache)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         num_kv_heads,
         **store_kv_meta(num_kv_heads, head_dim, block_size),
     )
@@ -61,6 +82,9 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
 def store_kv_meta(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
     """Compile-time parameters of the launch (shared with the sm_90 compile test)."""
     return dict(
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=next_pow2(num_kv_heads),
+        BLOCK_D=next_pow2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

@@ -18,10 +18,8 @@ Only positions < seq_len are loaded (masks on the block-table read and on K/V), 
 entries of the block table and unwritten slots are never touched. Softmax runs in base 2 with
 the scale folded into log2(e).
 """
-from __future__ import annotations
 
-# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from __future__ import annotations
 
 import math
 
@@ -29,22 +27,41 @@ import torch
 import triton
 import triton.language as tl
 
+# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
+from kernels import _triton_utils  # noqa: F401,I001
 from kernels._triton_utils import check_last_dim_contiguous, next_pow2, num_sms, upcast_dot_inputs
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     scale_log2,
-    stride_qb, stride_qh,
-    stride_cb, stride_ct, stride_ch,
+    stride_qb,
+    stride_qh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
     stride_bt,
-    stride_ob, stride_oh,
-    stride_pb, stride_ph, stride_ps,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -62,8 +79,11 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     else:
@@ -99,8 +119,11 @@ def _decode_split_kernel(
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
     else:
         # An empty split (short sequence) has l_i == 0: log-sum-exp -inf, weight 0 in the merge.
         has_keys = l_i > 0
@@ -113,9 +136,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
-    stride_pb, stride_ph, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -126,8 +157,9 @@ def _decode_merge_kernel(
     base = seq * stride_pb + head * stride_ph  # a head's splits are contiguous (stride_ps == 1)
     lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 is never empty, so the max is finite
-    part = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :],
-                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    part = tl.load(
+        part_out_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
     out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -144,20 +176,27 @@ def pick_num_splits(batch: int, num_kv_heads: int, max_context: int, device: tor
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(max_context, 512), 16))
 
 
-def decode_meta(dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int,
-                block_n: int | None = None) -> dict:
+def decode_meta(
+    dtype: torch.dtype, group: int, head_dim: int, block_size: int, num_splits: int, block_n: int | None = None
+) -> dict:
     """Compile-time parameters of the split kernel (shared with the sm_90 compile test)."""
     return dict(
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(head_dim)),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n or (32 if dtype == torch.float32 else 64),
-        NUM_SPLITS=num_splits, UPCAST=upcast_dot_inputs(dtype),
-        num_warps=4, num_stages=2,
+        NUM_SPLITS=num_splits,
+        UPCAST=upcast_dot_inputs(dtype),
+        num_warps=4,
+        num_stages=2,
     )
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
-                           num_splits: int | None = None, block_n: int | None = None):
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, scale, *, num_splits: int | None = None, block_n: int | None = None
+):
     """One query token per sequence: q [B, Hq, D] -> out [B, Hq, D].
 
     num_splits / block_n override the heuristics (tests use them to cover every code path);
@@ -182,21 +221,41 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     else:
         part_out = part_lse = out  # unused placeholders
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens,
-        out, part_out, part_lse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
         scale * math.log2(math.e),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        num_heads * num_splits, num_splits, 1,
+        out.stride(0),
+        out.stride(1),
+        num_heads * num_splits,
+        num_splits,
+        1,
         **meta,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out,
-            num_heads * num_splits, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits),
-            BLOCK_D=next_pow2(head_dim), num_warps=4 if head_dim >= 128 else 2,
+            part_out,
+            part_lse,
+            out,
+            num_heads * num_splits,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=next_pow2(num_splits),
+            BLOCK_D=next_pow2(head_dim),
+            num_warps=4 if head_dim >= 128 else 2,
         )
     return out

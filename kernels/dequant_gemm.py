@@ -6,15 +6,15 @@ packed int32 words of the weight tile, shifts out the nibbles, subtracts the zer
 by the scale of each row's group (looked up through g_idx, so act-order GPTQ needs no reordering),
 then feeds the float tile to tl.dot. The full-precision weight never exists in memory.
 """
-from __future__ import annotations
 
-# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
+from kernels import _triton_utils  # noqa: F401,I001
 from kernels._triton_utils import upcast_dot_inputs
 
 LAYOUTS = ("gptq", "awq")
@@ -22,10 +22,23 @@ LAYOUTS = ("gptq", "awq")
 
 @triton.jit
 def _dequant_gemm_kernel(
-    x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, g_idx_ptr, out_ptr,
-    M, N, K, stride_xm, stride_om,
-    AWQ: tl.constexpr, ZERO_OFFSET: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    qzeros_ptr,
+    scales_ptr,
+    g_idx_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    AWQ: tl.constexpr,
+    ZERO_OFFSET: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -42,8 +55,11 @@ def _dequant_gemm_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w_mask = k_mask[:, None] & n_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         if AWQ:
             packed = tl.load(qweight_ptr + ks[:, None] * pack_cols + (cols // 8)[None, :], mask=w_mask, other=0)
             q = (packed >> col_shift[None, :]) & 0xF
@@ -59,8 +75,11 @@ def _dequant_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
             acc += tl.dot(x, w.to(x.dtype))
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 def dequant_gemm_meta(m: int, n: int) -> dict:
@@ -88,8 +107,21 @@ def dequant_gemm(x, qweight, qzeros, scales, g_idx, layout: str, zero_offset: in
         meta = dequant_gemm_meta(m, n)
         grid = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
         _dequant_gemm_kernel[grid](
-            x2, qweight, qzeros, scales, g_idx, out, m, n, k, x2.stride(0), out.stride(0),
-            AWQ=layout == "awq", ZERO_OFFSET=zero_offset, UPCAST=upcast_dot_inputs(x.dtype), **meta,
+            x2,
+            qweight,
+            qzeros,
+            scales,
+            g_idx,
+            out,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            out.stride(0),
+            AWQ=layout == "awq",
+            ZERO_OFFSET=zero_offset,
+            UPCAST=upcast_dot_inputs(x.dtype),
+            **meta,
         )
     out = out.reshape(*x.shape[:-1], n)
     return out if bias is None else out + bias

@@ -18,6 +18,7 @@ the torch reference. Each wrapper below has the signature of its torch_ref twin;
 says which inputs it takes (float32 and bfloat16 on CPU), the torch backend routes the rest to
 the reference.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,8 +44,15 @@ HEADERS = [CSRC / "bf16.h", CSRC / "vec.h"]
 # expf are faster (docs/kernels.md; x86 only: other targets lack the flag).
 # -Wno-psabi: vec.h's 64-byte vectors on a target without AVX-512 (the portable build) make gcc warn
 # that such arguments would pass differently across a call; its helpers are always inlined.
-COMPILE_FLAGS = ["-O3", "-march=native", *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []),
-                 "-ffast-math", "-fopenmp", "-fPIC", "-Wno-psabi"]
+COMPILE_FLAGS = [
+    "-O3",
+    "-march=native",
+    *(["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []),
+    "-ffast-math",
+    "-fopenmp",
+    "-fPIC",
+    "-Wno-psabi",
+]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 SUPPORTED_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -67,7 +75,9 @@ def _cpu_id() -> str:
 def _compile(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     compile_flags = [*COMPILE_FLAGS, *extra_flags]
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join([compiler, *compile_flags, *LINK_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *compile_flags, *LINK_FLAGS, _cpu_id()]).encode()).hexdigest()[
+        :16
+    ]
     target = cache_dir() / f"native-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,8 +112,14 @@ def open_library(path: Path):
         "gguf_linear": [ptr, i64, i64, i64, ptr, i64, i64, i32, ptr, ptr, i64, i32, i32],
         "gguf_dequantize_rows": [ptr, i64, i64, i32, ptr, i64, i64, ptr, i32, i32],
     }
-    returns = {"paged_decode_attention": ctypes.c_int, "paged_prefill_attention": ctypes.c_int, "store_kv_cache": i64,
-               "gguf_supported": ctypes.c_int, "gguf_linear": ctypes.c_int, "gguf_dequantize_rows": ctypes.c_int}
+    returns = {
+        "paged_decode_attention": ctypes.c_int,
+        "paged_prefill_attention": ctypes.c_int,
+        "store_kv_cache": i64,
+        "gguf_supported": ctypes.c_int,
+        "gguf_linear": ctypes.c_int,
+        "gguf_dequantize_rows": ctypes.c_int,
+    }
     for name, argtypes in declared.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
@@ -142,9 +158,22 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, l
     if batch == 0:
         return out
     status = (library or load()).paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[2], head_dim,
-        k_cache.shape[1], SUPPORTED_DTYPES[q.dtype], scale, torch.get_num_threads())
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        num_heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        SUPPORTED_DTYPES[q.dtype],
+        scale,
+        torch.get_num_threads(),
+    )
     if status:
         raise MemoryError("native decode attention could not allocate its scratch memory")
     return out
@@ -156,12 +185,18 @@ MAX_PREFILL_GROUP = 8  # query heads per KV head that the prefill kernel's tiles
 def supports_prefill(q, k_cache) -> bool:
     """[T, Hq, D] queries whose heads are contiguous within a token, D a multiple of 16."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    return supports(q, k_cache) and head_dim % 16 == 0 and q.stride(2) == 1 and q.stride(1) == head_dim \
+    return (
+        supports(q, k_cache)
+        and head_dim % 16 == 0
+        and q.stride(2) == 1
+        and q.stride(1) == head_dim
         and num_heads // k_cache.shape[2] <= MAX_PREFILL_GROUP
+    )
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, library=None,
-                            out=None):
+def paged_prefill_attention(
+    q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, library=None, out=None
+):
     """Same meaning as torch_ref.paged_prefill_attention; `library` defaults to load(); `out` as in
     paged_decode_attention."""
     block_tables = block_tables.to(torch.int32).contiguous()
@@ -173,10 +208,24 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     if q.shape[0] == 0:
         return out
     status = (library or load()).paged_prefill_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0],
-        q.shape[1], k_cache.shape[2], q.shape[2], k_cache.shape[1], SUPPORTED_DTYPES[q.dtype], scale,
-        torch.get_num_threads())
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        seq_lens.shape[0],
+        q.shape[1],
+        k_cache.shape[2],
+        q.shape[2],
+        k_cache.shape[1],
+        SUPPORTED_DTYPES[q.dtype],
+        scale,
+        torch.get_num_threads(),
+    )
     if status:
         raise MemoryError("native prefill attention could not allocate its scratch memory")
     return out
@@ -185,8 +234,10 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
 def supports_rows(*tensors) -> bool:
     """The elementwise kernels: CPU, one float32 or bfloat16 dtype, innermost dimension contiguous."""
     first = tensors[0]
-    return all(t.device.type == "cpu" and t.dtype == first.dtype and t.stride(-1) == 1 for t in tensors) \
+    return (
+        all(t.device.type == "cpu" and t.dtype == first.dtype and t.stride(-1) == 1 for t in tensors)
         and first.dtype in SUPPORTED_DTYPES
+    )
 
 
 def fused_add_rms_norm(x, residual, weight, eps, library=None, out=None):
@@ -196,9 +247,17 @@ def fused_add_rms_norm(x, residual, weight, eps, library=None, out=None):
     new_residual = x if residual is None else torch.empty_like(x)
     out = torch.empty_like(x) if out is None else out
     (library or load()).fused_add_rms_norm(
-        x.data_ptr(), None if residual is None else residual.contiguous().data_ptr(), new_residual.data_ptr(),
-        weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
-        SUPPORTED_DTYPES[x.dtype], torch.get_num_threads())
+        x.data_ptr(),
+        None if residual is None else residual.contiguous().data_ptr(),
+        new_residual.data_ptr(),
+        weight.contiguous().data_ptr(),
+        out.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        eps,
+        SUPPORTED_DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
     return out, new_residual
 
 
@@ -207,30 +266,58 @@ def silu_and_mul(x, library=None, out=None):
     x = x.contiguous()
     inter = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], inter) if out is None else out
-    (library or load()).silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], inter,
-                                     SUPPORTED_DTYPES[x.dtype], torch.get_num_threads())
+    (library or load()).silu_and_mul(
+        x.data_ptr(),
+        out.data_ptr(),
+        x.numel() // x.shape[-1],
+        inter,
+        SUPPORTED_DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
     return out
 
 
 def supports_rotary(q, k, cos_sin_cache) -> bool:
     """Whole-head rotation of [T, H, D] views whose heads are contiguous within a row."""
     head_dim = q.shape[-1]
-    return supports_rows(q, k) and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() \
-        and cos_sin_cache.shape[-1] == head_dim and all(t.stride(1) == head_dim for t in (q, k))
+    return (
+        supports_rows(q, k)
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.is_contiguous()
+        and cos_sin_cache.shape[-1] == head_dim
+        and all(t.stride(1) == head_dim for t in (q, k))
+    )
 
 
 def rotary_embedding(positions, q, k, cos_sin_cache, library=None) -> None:
     """Same meaning as torch_ref.rotary_embedding: rotates q and k in place."""
     positions = positions.to(torch.int64).contiguous()
     (library or load()).rotary_embedding(
-        positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1],
-        cos_sin_cache.data_ptr(), q.shape[0], q.shape[-1], SUPPORTED_DTYPES[q.dtype], torch.get_num_threads())
+        positions.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[1],
+        k.data_ptr(),
+        k.stride(0),
+        k.shape[1],
+        cos_sin_cache.data_ptr(),
+        q.shape[0],
+        q.shape[-1],
+        SUPPORTED_DTYPES[q.dtype],
+        torch.get_num_threads(),
+    )
 
 
 def supports_store(k, v, k_cache, v_cache) -> bool:
     """[T, Hkv, D] rows whose heads are contiguous (views into the QKV output), in the caches' dtype."""
-    rows_ok = all(t.device.type == "cpu" and t.dtype == k_cache.dtype and t.stride(-1) == 1
-                  and t.stride(-2) == t.shape[-1] and t.shape[1:] == k_cache.shape[2:] for t in (k, v))
+    rows_ok = all(
+        t.device.type == "cpu"
+        and t.dtype == k_cache.dtype
+        and t.stride(-1) == 1
+        and t.stride(-2) == t.shape[-1]
+        and t.shape[1:] == k_cache.shape[2:]
+        for t in (k, v)
+    )
     caches_ok = k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
     return rows_ok and caches_ok and v_cache.dtype == k_cache.dtype and k.shape[0] == v.shape[0]
 
@@ -241,7 +328,16 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, library=None) -> None:
     element = k.element_size()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     bad = (library or load()).store_kv_cache(
-        k.data_ptr(), k.stride(0) * element, v.data_ptr(), v.stride(0) * element, k_cache.data_ptr(),
-        v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2] * element, num_slots)
+        k.data_ptr(),
+        k.stride(0) * element,
+        v.data_ptr(),
+        v.stride(0) * element,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        k.shape[0],
+        k.shape[1] * k.shape[2] * element,
+        num_slots,
+    )
     if bad >= 0:
         raise IndexError(f"slot {int(slot_mapping[bad])} of token {bad} is past the cache's {num_slots} slots")

@@ -5,24 +5,33 @@ and normalised without a second read. Rounding follows the reference (HF Llama):
 rounded to the residual dtype before normalising, the normalised row is rounded to that dtype
 before the weight multiply.
 """
-from __future__ import annotations
 
-# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
+from kernels import _triton_utils  # noqa: F401,I001
 from kernels._triton_utils import next_pow2
 
 
 @triton.jit
 def _fused_add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
-    stride_x, stride_r, stride_o, stride_nr,
-    n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    new_res_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_nr,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -67,10 +76,19 @@ def fused_add_rms_norm(x, residual, weight, eps):
     rows = x2.shape[0]
     if rows:
         _fused_add_rms_norm_kernel[(rows,)](
-            x2, res2, weight, out.view(-1, hidden), new_res2,
-            x2.stride(0), res2.stride(0), hidden, new_res2.stride(0),
-            hidden, eps,
-            HAS_RESIDUAL=residual is not None, **norm_meta(hidden),
+            x2,
+            res2,
+            weight,
+            out.view(-1, hidden),
+            new_res2,
+            x2.stride(0),
+            res2.stride(0),
+            hidden,
+            new_res2.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            **norm_meta(hidden),
         )
     return out, new_residual
 

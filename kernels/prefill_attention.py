@@ -12,10 +12,8 @@ the cumulative tile count per sequence on the device, launches an upper bound of
 cdiv(T, BLOCK_M) + num_seqs tiles, and each program binary-searches its sequence; surplus
 programs exit at once.
 """
-from __future__ import annotations
 
-# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from __future__ import annotations
 
 import math
 
@@ -23,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
+from kernels import _triton_utils  # noqa: F401,I001
 from kernels._triton_utils import check_last_dim_contiguous, next_pow2, upcast_dot_inputs
 
 
@@ -42,14 +42,31 @@ def _find_sequence(cu_tiles_ptr, num_seqs, tile):
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, cu_tiles_ptr,
-    scale_log2, num_seqs,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    cu_tiles_ptr,
+    scale_log2,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -68,8 +85,11 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     tokens = (q_start + rows).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     else:
@@ -106,24 +126,48 @@ def _prefill_kernel(
 
     # Every real query row sees at least key 0, so l_i > 0 there; padding rows are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-
-
-def prefill_meta(dtype: torch.dtype, group: int, head_dim: int, block_size: int,
-                 block_m: int | None = None, block_n: int | None = None) -> dict:
-    """Compile-time parameters of the launch (shared with the sm_90 compile test)."""
-    wide = dtype == torch.float32 or head_dim > 128  # keep fp32 / large-head tiles inside shared memory
-    return dict(
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m or (64 if wide else 128), BLOCK_N=block_n or (32 if wide else 64),
-        BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast_dot_inputs(dtype),
-        num_warps=4 if wide else 8, num_stages=2,
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
     )
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, *,
-                            block_m: int | None = None, block_n: int | None = None):
+def prefill_meta(
+    dtype: torch.dtype,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> dict:
+    """Compile-time parameters of the launch (shared with the sm_90 compile test)."""
+    wide = dtype == torch.float32 or head_dim > 128  # keep fp32 / large-head tiles inside shared memory
+    return dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m or (64 if wide else 128),
+        BLOCK_N=block_n or (32 if wide else 64),
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        UPCAST=upcast_dot_inputs(dtype),
+        num_warps=4 if wide else 8,
+        num_stages=2,
+    )
+
+
+def paged_prefill_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    scale,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+):
     """Ragged batch of new tokens: q [T, Hq, D] -> out [T, Hq, D].
 
     The new tokens' K/V must already be in the cache (store_kv_cache first). block_m / block_n
@@ -146,11 +190,23 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     torch.cumsum(triton.cdiv(q_lens, meta["BLOCK_M"]), 0, dtype=torch.int32, out=cu_tiles[1:])
     max_tiles = triton.cdiv(num_tokens, meta["BLOCK_M"]) + num_seqs
     _prefill_kernel[(max_tiles, num_heads)](
-        q, k_cache, v_cache, out,
-        block_tables, query_start_loc, seq_lens, cu_tiles,
-        scale * math.log2(math.e), num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        cu_tiles,
+        scale * math.log2(math.e),
+        num_seqs,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
         **meta,
     )

@@ -15,6 +15,7 @@ bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation rounde
 
 KERNEL_TYPES have kernels; other ggml types are converted at load (inference/quantization/gguf.py).
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,8 +47,15 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in native_cpu.SUPPORTED_DTYPES and native_cpu.load() is not None
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, library=None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    kind: str,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    library=None,
+) -> torch.Tensor:
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
     x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
     From DEQUANTIZE_FROM_ROWS rows on, through dequantized_linear."""
@@ -56,8 +64,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int, b
     return integer_linear(x, packed, kind, in_features, bias, out, library)
 
 
-def integer_linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int,
-                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None, library=None) -> torch.Tensor:
+def integer_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    kind: str,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    library=None,
+) -> torch.Tensor:
     """`linear` by the C kernel: int8 activations, integer dot products against the blocks' codes."""
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -66,16 +81,33 @@ def integer_linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     status = (library or native_cpu.load()).gguf_linear(
-        x.data_ptr(), x.stride(0), x.shape[0], in_features, packed.data_ptr(), packed.shape[1], rows,
-        type_number(kind), None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-        native_cpu.SUPPORTED_DTYPES[x.dtype], torch.get_num_threads())
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        in_features,
+        packed.data_ptr(),
+        packed.shape[1],
+        rows,
+        type_number(kind),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        native_cpu.SUPPORTED_DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
     _check(status, kind, in_features)
     return out
 
 
-def dequantized_linear(x: torch.Tensor, packed: torch.Tensor, kind: str, in_features: int,
-                       bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       library=None) -> torch.Tensor:
+def dequantized_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    kind: str,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    library=None,
+) -> torch.Tensor:
     """`linear` through bfloat16: SCRATCH_VALUES of the weight at a time dequantized into this thread's
     buffer, then oneDNN's GEMM on it; nothing dequantized outlives the call."""
     rows = packed.shape[0]
@@ -103,8 +135,15 @@ def scratch(values: int) -> torch.Tensor:
     return buffer
 
 
-def dequantize_rows(packed: torch.Tensor, kind: str, ids: torch.Tensor, in_features: int, dtype=torch.float32,
-                    library=None, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_rows(
+    packed: torch.Tensor,
+    kind: str,
+    ids: torch.Tensor,
+    in_features: int,
+    dtype=torch.float32,
+    library=None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rows `ids` of the packed weight, dequantized: [len(ids), in_features] in `dtype`, written into
     `out` (contiguous, that shape and dtype) when given."""
     ids = ids.reshape(-1).to(torch.int64).contiguous()
@@ -113,8 +152,17 @@ def dequantize_rows(packed: torch.Tensor, kind: str, ids: torch.Tensor, in_featu
     elif out.shape != (ids.shape[0], in_features) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{ids.shape[0]}, {in_features}] {dtype} tensor")
     status = (library or native_cpu.load()).gguf_dequantize_rows(
-        packed.data_ptr(), packed.shape[1], packed.shape[0], type_number(kind), ids.data_ptr(), ids.shape[0],
-        in_features, out.data_ptr(), native_cpu.SUPPORTED_DTYPES[dtype], torch.get_num_threads())
+        packed.data_ptr(),
+        packed.shape[1],
+        packed.shape[0],
+        type_number(kind),
+        ids.data_ptr(),
+        ids.shape[0],
+        in_features,
+        out.data_ptr(),
+        native_cpu.SUPPORTED_DTYPES[dtype],
+        torch.get_num_threads(),
+    )
     _check(status, kind, in_features)
     return out
 

@@ -14,6 +14,7 @@ G = number of quantization groups):
 
 w[k, n] = (q[k, n] - zero[g(k), n]) * scale[g(k), n], and y = x @ w.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,7 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
 # ---- unpacking ----------------------------------------------------------------------------------
+
 
 def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
     """[R/8, C] int32 -> [R, C] values in 0..15 (nibble j of row r is row 8r + j)."""
@@ -41,6 +43,7 @@ def unpack_int4_cols(packed: torch.Tensor, order=None) -> torch.Tensor:
 
 
 # ---- dequantization -----------------------------------------------------------------------------
+
 
 def gptq_dequantize(qweight, qzeros, scales, g_idx, zero_offset: int = 1) -> torch.Tensor:
     """GPTQ tensors -> float weight [K, N] in the dtype of scales."""
@@ -76,6 +79,7 @@ def int8_linear(x, weight, scale, bias=None):
 
 
 # ---- quantization (round to nearest) and packing --------------------------------------------------
+
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K], float32 scale [N]), symmetric absmax per output channel."""
@@ -144,8 +148,12 @@ def gptq_pack(weight_nk: torch.Tensor, group_size: int, g_idx: torch.Tensor | No
         g_idx = (torch.arange(k) // group_size).to(torch.int32)
     # sym: zeros are 8, stored as 7 (v1's "zero - 1"), which the kernels add back.
     q, zeros, scales = quantize_int4_groups(weight_nk.t(), g_idx, -(-k // group_size), sym=True)
-    return {"qweight": pack_int4_rows(q), "qzeros": pack_int4_cols(zeros - 1),
-            "scales": scales.to(torch.float16), "g_idx": g_idx}
+    return {
+        "qweight": pack_int4_rows(q),
+        "qzeros": pack_int4_cols(zeros - 1),
+        "scales": scales.to(torch.float16),
+        "g_idx": g_idx,
+    }
 
 
 def awq_pack(weight_nk: torch.Tensor, group_size: int) -> dict:
@@ -153,5 +161,8 @@ def awq_pack(weight_nk: torch.Tensor, group_size: int) -> dict:
     k = weight_nk.shape[1]
     g_idx = torch.arange(k) // group_size
     q, zeros, scales = quantize_int4_groups(weight_nk.t(), g_idx, -(-k // group_size))
-    return {"qweight": pack_int4_cols(q, AWQ_PACK_ORDER), "qzeros": pack_int4_cols(zeros, AWQ_PACK_ORDER),
-            "scales": scales.to(torch.float16)}
+    return {
+        "qweight": pack_int4_cols(q, AWQ_PACK_ORDER),
+        "qzeros": pack_int4_cols(zeros, AWQ_PACK_ORDER),
+        "scales": scales.to(torch.float16),
+    }

@@ -4,20 +4,21 @@ One program per token: the token's cos/sin row is loaded once and applied to all
 key heads. q and k may be strided views (slices of a fused qkv tensor); they are updated in place.
 Any llama3 frequency scaling is already baked into cos_sin_cache ([max_pos, D] = cos | sin).
 """
-from __future__ import annotations
 
-# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+# First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
+from kernels import _triton_utils  # noqa: F401,I001
 from kernels._triton_utils import check_last_dim_contiguous, next_pow2
 
 
 @triton.jit
-def _rotate_heads(base_ptr, stride_h, num_heads, cos, sin,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(
+    base_ptr, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr
+):
     h = tl.arange(0, BLOCK_H)[:, None]
     i = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (i < HALF)
@@ -32,10 +33,22 @@ def _rotate_heads(base_ptr, stride_h, num_heads, cos, sin,
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cos_sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    num_q_heads, num_kv_heads, max_position,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cos_sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    num_q_heads,
+    num_kv_heads,
+    max_position,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -55,7 +68,10 @@ def rotary_meta(num_q_heads: int, num_kv_heads: int, head_dim: int) -> dict:
     """Compile-time parameters of the launch (shared with the sm_90 compile test)."""
     half = head_dim // 2
     return dict(
-        HALF=half, BLOCK_HQ=next_pow2(num_q_heads), BLOCK_HK=next_pow2(num_kv_heads), BLOCK_HALF=next_pow2(half),
+        HALF=half,
+        BLOCK_HQ=next_pow2(num_q_heads),
+        BLOCK_HK=next_pow2(num_kv_heads),
+        BLOCK_HALF=next_pow2(half),
         num_warps=4 if num_q_heads * half >= 2048 else 1,
     )
 
@@ -74,8 +90,17 @@ def rotary_embedding(positions, q, k, cos_sin_cache) -> None:
         return
     check_last_dim_contiguous(q, k, cos_sin_cache)
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        num_q_heads, num_kv_heads, cos_sin_cache.shape[0],
+        positions,
+        q,
+        k,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        num_q_heads,
+        num_kv_heads,
+        cos_sin_cache.shape[0],
         **rotary_meta(num_q_heads, num_kv_heads, head_dim),
     )

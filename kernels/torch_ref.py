@@ -13,6 +13,7 @@ Shared layouts:
   Query token j of sequence i sits at position seq_lens[i] - query_len_i + j and attends causally
   to every position <= its own.
 """
+
 from __future__ import annotations
 
 import threading
@@ -94,10 +95,18 @@ def decode_padded(q, k_cache, v_cache, block_tables, seq_lens, scale):
     block_index = torch.where(valid, positions // block_size, 0)
     slots = block_tables.long().gather(1, block_index) * block_size + torch.where(valid, positions % block_size, 0)
     shape = (batch, max_len, num_kv_heads, head_dim)
-    k = torch.index_select(k_cache.view(-1, num_kv_heads, head_dim), 0, slots.flatten(),
-                           out=workspace("k", shape, k_cache.dtype, k_cache.device).view(-1, num_kv_heads, head_dim))
-    v = torch.index_select(v_cache.view(-1, num_kv_heads, head_dim), 0, slots.flatten(),
-                           out=workspace("v", shape, v_cache.dtype, v_cache.device).view(-1, num_kv_heads, head_dim))
+    k = torch.index_select(
+        k_cache.view(-1, num_kv_heads, head_dim),
+        0,
+        slots.flatten(),
+        out=workspace("k", shape, k_cache.dtype, k_cache.device).view(-1, num_kv_heads, head_dim),
+    )
+    v = torch.index_select(
+        v_cache.view(-1, num_kv_heads, head_dim),
+        0,
+        slots.flatten(),
+        out=workspace("v", shape, v_cache.dtype, v_cache.device).view(-1, num_kv_heads, head_dim),
+    )
     k, v = k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # [B, Hkv, L, D]
     mask = valid[:, None, None, :].to(q.device)  # True = attend
     qg = q.view(batch, num_kv_heads, group, head_dim)
@@ -123,8 +132,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
         ki, vi = k.transpose(0, 1)[None].to(q.dtype), v.transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, L, D]
         fresh = end - start == total  # no cached prefix: plain causal attention
         mask = None if fresh else causal_mask(end - start, total, q.dtype, q.device)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=fresh, scale=scale,
-                                            enable_gqa=num_heads != num_kv_heads)
+        oi = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=fresh, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
         out[start:end] = oi[0].transpose(0, 1)
     return out
 

@@ -9,6 +9,7 @@ variables, which `manage.py engine` reads over any ENGINE_ARGS; then it runs pla
 in this process. It needs the source tree beside it (an editable install, as `make install` and
 the Dockerfile make), because the platform is not a package.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,16 +44,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tessera", description="Tessera: a self-hosted LLM serving platform over its own engine.",
-        epilog="`tessera serve --help` lists the engine arguments.")
+        prog="tessera",
+        description="Tessera: a self-hosted LLM serving platform over its own engine.",
+        epilog="`tessera serve --help` lists the engine arguments.",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve_parser = commands.add_parser("serve", help=COMMANDS["serve"], description=(
-        "Start the whole stack on MODEL, as `make run MODEL=...` does (PORT, HOST, REDIS_URL, DATABASE_URL... "
-        "from the environment as there; Ctrl-C stops everything). Engine arguments are inference EngineArgs "
-        "fields, given as flags here (default: the engine's, or ENGINE_ARGS / ENGINE_<NAME>)."))
-    serve_parser.add_argument("model", nargs="?", default=None,
-                              help="a Hugging Face model folder or a .gguf file (default: MODEL, else the bundled "
-                                   "SmolLM2-135M-Instruct GGUF)")
+    serve_parser = commands.add_parser(
+        "serve",
+        help=COMMANDS["serve"],
+        description=(
+            "Start the whole stack on MODEL, as `make run MODEL=...` does (PORT, HOST, REDIS_URL, DATABASE_URL... "
+            "from the environment as there; Ctrl-C stops everything). Engine arguments are inference EngineArgs "
+            "fields, given as flags here (default: the engine's, or ENGINE_ARGS / ENGINE_<NAME>)."
+        ),
+    )
+    serve_parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a Hugging Face model folder or a .gguf file (default: MODEL, else the bundled "
+        "SmolLM2-135M-Instruct GGUF)",
+    )
     serve_parser.add_argument("--host", default=argparse.SUPPRESS, help="address to listen on (HOST, 127.0.0.1)")
     serve_parser.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port (PORT, 8000)")
     add_engine_flags(serve_parser.add_argument_group("engine arguments (inference.config.EngineArgs)"))
@@ -61,14 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------- engine flags from EngineArgs
 
+
 def engine_fields() -> list[tuple[str, type, object, str]]:
     """(name, type, default, comment) of every EngineArgs field but the model."""
     from inference.config import EngineArgs  # imports torch: only when the flags are needed
 
     hints = typing.get_type_hints(EngineArgs)
     comments = field_comments(EngineArgs)
-    return [(f.name, hints[f.name], None if f.default is MISSING else f.default, comments.get(f.name, ""))
-            for f in fields(EngineArgs) if f.name != "model"]
+    return [
+        (f.name, hints[f.name], None if f.default is MISSING else f.default, comments.get(f.name, ""))
+        for f in fields(EngineArgs)
+        if f.name != "model"
+    ]
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -94,14 +110,17 @@ def add_engine_flags(group) -> None:
         flag = "--" + name.replace("_", "-")
         help_text = f"{comment + '; ' if comment else ''}default: {default}".replace("%", "%%")
         if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=help_text)
+            group.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
         elif kind in (int, float, str):
-            group.add_argument(flag, dest=name, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(),
-                               help=help_text)
+            group.add_argument(
+                flag, dest=name, type=kind, default=argparse.SUPPRESS, metavar=kind.__name__.upper(), help=help_text
+            )
         else:  # a dict or list field (speculative decoding's config): JSON
-            group.add_argument(flag, dest=name, type=json_value, default=argparse.SUPPRESS, metavar="JSON",
-                               help=help_text)
+            group.add_argument(
+                flag, dest=name, type=json_value, default=argparse.SUPPRESS, metavar="JSON", help=help_text
+            )
 
 
 def json_value(text: str):
@@ -131,8 +150,10 @@ def serve_env(args: argparse.Namespace, env: dict | None = None) -> dict[str, st
 
 def serve(args: argparse.Namespace) -> int:
     if not (PLATFORM_DIR / "tessera" / "run.py").is_file():
-        raise SystemExit(f"tessera serve needs the Tessera source tree at {REPO_DIR} (install it with "
-                         "`pip install -e .`, as `make install` does)")
+        raise SystemExit(
+            f"tessera serve needs the Tessera source tree at {REPO_DIR} (install it with "
+            "`pip install -e .`, as `make install` does)"
+        )
     os.environ.update(serve_env(args))
     sys.path[:0] = [str(REPO_DIR), str(PLATFORM_DIR)]
     from tessera import run  # platform/tessera: the same supervisor `make run` starts

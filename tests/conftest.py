@@ -3,6 +3,7 @@
 Without a GPU, Triton kernels (tests/kernels and the engine's "triton" backend) run in Triton's
 interpreter, which has to be chosen before triton.language is first imported: hence here.
 """
+
 import os
 
 import pytest
@@ -45,5 +46,7 @@ def django_db_setup(django_db_setup, django_db_blocker):
     if connection.vendor != "postgresql":
         return
     with django_db_blocker.unblock(), connection.cursor() as cursor:
-        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                       " WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )

@@ -1,12 +1,13 @@
-"""The peer and grammar benchmarks' own parts: one engine run in its own process, missing peers, the summary row, the mask walk."""
+"""The benchmarks' own parts: one engine run in its own process, missing peers, the summary row, the mask
+walk, and short runs of the scripts."""
+
 import json
 
 from benchmarks import peers
 
 
 def test_an_engine_run_reports_every_requested_token_and_batch_one_figures(tiny_model_dir, tmp_path):
-    work = {"requests": [[[5, 6, 7, 8, 9], 6], [[10, 11, 12], 3], [[13] * 40, 9]],
-            "single_prompt": list(range(20, 60))}
+    work = {"requests": [[[5, 6, 7, 8, 9], 6], [[10, 11, 12], 3], [[13] * 40, 9]], "single_prompt": list(range(20, 60))}
     workload = tmp_path / "work.json"
     workload.write_text(json.dumps(work))
     result = peers.run_offline("tessera", str(tiny_model_dir), "float32", str(workload))
@@ -24,12 +25,16 @@ def test_a_missing_peer_is_skipped_with_how_to_get_it(monkeypatch, capsys):
 
 
 def test_the_summary_row_pairs_runs_of_one_repeat():
-    runs = {"tessera": [{"tok_s": 120.0, "ttft_ms": 10.0, "tpot_ms": 5.0, "kv_fill_at_peak": 0.98,
-                         "kv_blocks_used_at_peak": 0.5},
-                        {"tok_s": 150.0, "ttft_ms": 12.0, "tpot_ms": 4.0, "kv_fill_at_peak": 0.99,
-                         "kv_blocks_used_at_peak": 0.5}],
-            "vllm": [{"tok_s": 100.0, "ttft_ms": 20.0, "tpot_ms": 9.0, "vllm_kv_blocks_used_at_peak": 0.4},
-                     {"tok_s": 100.0, "ttft_ms": 20.0, "tpot_ms": 9.0, "vllm_kv_blocks_used_at_peak": 0.4}]}
+    runs = {
+        "tessera": [
+            {"tok_s": 120.0, "ttft_ms": 10.0, "tpot_ms": 5.0, "kv_fill_at_peak": 0.98, "kv_blocks_used_at_peak": 0.5},
+            {"tok_s": 150.0, "ttft_ms": 12.0, "tpot_ms": 4.0, "kv_fill_at_peak": 0.99, "kv_blocks_used_at_peak": 0.5},
+        ],
+        "vllm": [
+            {"tok_s": 100.0, "ttft_ms": 20.0, "tpot_ms": 9.0, "vllm_kv_blocks_used_at_peak": 0.4},
+            {"tok_s": 100.0, "ttft_ms": 20.0, "tpot_ms": 9.0, "vllm_kv_blocks_used_at_peak": 0.4},
+        ],
+    }
     row = peers.summary_row("m", "float32", runs)
     assert row[2] == 135.0 and row[3] == 100.0  # medians
     assert row[5] == 1.35 and row[6] == "1.20-1.50"  # ratio per repeat, then median and spread
@@ -48,8 +53,9 @@ def test_the_grammar_bench_walks_constrained_rows_and_reports_each_batch():
 def test_the_gguf_bench_loads_the_default_file_packed_and_reports_its_row():
     from benchmarks import gguf
 
-    table = gguf.main(["--models", "smollm2", "--weights", "packed", "--prompt", "16", "--decode", "4",
-                       "--repeats", "1"])
+    table = gguf.main(
+        ["--models", "smollm2", "--weights", "packed", "--prompt", "16", "--decode", "4", "--repeats", "1"]
+    )
     [row] = [line for line in table.splitlines() if line.startswith("| SmolLM2")]
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[1:3] == ["packed", "packed"]

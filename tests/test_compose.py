@@ -1,4 +1,5 @@
 """compose.yaml and the Dockerfile: valid, complete, and every command is a real project entry point."""
+
 import importlib.util
 import os
 import shutil
@@ -95,15 +96,21 @@ def test_the_image_collects_static_files_and_installs_the_postgres_driver():
     assert "collectstatic --noinput" in dockerfile
     assert "DJANGO_SETTINGS_MODULE=tessera.settings.prod" in dockerfile
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert '.[postgres]' in dockerfile and any(d.startswith("psycopg") for d in extras["postgres"])
+    assert ".[postgres]" in dockerfile and any(d.startswith("psycopg") for d in extras["postgres"])
     # The same front-end assets `make assets` installs, from the npm registry at build time.
     assert "npm ci" in dockerfile and (REPO / "package-lock.json").exists()
 
 
-@pytest.mark.skipif(not shutil.which("docker") or subprocess.run(["docker", "compose", "version"],
-                    capture_output=True).returncode != 0, reason="docker compose is not installed here")
+@pytest.mark.skipif(
+    not shutil.which("docker") or subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0,
+    reason="docker compose is not installed here",
+)
 def test_docker_compose_accepts_the_file():
     env = {**os.environ, "SECRET_KEY": "x", "POSTGRES_PASSWORD": "y", "MODEL_NAME": "m"}
-    result = subprocess.run(["docker", "compose", "-f", str(REPO / "compose.yaml"), "config", "--quiet"],
-                            env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        ["docker", "compose", "-f", str(REPO / "compose.yaml"), "config", "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr

@@ -3,6 +3,7 @@ is still a cycle, only hidden until that function runs); platform/ counting modu
 (Celery task bodies import their services inside the function, by design: those run after every
 module has loaded). And inference/ never imports Django.
 """
+
 from __future__ import annotations
 
 import ast
@@ -21,7 +22,7 @@ def imported_names(path: Path, module: str, module_level_only: bool = False) -> 
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
     names = set()
-    for node in (tree.body if module_level_only else ast.walk(tree)):
+    for node in tree.body if module_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -36,8 +37,10 @@ def imported_names(path: Path, module: str, module_level_only: bool = False) -> 
 
 def import_graph(root: Path, files: list[Path], module_level_only: bool = False) -> dict[str, set[str]]:
     modules = {module_name(p, root): p for p in files}
-    return {name: {m for m in imported_names(path, name, module_level_only) if m in modules and m != name}
-            for name, path in modules.items()}
+    return {
+        name: {m for m in imported_names(path, name, module_level_only) if m in modules and m != name}
+        for name, path in modules.items()
+    }
 
 
 def engine_graph() -> dict[str, set[str]]:
@@ -60,7 +63,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -98,8 +101,11 @@ def test_the_cycle_finder_sees_a_function_level_import_and_a_cycle(tmp_path):
 
 
 def test_inference_never_imports_django():
-    offenders = {name for name, path in ((module_name(p, REPO), p) for p in (REPO / "inference").rglob("*.py"))
-                 if any(m == "django" or m.startswith("django.") for m in imported_names(path, name))}
+    offenders = {
+        name
+        for name, path in ((module_name(p, REPO), p) for p in (REPO / "inference").rglob("*.py"))
+        if any(m == "django" or m.startswith("django.") for m in imported_names(path, name))
+    }
     assert not offenders
 
 
@@ -113,7 +119,10 @@ def test_apps_never_import_the_project_package():
         if "migrations" in path.parts or path.relative_to(platform).parts[0] == "tessera":
             continue
         name = module_name(path, platform)
-        imports[name] = {m for m in imported_names(path, name)
-                         if (m == "tessera" or m.startswith("tessera.")) and not m.startswith("tessera.settings")}
+        imports[name] = {
+            m
+            for m in imported_names(path, name)
+            if (m == "tessera" or m.startswith("tessera.")) and not m.startswith("tessera.settings")
+        }
     assert "common.http_guards" in imports and "batches.validation" in imports, "the apps are read"
     assert {name: found for name, found in imports.items() if found} == {}

@@ -1,5 +1,6 @@
 """One generation lifecycle: usage rows, quota reservations and engine submissions happen in the
 generation service only; the front doors (chat, openai_api, batches) are adapters around it."""
+
 from __future__ import annotations
 
 import ast

@@ -1,4 +1,5 @@
 """README.md documents every environment variable the code reads and every engine argument."""
+
 import re
 from pathlib import Path
 
@@ -7,8 +8,10 @@ from inference.config import EngineArgs
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 # env.get("X"), os.environ["X"], os.getenv("X"), and the ("ENGINE_X", cast) pairs of the engine command.
-ENV_READ = re.compile(r"""(?:environ|env)(?:\.get\(|\[)\s*["']([A-Z][A-Z0-9_]+)["']|getenv\(\s*["']([A-Z][A-Z0-9_]+)["']"""
-                      r"""|\(\s*["'](ENGINE_[A-Z0-9_]+)["']\s*,""")
+ENV_READ = re.compile(
+    r"""(?:environ|env)(?:\.get\(|\[)\s*["']([A-Z][A-Z0-9_]+)["']|getenv\(\s*["']([A-Z][A-Z0-9_]+)["']"""
+    r"""|\(\s*["'](ENGINE_[A-Z0-9_]+)["']\s*,"""
+)
 NOT_CONFIGURATION = {"PYTHONPATH", "PATH", "HOME", "HOSTNAME"}
 
 
@@ -34,8 +37,15 @@ def test_every_engine_argument_is_documented():
 
 
 def test_the_readme_keeps_its_sections_and_the_two_commands():
-    for heading in ("## Two commands", "## Using it with the `openai` client", "## Running a batch",
-                    "## Configuration", "## Scaling out", "## Benchmarks", "## Tests"):
+    for heading in (
+        "## Two commands",
+        "## Using it with the `openai` client",
+        "## Running a batch",
+        "## Configuration",
+        "## Scaling out",
+        "## Benchmarks",
+        "## Tests",
+    ):
         assert heading in README
     assert "make run" in README and "make test" in README
 

@@ -1,6 +1,7 @@
 """The `tessera` console script: what it says without arguments, `serve --help` generated from
 EngineArgs, the flags reaching the engine worker's own argument reader, and a real start / stop of
 the whole stack on the tiny model (the supervisor `make run` starts, tests/platform/run_stack.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,13 +50,32 @@ def test_a_bad_flag_value_is_refused_before_anything_starts():
 
 def test_flags_reach_the_engine_workers_own_reader_and_unset_ones_stay_unset():
     args = tessera_cli.build_parser().parse_args(
-        ["serve", "/models/x", "--max-model-len", "256", "--dtype", "float32", "--no-enable-prefix-caching",
-         "--served-model-name", "123", "--gpu-memory-utilization", "0.5", "--port", "9123"])
+        [
+            "serve",
+            "/models/x",
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "float32",
+            "--no-enable-prefix-caching",
+            "--served-model-name",
+            "123",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--port",
+            "9123",
+        ]
+    )
     env = tessera_cli.serve_env(args, {"ENGINE_ARGS": '{"max_model_len": 64, "block_size": 32}'})
     assert (env["MODEL"], env["PORT"], env["SERVED_MODEL_NAME"]) == ("/models/x", "9123", "123")
     assert engine_args_from_env(EngineArgs.names(), env=env) == {
-        "max_model_len": 256, "block_size": 32, "dtype": "float32", "enable_prefix_caching": False,
-        "served_model_name": "123", "gpu_memory_utilization": 0.5}
+        "max_model_len": 256,
+        "block_size": 32,
+        "dtype": "float32",
+        "enable_prefix_caching": False,
+        "served_model_name": "123",
+        "gpu_memory_utilization": 0.5,
+    }
 
 
 @pytest.mark.slow
@@ -65,8 +85,21 @@ def test_serve_starts_the_whole_stack_on_a_model_and_ctrl_c_stops_it(tiny_model_
     env = make_run_env("", tmp_path / "var")  # neither MODEL nor ENGINE_ARGS: the flags say it all
     del env["ENGINE_ARGS"], env["MODEL"]
     env["EMBEDDING_MODEL"] = "off"  # the chat model's worker alone
-    command = [str(SCRIPT), "serve", tiny_model_dir, "--max-model-len", "192", "--num-kv-blocks", "64",
-               "--device", "cpu", "--served-model-name", "tiny-served", "--port", env["PORT"]]
+    command = [
+        str(SCRIPT),
+        "serve",
+        tiny_model_dir,
+        "--max-model-len",
+        "192",
+        "--num-kv-blocks",
+        "64",
+        "--device",
+        "cpu",
+        "--served-model-name",
+        "tiny-served",
+        "--port",
+        env["PORT"],
+    ]
     assert SCRIPT.is_file(), "`make install` installs the console script"
     stack = RunStack.start(env, tmp_path / "serve.log", command=command)
     try:

@@ -4,6 +4,7 @@ Nothing can be downloaded, so the text comes from the standard library itself: t
 reference topics in `pydoc_data` (what `help("assert")` prints). It has its own chat template,
 so the tests exercise templates other than the real model's ChatML.
 """
+
 from __future__ import annotations
 
 import re
@@ -79,8 +80,12 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     tok.train_from_iterator(texts, trainer)
     # Like Llama: plain encode() prepends BOS; the chat template writes its own BOS.
     bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]),
-    ])
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+            ),
+        ]
+    )
     return tok

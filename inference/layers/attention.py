@@ -1,4 +1,5 @@
 """Paged attention layer: store this step's K/V into the cache, then attend through block tables."""
+
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,7 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.ops = ops
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
 

@@ -1,4 +1,5 @@
 """Vocab-parallel token embedding and LM head (each rank holds a contiguous slice of the vocab)."""
+
 from __future__ import annotations
 
 import torch
@@ -23,21 +24,24 @@ class VocabParallelEmbedding(nn.Module):
         self.start = parallel.rank * self.shard
         self.end = min(self.start + self.shard, vocab_size)
         self.hidden, self.dtype = hidden, dtype
-        self.weight = with_loader(nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False),
-                                  self.weight_loader)
+        self.weight = with_loader(
+            nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False), self.weight_loader
+        )
 
     def weight_loader(self, param, loaded, shard_id=None):
         if packed_kind(loaded) is not None:
             self.keep_packed(param, loaded)
             return
-        rows = loaded[self.start:self.end]
+        rows = loaded[self.start : self.end]
         copy_checked(param.data[: rows.shape[0]], rows)
 
     def keep_packed(self, param, loaded) -> None:
         """A GGUF table kept as its blocks: the parameter holds the bytes and says their type."""
         if self.parallel.size > 1 or loaded.shape != (self.vocab_size, self.hidden):
-            raise ValueError(f"packed GGUF table of shape {tuple(loaded.shape)} does not fit "
-                             f"{self.vocab_size} x {self.hidden} on one rank")
+            raise ValueError(
+                f"packed GGUF table of shape {tuple(loaded.shape)} does not fit "
+                f"{self.vocab_size} x {self.hidden} on one rank"
+            )
         param.data = loaded.data
         param.ggml_type = loaded.kind
 

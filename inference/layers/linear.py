@@ -5,6 +5,7 @@ cut this rank's slice out of a checkpoint tensor, so models never deal with shar
 quantization themselves. A LinearMethod creates the parameters and computes the product; the
 unquantized one is below, quantized formats plug in the same way.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,8 +37,9 @@ class UnquantizedLinearMethod:
 class LinearBase(nn.Module):
     """in_features x out_features held by this rank; subclasses say how checkpoints are cut."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None,
-                 parallel: ParallelConfig = SINGLE):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype, method=None, parallel: ParallelConfig = SINGLE
+    ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.parallel = parallel  # before create_weights: quantized formats lay out groups by it
@@ -45,8 +47,9 @@ class LinearBase(nn.Module):
         self.method.create_weights(self, in_features, out_features, dtype)
         self.bias: nn.Parameter | None = None
         if bias:
-            self.bias = with_loader(nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False),
-                                    self.weight_loader)
+            self.bias = with_loader(
+                nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False), self.weight_loader
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
@@ -58,8 +61,9 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks (dim 0 of the [out, in] weight)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None,
-                 parallel: ParallelConfig = SINGLE):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype, method=None, parallel: ParallelConfig = SINGLE
+    ):
         super().__init__(in_features, divide(out_features, parallel.size), bias, dtype, method, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -74,8 +78,9 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (gate and up): shard_id is the index."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype, method=None,
-                 parallel: ParallelConfig = SINGLE):
+    def __init__(
+        self, in_features: int, out_sizes: list[int], bias: bool, dtype, method=None, parallel: ParallelConfig = SINGLE
+    ):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, dtype, method, parallel)
 
@@ -96,8 +101,17 @@ class QKVParallelLinear(ColumnParallelLinear):
     With fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
     """
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype, method=None,
-                 parallel: ParallelConfig = SINGLE):
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        dtype,
+        method=None,
+        parallel: ParallelConfig = SINGLE,
+    ):
         size = parallel.size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, size)
@@ -127,8 +141,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed by an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, method=None,
-                 parallel: ParallelConfig = SINGLE):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype, method=None, parallel: ParallelConfig = SINGLE
+    ):
         super().__init__(divide(in_features, parallel.size), out_features, bias, dtype, method, parallel)
 
     def weight_loader(self, param, loaded, shard_id=None):

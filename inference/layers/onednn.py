@@ -8,6 +8,7 @@ summation order differs.
 
 Off with TESSERA_ONEDNN_LINEAR=0, and wherever torch lacks the mkldnn ops.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def enabled() -> bool:
-    return (os.environ.get("TESSERA_ONEDNN_LINEAR", "1") != "0" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        os.environ.get("TESSERA_ONEDNN_LINEAR", "1") != "0"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -87,8 +92,11 @@ def at_rows(x: torch.Tensor, padded: int) -> torch.Tensor:
     rows, cols = x.shape
     if padded == rows:
         return x
-    if x.is_contiguous() and x.storage_offset() == 0 and \
-            x.untyped_storage().nbytes() >= padded * cols * x.element_size():
+    if (
+        x.is_contiguous()
+        and x.storage_offset() == 0
+        and x.untyped_storage().nbytes() >= padded * cols * x.element_size()
+    ):
         return x.as_strided((padded, cols), (cols, 1))
     return torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
 

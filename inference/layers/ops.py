@@ -5,6 +5,7 @@ A backend is chosen once at start-up ("torch" on CPU, "triton" on CUDA, overrida
 Ops class over a different set of primitives with identical signatures: kernels/torch_ref.py
 (what the CPU runs) or the Triton launchers in kernels/.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,12 +50,15 @@ class Ops:
         if meta.decode_only:
             return self.p.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
         if nd == 0:
-            return self.p.paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                                  meta.seq_lens, scale)
-        decode = self.p.paged_decode_attention(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                               meta.seq_lens[:nd], scale)
-        prefill = self.p.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.block_tables[nd:],
-                                                 meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale)
+            return self.p.paged_prefill_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+            )
+        decode = self.p.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale
+        )
+        prefill = self.p.paged_prefill_attention(
+            q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_start_loc[nd:] - nd, meta.seq_lens[nd:], scale
+        )
         return torch.cat([decode, prefill])
 
     def fused_add_rms_norm(self, x, residual, weight, eps):
@@ -67,8 +71,14 @@ class Ops:
         return self.p.silu_and_mul(x)
 
 
-PRIMITIVES = ("store_kv_cache", "paged_decode_attention", "paged_prefill_attention", "fused_add_rms_norm",
-              "rotary_embedding", "silu_and_mul")
+PRIMITIVES = (
+    "store_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
 
 
 def torch_primitives():
@@ -86,15 +96,18 @@ def torch_primitives():
     def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
         if not native_cpu.supports(q, k_cache):
             return torch_ref.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-        return native_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                 out=onednn.empty_rows(*q.shape, like=q))
+        return native_cpu.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, out=onednn.empty_rows(*q.shape, like=q)
+        )
 
     def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale):
         if not native_cpu.supports_prefill(q, k_cache):
-            return torch_ref.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                                                     scale)
-        return native_cpu.paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-                                                  out=onednn.empty_rows(*q.shape, like=q))
+            return torch_ref.paged_prefill_attention(
+                q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+            )
+        return native_cpu.paged_prefill_attention(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out=onednn.empty_rows(*q.shape, like=q)
+        )
 
     def fused_add_rms_norm(x, residual, weight, eps):
         tensors = (x, weight) if residual is None else (x, residual, weight)
@@ -116,9 +129,14 @@ def torch_primitives():
         impl.store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
     chosen = {name: getattr(torch_ref, name) for name in PRIMITIVES}
-    chosen.update(paged_decode_attention=paged_decode_attention, paged_prefill_attention=paged_prefill_attention,
-                  fused_add_rms_norm=fused_add_rms_norm,
-                  silu_and_mul=silu_and_mul, rotary_embedding=rotary_embedding, store_kv_cache=store_kv_cache)
+    chosen.update(
+        paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=paged_prefill_attention,
+        fused_add_rms_norm=fused_add_rms_norm,
+        silu_and_mul=silu_and_mul,
+        rotary_embedding=rotary_embedding,
+        store_kv_cache=store_kv_cache,
+    )
     return SimpleNamespace(**chosen)
 
 
@@ -133,9 +151,12 @@ def triton_primitives():
     from kernels.rotary import rotary_embedding
 
     return SimpleNamespace(
-        store_kv_cache=store_kv_cache, paged_decode_attention=paged_decode_attention,
-        paged_prefill_attention=paged_prefill_attention, fused_add_rms_norm=fused_add_rms_norm,
-        rotary_embedding=rotary_embedding, silu_and_mul=silu_and_mul,
+        store_kv_cache=store_kv_cache,
+        paged_decode_attention=paged_decode_attention,
+        paged_prefill_attention=paged_prefill_attention,
+        fused_add_rms_norm=fused_add_rms_norm,
+        rotary_embedding=rotary_embedding,
+        silu_and_mul=silu_and_mul,
     )
 
 

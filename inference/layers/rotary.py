@@ -1,4 +1,5 @@
 """Rotary position embedding tables (neox style), with llama3 frequency scaling when configured."""
+
 from __future__ import annotations
 
 import math

@@ -5,6 +5,7 @@ encoder keeps no KV cache: the step's prompts lie end to end in one [tokens, hid
 linear layers run over all of it, and attention runs per prompt, padded to the longest one.
 Checkpoint names follow HF's BertModel (a "bert." prefix, as in BertForMaskedLM, is dropped).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -16,9 +17,12 @@ from torch import nn
 from inference.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 ENCODER_ARCHITECTURES = ("BertModel", "BertForMaskedLM", "BertForPreTraining")
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": nn.functional.gelu, "relu": nn.functional.relu,
-               "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
-               "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": nn.functional.gelu,
+    "relu": nn.functional.relu,
+    "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
 
 
 def is_encoder_config(raw: dict) -> bool:
@@ -46,16 +50,26 @@ class BertConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "BertConfig":
         if raw.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"unsupported position_embedding_type {raw['position_embedding_type']!r}: "
-                             "only absolute position embeddings are supported")
+            raise ValueError(
+                f"unsupported position_embedding_type {raw['position_embedding_type']!r}: "
+                "only absolute position embeddings are supported"
+            )
         act = raw.get("hidden_act", "gelu")
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)}")
-        return cls(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-                   intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
-                   num_heads=raw["num_attention_heads"], max_position_embeddings=raw["max_position_embeddings"],
-                   type_vocab_size=raw.get("type_vocab_size", 2), layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
-                   hidden_act=act, torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), raw=raw)
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=raw["num_attention_heads"],
+            max_position_embeddings=raw["max_position_embeddings"],
+            type_vocab_size=raw.get("type_vocab_size", 2),
+            layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+            hidden_act=act,
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            raw=raw,
+        )
 
 
 class BertEmbeddings(nn.Module):
@@ -97,8 +111,9 @@ class BertSelfAttention(nn.Module):
             padded[mask] = x
             return padded.view(len(lengths), longest, heads, dim).transpose(1, 2)
 
-        out = nn.functional.scaled_dot_product_attention(batched(q), batched(k), batched(v),
-                                                         attn_mask=mask[:, None, None, :])
+        out = nn.functional.scaled_dot_product_attention(
+            batched(q), batched(k), batched(v), attn_mask=mask[:, None, None, :]
+        )
         return out.transpose(1, 2).reshape(len(lengths), longest, heads * dim)[mask]
 
 
@@ -123,11 +138,18 @@ class BertModel(nn.Module):
     """The encoder: token states [tokens, hidden] of the prompts laid end to end."""
 
     # HF name part -> (ours, shard id): q/k/v are one matmul here; the rest are renamed
-    stacked_params = {"attention.self.query": ("attention.qkv_proj", "q"),
-                      "attention.self.key": ("attention.qkv_proj", "k"),
-                      "attention.self.value": ("attention.qkv_proj", "v")}
-    renamed = {"attention.output.dense": "attention.dense", "attention.output.LayerNorm": "attention.LayerNorm",
-               "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "output_norm"}
+    stacked_params = {
+        "attention.self.query": ("attention.qkv_proj", "q"),
+        "attention.self.key": ("attention.qkv_proj", "k"),
+        "attention.self.value": ("attention.qkv_proj", "v"),
+    }
+    renamed = {
+        "attention.output.dense": "attention.dense",
+        "attention.output.LayerNorm": "attention.LayerNorm",
+        "intermediate.dense": "intermediate",
+        "output.dense": "output",
+        "output.LayerNorm": "output_norm",
+    }
     # in BertModel checkpoints, never used for embeddings (sentence-transformers pools the token states)
     ignored_weights = ("embeddings.position_ids", "pooler.dense.weight", "pooler.dense.bias")
 

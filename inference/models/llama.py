@@ -3,6 +3,7 @@
 Differences between the families are config facts (attention bias for Qwen2, tied embeddings,
 RoPE theta and scaling), not separate code paths.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,12 +32,21 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None, parallel: ParallelConfig = SINGLE):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.attention_bias, dtype, linear_method, parallel)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.attention_bias,
+            dtype,
+            linear_method,
+            parallel,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, linear_method,
-                                        parallel)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, linear_method, parallel
+        )
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, cfg.head_dim, ops)
         self.ops = ops
 
@@ -54,8 +64,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops, dtype, linear_method=None, parallel: ParallelConfig = SINGLE):
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, dtype, linear_method,
-                                                       parallel)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [size, size], False, dtype, linear_method, parallel
+        )
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, dtype, linear_method, parallel)
         self.ops = ops
 
@@ -89,13 +100,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, ops, dtype, max_position: int, linear_method=None,
-                 parallel: ParallelConfig = SINGLE):
+    def __init__(
+        self, cfg: ModelConfig, ops, dtype, max_position: int, linear_method=None, parallel: ParallelConfig = SINGLE
+    ):
         super().__init__()
         self.cfg, self.parallel = cfg, parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, ops, dtype, linear_method, parallel)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ops, dtype, linear_method, parallel) for _ in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, parallel)
         if cfg.tie_word_embeddings:

@@ -9,6 +9,7 @@
 Only the decoder's linear layers are quantized; embeddings, the LM head and norms stay in the
 model dtype (as GPTQ and AWQ checkpoints store them).
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,7 +21,10 @@ from inference.quantization.gptq import GPTQLinearMethod
 from inference.quantization.int8 import Int8LinearMethod
 
 QUANTIZATIONS = ("int8", "gptq", "awq")
-CHECKPOINT_FORMATS: dict[str, type[GPTQLinearMethod] | type[AWQLinearMethod]] = {"gptq": GPTQLinearMethod, "awq": AWQLinearMethod}
+CHECKPOINT_FORMATS: dict[str, type[GPTQLinearMethod] | type[AWQLinearMethod]] = {
+    "gptq": GPTQLinearMethod,
+    "awq": AWQLinearMethod,
+}
 
 
 WEIGHT_FORMATS = ("auto", "packed", "float32", "bfloat16")
@@ -36,11 +40,14 @@ def keeps_gguf_blocks(model_config, engine_args) -> bool:
     on_cpu = engine_args.device == "cpu" or (engine_args.device == "auto" and not torch.cuda.is_available())
     if weights == "packed":
         if not gguf_file or not on_cpu or engine_args.quantization is not None:
-            raise ValueError("weights='packed' needs a GGUF file on CPU (and no quantization=); "
-                             f"got {model_config.path} on {engine_args.device}")
+            raise ValueError(
+                "weights='packed' needs a GGUF file on CPU (and no quantization=); "
+                f"got {model_config.path} on {engine_args.device}"
+            )
         return True
-    return weights == "auto" and gguf_file and on_cpu and engine_args.dtype == "auto" \
-        and engine_args.quantization is None
+    return (
+        weights == "auto" and gguf_file and on_cpu and engine_args.dtype == "auto" and engine_args.quantization is None
+    )
 
 
 def get_linear_method(model_config, engine_args):
@@ -61,8 +68,10 @@ def get_linear_method(model_config, engine_args):
             raise ValueError(f"quantization={asked!r} but {model_config.path}/config.json has no quantization_config")
         return None
     if found not in CHECKPOINT_FORMATS:
-        raise ValueError(f"unsupported quant_method {found!r} in {model_config.path}/config.json; "
-                         f"supported: {', '.join(CHECKPOINT_FORMATS)}")
+        raise ValueError(
+            f"unsupported quant_method {found!r} in {model_config.path}/config.json; "
+            f"supported: {', '.join(CHECKPOINT_FORMATS)}"
+        )
     if asked is not None and asked != found:
         raise ValueError(f"quantization={asked!r} but the checkpoint in {model_config.path} is {found!r}")
     return CHECKPOINT_FORMATS[found].from_config(qcfg)

@@ -2,6 +2,7 @@
 kernels/quant_ref.py. Groups always follow the inputs in order, so row-parallel shards split the
 scales and zeros with the inputs.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,6 +6,7 @@ loader path reads them as it reads AutoGPTQ / AutoAWQ output.
 
     python -m inference.quantization.export SRC DST --format gptq --group-size 128 [--desc-act]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,13 +54,20 @@ def input_site(prefix: str) -> int:
 
 def quantization_config(fmt: str, group_size: int, desc_act: bool) -> dict:
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": desc_act,
-                "sym": True, "checkpoint_format": "gptq"}
+        return {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": group_size,
+            "desc_act": desc_act,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        }
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
 
-def write_quantized_folder(src: str | Path, dst: str | Path, fmt: str = "gptq", group_size: int = 128,
-                           desc_act: bool = False) -> Path:
+def write_quantized_folder(
+    src: str | Path, dst: str | Path, fmt: str = "gptq", group_size: int = 128, desc_act: bool = False
+) -> Path:
     """Copy an HF folder to dst with its linear layers in `fmt` ("gptq" or "awq")."""
     if fmt not in ("gptq", "awq"):
         raise ValueError(f"format must be gptq or awq, got {fmt!r}")
@@ -71,8 +79,9 @@ def write_quantized_folder(src: str | Path, dst: str | Path, fmt: str = "gptq", 
     for file in sorted(src.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             tensors.update({name: f.get_tensor(name) for name in f.keys()})
-    save_file(quantize_tensors(tensors, fmt, group_size, desc_act), str(dst / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        quantize_tensors(tensors, fmt, group_size, desc_act), str(dst / "model.safetensors"), metadata={"format": "pt"}
+    )
     for file in src.iterdir():
         if file.is_file() and not file.name.startswith("model") and file.name != "config.json":
             shutil.copy(file, dst / file.name)

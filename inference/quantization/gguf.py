@@ -10,6 +10,7 @@ output.
 Types without a kernel (the IQ*, TQ* and *FP4 families) are converted at load to Q8_0, the smallest
 kernel type that holds their values without a second rounding of note (8 bits against their 1.5-4.5).
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,8 +49,10 @@ def from_gguf_array(kind: str, data, in_features: int) -> PackedTensor:
         from gguf.quants import dequantize, quantize
 
         values = dequantize(np.asarray(data), GGMLQuantizationType[kind])
-        data, kind = quantize(np.ascontiguousarray(values, dtype=np.float32), GGMLQuantizationType[REPACK_TYPE]), \
-            REPACK_TYPE
+        data, kind = (
+            quantize(np.ascontiguousarray(values, dtype=np.float32), GGMLQuantizationType[REPACK_TYPE]),
+            REPACK_TYPE,
+        )
     return PackedTensor(kind, torch.from_numpy(np.array(data, dtype=np.uint8)), in_features)
 
 
@@ -70,8 +73,9 @@ class GGUFLinearMethod:
     # `layer` is a LinearBase that this method gives attributes of its own (gguf_shards, segments, ...)
     def create_weights(self, layer: Any, in_features: int, out_features: int, dtype) -> None:
         if layer.parallel.size > 1:
-            raise ValueError("packed GGUF weights run on one rank; use weights='bfloat16' or 'float32' "
-                             "with tensor_parallel_size > 1")
+            raise ValueError(
+                "packed GGUF weights run on one rank; use weights='bfloat16' or 'float32' with tensor_parallel_size > 1"
+            )
         empty = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # until loaded
         layer.weight = with_loader(empty, functools.partial(self.load_weight, layer))
         layer.gguf_shards, layer.segments, layer.compute_dtype = {}, [], dtype
@@ -79,8 +83,9 @@ class GGUFLinearMethod:
     @staticmethod
     def load_weight(layer: Any, param, loaded, shard_id=None) -> None:
         if loaded.shape[1] != layer.in_features:
-            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a layer of "
-                             f"{layer.in_features} inputs")
+            raise ValueError(
+                f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a layer of {layer.in_features} inputs"
+            )
         layer.gguf_shards[shard_id] = loaded
 
     def process_weights_after_loading(self, layer: Any) -> None:
@@ -104,8 +109,8 @@ class GGUFLinearMethod:
             return segment_linear(layer, segments[0], x, bias)
         out = x.new_empty(x.shape[0], layer.out_features)
         for seg in segments:
-            part = None if bias is None else bias[seg.start:seg.start + seg.rows]
-            segment_linear(layer, seg, x, part, out[:, seg.start:seg.start + seg.rows])
+            part = None if bias is None else bias[seg.start : seg.start + seg.rows]
+            segment_linear(layer, seg, x, part, out[:, seg.start : seg.start + seg.rows])
         return out
 
 

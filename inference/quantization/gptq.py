@@ -5,6 +5,7 @@ through g_idx; the kernels look groups up through g_idx, so no reordering is nee
 shards of an act-order layer keep all the groups' scales and zeros (a rank's inputs may belong to
 any group); otherwise scales and zeros are split with the inputs.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,16 +52,19 @@ class GPTQLinearMethod:
         before = param.data.clone() if getattr(layer, "g_idx_loaded", False) else None
         layer.weight_loader(param, loaded, shard_id)
         if before is not None and not torch.equal(before, param.data):
-            raise ValueError("act-order g_idx differs between projections merged into one layer "
-                             f"({type(layer).__name__}); the checkpoint cannot be merged")
+            raise ValueError(
+                "act-order g_idx differs between projections merged into one layer "
+                f"({type(layer).__name__}); the checkpoint cannot be merged"
+            )
         layer.g_idx_loaded = True
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if use_triton(x):
             from kernels.dequant_gemm import dequant_gemm
 
-            return dequant_gemm(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, "gptq",
-                                self.zero_offset, bias)
+            return dequant_gemm(
+                x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, "gptq", self.zero_offset, bias
+            )
         return gptq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, bias, self.zero_offset)
 
     def process_weights_after_loading(self, layer: Any) -> None:

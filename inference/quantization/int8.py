@@ -4,6 +4,7 @@ Each checkpoint tensor is quantized as it arrives (before this rank's slice is c
 copy of the model never exists at once and the scales equal the single-device ones: a scale only
 depends on its own output row, and row-parallel layers keep every row's whole-row scale.
 """
+
 from __future__ import annotations
 
 import functools

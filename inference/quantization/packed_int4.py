@@ -5,6 +5,7 @@ Parameter shapes are this rank's; every parameter says where its output and inpu
 shards of packed tensors exactly as it cuts float ones. The product runs the Triton
 dequantize-GEMM on CUDA and the torch reference (dequantize, then matmul) elsewhere.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -27,8 +28,7 @@ def bind_loaders(layer: Any, names) -> None:
         getattr(layer, name).weight_loader = layer.weight_loader
 
 
-def group_layout(layer: Any, in_features: int, group_size: int,
-                 replicate_groups: bool) -> tuple[int, int, bool]:
+def group_layout(layer: Any, in_features: int, group_size: int, replicate_groups: bool) -> tuple[int, int, bool]:
     """(group size, number of groups held, whether groups are split with the input features).
 
     A row-parallel layer holds in_features / tp of the inputs; its groups split with them unless
@@ -40,11 +40,15 @@ def group_layout(layer: Any, in_features: int, group_size: int,
     full_in = in_features * tp_size if row else in_features
     group = full_in if group_size == -1 else group_size
     if in_features % PACK or layer.out_features % PACK:
-        raise ValueError(f"int4 layers need in/out features divisible by {PACK}; got {in_features}x{layer.out_features}")
+        raise ValueError(
+            f"int4 layers need in/out features divisible by {PACK}; got {in_features}x{layer.out_features}"
+        )
     split = row and tp_size > 1 and not replicate_groups and group_size != -1
     if split and in_features % group:
-        raise ValueError(f"group_size {group} does not divide the {in_features} input features per rank of "
-                         f"{type(layer).__name__}; use a tensor_parallel_size that keeps whole groups")
+        raise ValueError(
+            f"group_size {group} does not divide the {in_features} input features per rank of "
+            f"{type(layer).__name__}; use a tensor_parallel_size that keeps whole groups"
+        )
     groups = in_features // group if split else -(-full_in // group)
     return group, groups, split
 

@@ -1,5 +1,6 @@
 """Speculative decoding: proposers behind one interface (n-gram prompt lookup, a draft model), the
 policy that picks k per step (speculator.py) and the verification (rejection_sampler.py)."""
+
 from __future__ import annotations
 
 from inference.spec_decode.config import SpeculativeConfig

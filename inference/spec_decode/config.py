@@ -2,6 +2,7 @@
 
 Given as a dict or a JSON string; every bad value is a start-up error that names its field.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,10 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not _is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 32:
-            raise ValueError("speculative_config.num_speculative_tokens must be an integer in [1, 32], "
-                             f"got {self.num_speculative_tokens!r}")
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be an integer in [1, 32], "
+                f"got {self.num_speculative_tokens!r}"
+            )
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):

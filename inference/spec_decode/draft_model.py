@@ -12,6 +12,7 @@ A draft forward that raises is retried one sequence at a time, so only the seque
 forward fails lose their proposals (their requests fail with the draft model named); the rest
 speculate as usual.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,14 +59,19 @@ class DraftModelProposer:
         draft_config = ModelConfig.from_path(config.model)
         target_vocab = engine.model_config.vocab_size
         if draft_config.vocab_size != target_vocab:
-            raise ValueError(f"speculative_config.model {config.model}: vocab_size {draft_config.vocab_size} differs "
-                             f"from the target's {target_vocab} (a draft model needs the target's tokenizer)")
+            raise ValueError(
+                f"speculative_config.model {config.model}: vocab_size {draft_config.vocab_size} differs "
+                f"from the target's {target_vocab} (a draft model needs the target's tokenizer)"
+            )
         if draft_config.max_position_embeddings < engine.max_model_len:
-            raise ValueError(f"speculative_config.model {config.model}: {draft_config.max_position_embeddings} "
-                             f"positions, fewer than max_model_len {engine.max_model_len}")
+            raise ValueError(
+                f"speculative_config.model {config.model}: {draft_config.max_position_embeddings} "
+                f"positions, fewer than max_model_len {engine.max_model_len}"
+            )
         draft_args = dataclasses.replace(args, model=config.model, quantization=None, tensor_parallel_size=1)
-        self.model = load_model(draft_args, draft_config, engine.ops, engine.dtype, engine.device,
-                                engine.max_model_len, progress=False)
+        self.model = load_model(
+            draft_args, draft_config, engine.ops, engine.dtype, engine.device, engine.max_model_len, progress=False
+        )
         num_blocks = engine.memory["num_kv_blocks"]  # as many as the target: the draft's are smaller
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, args.block_size, num_blocks, engine.dtype, engine.device)

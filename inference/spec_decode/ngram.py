@@ -5,6 +5,7 @@ prompt + output; at the most recent earlier occurrence, the up to k tokens that 
 the proposal. Summaries, answers from a passage and code edits copy long runs of their input,
 which is where this pays.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,9 +30,9 @@ def ngram_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[in
     ids = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         # windows that start at 0 .. length - n - 1: each has a following token, and none is the suffix itself
-        windows = sliding_window_view(ids[:length - 1], n)
-        hits = np.flatnonzero((windows == ids[length - n:]).all(axis=1))
+        windows = sliding_window_view(ids[: length - 1], n)
+        hits = np.flatnonzero((windows == ids[length - n :]).all(axis=1))
         if hits.size:
             start = int(hits[-1]) + n
-            return tokens[start:start + k]
+            return tokens[start : start + k]
     return []

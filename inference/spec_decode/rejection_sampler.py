@@ -19,6 +19,7 @@ the noise of each emitted token is the noise that position would get without spe
 generator is advanced once per emitted token), a seeded request gives the same tokens with
 speculation on or off, whatever else is in the batch and whatever k was.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,7 @@ class RejectionSampler:
         processed, raw_logprobs = self.sampler.process(logits, rows)
         if seq.params.greedy:
             targets = first_max_index(processed).tolist()
-            tokens = targets[:num_accepted(targets, drafts) + 1]
+            tokens = targets[: num_accepted(targets, drafts) + 1]
         else:
             probs = self.sampler.probabilities(processed, [seq.params] * len(rows))
             tokens = []
@@ -46,7 +47,7 @@ class RejectionSampler:
                 tokens.append(self.sampler.draw(probs[row], seq.generator))
                 if tokens[-1] != draft:
                     break
-        return tokens, self.sampler.logprob_entries(raw_logprobs, tokens, rows[:len(tokens)])
+        return tokens, self.sampler.logprob_entries(raw_logprobs, tokens, rows[: len(tokens)])
 
 
 def num_accepted(targets: list[int], drafts: list[int]) -> int:

@@ -12,6 +12,7 @@ k is the one with the best speed-up, and 0 (plain decoding) when no k beats 1: a
 at plain-decoding speed. The acceptance rate is measured per sequence (decayed, so it follows the
 text); a sequence at k = 0 drifts back to the prior and tries again later.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -62,12 +63,17 @@ def may_speculate(seq: Request) -> bool:
     penalties and bad_words (they read the output so far), structured outputs (the grammar's state),
     min_tokens not yet reached (masking that changes per position), and an opt-out."""
     params = seq.params
-    return (params.speculative and not params.uses_penalties and not params.bad_words_token_ids
-            and seq.grammar is None and seq.num_output_tokens >= params.min_tokens)
+    return (
+        params.speculative
+        and not params.uses_penalties
+        and not params.bad_words_token_ids
+        and seq.grammar is None
+        and seq.num_output_tokens >= params.min_tokens
+    )
 
 
 def expected_speedup(k: int, acceptance: float, batch_size: int, cost_per_token: float = COST_PER_TOKEN) -> float:
-    tokens = sum(acceptance ** j for j in range(k + 1))
+    tokens = sum(acceptance**j for j in range(k + 1))
     return tokens * step_cost(batch_size, cost_per_token) / step_cost(batch_size * (1 + k), cost_per_token)
 
 
@@ -85,8 +91,14 @@ def best_k(max_k: int, acceptance: float, batch_size: int) -> int:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, sampler: Sampler, metrics: EngineMetrics,
-                 max_model_len: int):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        sampler: Sampler,
+        metrics: EngineMetrics,
+        max_model_len: int,
+    ):
         self.config, self.proposer, self.metrics = config, proposer, metrics
         self.verify_rows = RejectionSampler(sampler)
         self.max_model_len = max_model_len

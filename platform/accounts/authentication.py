@@ -1,4 +1,5 @@
 """DRF authentication by `Authorization: Bearer <api key>` (for DRF views under /v1)."""
+
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import authentication, exceptions
 

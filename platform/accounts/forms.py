@@ -40,8 +40,9 @@ class ThrottledLogin:
         except redis.RedisError:  # attempts cannot be counted: fail closed, with a reason, not a 500
             raise forms.ValidationError(self.throttle_messages["unavailable"], code="unavailable") from None
         if wait:
-            raise forms.ValidationError(self.throttle_messages["throttled"], code="throttled",
-                                        params={"minutes": -(-wait // 60)})
+            raise forms.ValidationError(
+                self.throttle_messages["throttled"], code="throttled", params={"minutes": -(-wait // 60)}
+            )
         try:
             cleaned = super().clean()
         except forms.ValidationError:
@@ -70,4 +71,8 @@ class ApiKeyForm(forms.Form):
     name = forms.CharField(max_length=100, required=False, help_text="A label to recognise the key by.")
     expires_in_days = forms.TypedChoiceField(
         choices=[("", "Never"), ("7", "7 days"), ("30", "30 days"), ("90", "90 days"), ("365", "1 year")],
-        coerce=int, empty_value=None, required=False, label="Expires")
+        coerce=int,
+        empty_value=None,
+        required=False,
+        label="Expires",
+    )

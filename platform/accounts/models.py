@@ -1,4 +1,5 @@
 """API keys. Users are Django's default auth.User; the raw key is shown once and stored only hashed."""
+
 from django.conf import settings
 from django.db import models
 from django.utils import timezone

@@ -1,4 +1,5 @@
 """Reads for API keys."""
+
 from django.db.models import QuerySet
 
 from .models import ApiKey

@@ -1,4 +1,5 @@
 """Writes for API keys: create (the raw key is returned once), authenticate, revoke."""
+
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +22,9 @@ def hash_key(raw: str) -> str:
 def create_api_key(user, name: str = "", expires_at=None) -> tuple[ApiKey, str]:
     """Create a key for `user`; returns (ApiKey, raw key). The raw key is never stored."""
     raw = KEY_PREFIX + secrets.token_urlsafe(32)
-    key = ApiKey.objects.create(user=user, name=name, prefix=raw[:PREFIX_LENGTH], hashed_key=hash_key(raw),
-                                expires_at=expires_at)
+    key = ApiKey.objects.create(
+        user=user, name=name, prefix=raw[:PREFIX_LENGTH], hashed_key=hash_key(raw), expires_at=expires_at
+    )
     return key, raw
 
 

@@ -11,6 +11,7 @@ keeps its way in, so neither counter can lock a user out from where they usually
 lock an attacker can still cause is for a victim behind the attacker's own address (a shared NAT),
 and only after failing the victim's username there LOGIN_ATTEMPTS_PER_15_MIN times.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,8 +55,10 @@ def is_locked(username: str, address: str) -> int:
     r = connections.sync_redis()
     limits = [(_pair_key(username, address), settings.LOGIN_ATTEMPTS_PER_15_MIN)]
     if not r.exists(_known_key(username, address)):
-        limits += [(_user_key(username), settings.LOGIN_FAILURES_PER_USERNAME),
-                   (_address_key(address), settings.LOGIN_FAILURES_PER_ADDRESS)]
+        limits += [
+            (_user_key(username), settings.LOGIN_FAILURES_PER_USERNAME),
+            (_address_key(address), settings.LOGIN_FAILURES_PER_ADDRESS),
+        ]
     for key, limit in limits:
         if int(r.get(key) or 0) >= limit:
             return max(1, r.ttl(key))

@@ -1,4 +1,5 @@
 """Account pages: sign up, log in (throttled), log out, password change, API keys."""
+
 from __future__ import annotations
 
 from datetime import timedelta

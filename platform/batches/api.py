@@ -1,4 +1,5 @@
 """/v1/files and /v1/batches in OpenAI's shapes (thin: parse, call a service or selector, present)."""
+
 from __future__ import annotations
 
 from django.http import HttpResponse
@@ -16,12 +17,21 @@ from openai_api.errors import drf_exception_handler
 from openai_api.serializers import ErrorSerializer
 
 from . import presenters, selectors, services
-from .serializers import (BatchCreateSerializer, BatchListSerializer, BatchSerializer, FileDeletedSerializer,
-                          FileListSerializer, FileSerializer, FileUploadSerializer)
+from .serializers import (
+    BatchCreateSerializer,
+    BatchListSerializer,
+    BatchSerializer,
+    FileDeletedSerializer,
+    FileListSerializer,
+    FileSerializer,
+    FileUploadSerializer,
+)
 
 ERRORS = {400: ErrorSerializer, 401: ErrorSerializer, 404: ErrorSerializer}
-PAGE_PARAMS = [OpenApiParameter("after", str, description="cursor: the id of the last object of the previous page"),
-               OpenApiParameter("limit", int, description="1..100, default 20")]
+PAGE_PARAMS = [
+    OpenApiParameter("after", str, description="cursor: the id of the last object of the previous page"),
+    OpenApiParameter("limit", int, description="1..100, default 20"),
+]
 
 
 class JSONRegardlessOfAccept(BaseContentNegotiation):
@@ -55,26 +65,34 @@ class V1View(APIView):
 class FilesView(V1View):
     parser_classes = [MultiPartParser, FormParser, JSONParser]
 
-    @extend_schema(operation_id="listFiles", parameters=PAGE_PARAMS + [
-        OpenApiParameter("purpose", str), OpenApiParameter("order", str, enum=["asc", "desc"])],
-        responses={200: FileListSerializer, **ERRORS})
+    @extend_schema(
+        operation_id="listFiles",
+        parameters=PAGE_PARAMS
+        + [OpenApiParameter("purpose", str), OpenApiParameter("order", str, enum=["asc", "desc"])],
+        responses={200: FileListSerializer, **ERRORS},
+    )
     def get(self, request):
         files, has_more = selectors.files_page(
-            request.user, purpose=request.query_params.get("purpose") or None,
+            request.user,
+            purpose=request.query_params.get("purpose") or None,
             after=request.query_params.get("after") or None,
             limit=selectors.page_limit(request.query_params.get("limit"), default=10000, maximum=10000),
-            order=request.query_params.get("order", "desc"))
+            order=request.query_params.get("order", "desc"),
+        )
         return Response(presenters.list_object([presenters.file_object(f) for f in files], has_more))
 
-    @extend_schema(operation_id="createFile", request={"multipart/form-data": FileUploadSerializer},
-                   responses={200: FileSerializer, **ERRORS})
+    @extend_schema(
+        operation_id="createFile",
+        request={"multipart/form-data": FileUploadSerializer},
+        responses={200: FileSerializer, **ERRORS},
+    )
     def post(self, request):
         upload = request.FILES.get("file")
         if upload is None:
-            raise InvalidRequest("Missing the multipart field 'file'.", code="missing_required_parameter",
-                              param="file")
-        file = services.upload_file(request.user, content=upload.read(), filename=upload.name,
-                                    purpose=request.data.get("purpose", ""))
+            raise InvalidRequest("Missing the multipart field 'file'.", code="missing_required_parameter", param="file")
+        file = services.upload_file(
+            request.user, content=upload.read(), filename=upload.name, purpose=request.data.get("purpose", "")
+        )
         return Response(presenters.file_object(file))
 
 
@@ -90,8 +108,9 @@ class FileView(V1View):
 
 
 class FileContentView(V1View):
-    @extend_schema(operation_id="downloadFile", responses={(200, "application/octet-stream"): OpenApiTypes.BINARY,
-                                                            **ERRORS})
+    @extend_schema(
+        operation_id="downloadFile", responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **ERRORS}
+    )
     def get(self, request, file_id: str):
         file = selectors.get_file(request.user, file_id)
         return file_download(file)
@@ -108,17 +127,25 @@ class BatchesView(V1View):
 
     @extend_schema(operation_id="listBatches", parameters=PAGE_PARAMS, responses={200: BatchListSerializer, **ERRORS})
     def get(self, request):
-        batches, has_more = selectors.batches_page(request.user, after=request.query_params.get("after") or None,
-                                                   limit=selectors.page_limit(request.query_params.get("limit")))
+        batches, has_more = selectors.batches_page(
+            request.user,
+            after=request.query_params.get("after") or None,
+            limit=selectors.page_limit(request.query_params.get("limit")),
+        )
         return Response(presenters.list_object([presenters.batch_object(b) for b in batches], has_more))
 
-    @extend_schema(operation_id="createBatch", request=BatchCreateSerializer,
-                   responses={200: BatchSerializer, **ERRORS})
+    @extend_schema(
+        operation_id="createBatch", request=BatchCreateSerializer, responses={200: BatchSerializer, **ERRORS}
+    )
     def post(self, request):
         body = self.json_body(request)
-        batch = services.create_batch(request.user, input_file_id=body.get("input_file_id"),
-                                      endpoint=body.get("endpoint"), completion_window=body.get("completion_window"),
-                                      metadata=body.get("metadata"))
+        batch = services.create_batch(
+            request.user,
+            input_file_id=body.get("input_file_id"),
+            endpoint=body.get("endpoint"),
+            completion_window=body.get("completion_window"),
+            metadata=body.get("metadata"),
+        )
         return Response(presenters.batch_object(batch))
 
 

@@ -9,6 +9,7 @@ generation result). Liveness is the engine client's own verdict (engine_client.c
 once a second for all lines: "worker_lost", "no_worker" (no live worker serves the line's model)
 and "timeout"; the last two are aborted, so they never run later.
 """
+
 from __future__ import annotations
 
 import time
@@ -49,8 +50,11 @@ class Collector:
         pipe = client.r.pipeline(transaction=False)
         for request_id in ids:
             pipe.xrevrange(protocol.output_stream(request_id), count=1)
-        ended = [rid for rid, last in zip(ids, pipe.execute())
-                 if any(e.get("type") in protocol.TERMINAL_EVENTS for _id, f in last for e in protocol.events_of(f))]
+        ended = [
+            rid
+            for rid, last in zip(ids, pipe.execute())
+            if any(e.get("type") in protocol.TERMINAL_EVENTS for _id, f in last for e in protocol.events_of(f))
+        ]
         done = [self._result(client, rid) for rid in ended]
         if time.monotonic() - self.last_liveness >= LIVENESS_EVERY_S:
             self.last_liveness = time.monotonic()

@@ -1,4 +1,5 @@
 """Batch limits and tuning, each overridable in settings (names below) or the environment."""
+
 import json
 import os
 

@@ -1,4 +1,5 @@
 """Live progress of one batch: the page subscribes to the batch's group and gets coarse updates."""
+
 from __future__ import annotations
 
 from channels.db import database_sync_to_async

@@ -5,6 +5,7 @@ A batch line and the same request sent to /v1/chat/completions give the same eng
 the same response body. The runner admits, submits and finishes each line's generation through
 the generation service; this module shapes what comes back.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ class LineOutcome:
 
 
 # ---------------------------------------------------------------- validation
+
 
 def model_problem_for(user):
     """check_model for validation: the model must be served and in the user's plan."""
@@ -67,6 +69,7 @@ def body_checker_for(user):
 
 
 # ---------------------------------------------------------------- building and shaping
+
 
 def build_call(url: str, body: dict, *, user=None, models: dict | None = None):
     """The ApiCall (an EmbeddingCall for /v1/embeddings) the live endpoint would build

@@ -6,6 +6,7 @@ redelivered or restarted runner can never record a line twice.
 File contents live in the database (not on a local disk) so the web tier and the Celery
 workers share them in every deployment without a shared volume.
 """
+
 import secrets
 
 from django.conf import settings

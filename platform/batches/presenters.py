@@ -1,4 +1,5 @@
 """Model -> the exact JSON objects of OpenAI's Files and Batches APIs."""
+
 from __future__ import annotations
 
 from datetime import datetime

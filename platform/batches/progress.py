@@ -1,5 +1,6 @@
 """Coarse batch progress over a Channels group (one event per status change or at most every
 BATCH_PROGRESS_INTERVAL seconds while lines finish; never per token)."""
+
 from __future__ import annotations
 
 import logging

@@ -9,6 +9,7 @@ After a crash the next lease holder re-attaches to the lines the dead runner lef
 engine output streams are still in Redis), so a line that was already generated is not generated
 again; a line whose stream is gone is aborted (so a queued copy never runs) and requeued.
 """
+
 from __future__ import annotations
 
 import logging
@@ -216,8 +217,11 @@ class BatchRunner:
             self.collect()
         status = BatchLine.Status.CANCELLED if ending == Batch.Status.CANCELLED else BatchLine.Status.EXPIRED
         code = "batch_cancelled" if ending == Batch.Status.CANCELLED else "batch_expired"
-        message = ("The batch was cancelled before this request ran." if ending == Batch.Status.CANCELLED
-                   else "This request could not be executed before the completion window expired.")
+        message = (
+            "The batch was cancelled before this request ran."
+            if ending == Batch.Status.CANCELLED
+            else "This request could not be executed before the completion window expired."
+        )
         for line in services.orphaned_lines(self.batch_id):
             release_reservation(line)
         services.close_unfinished_lines(self.batch_id, status, code, message)
@@ -267,8 +271,9 @@ class BatchRunner:
 
 def budget_spent_reason(spent: QuotaExceeded) -> str:
     which = "daily" if spent.limit == "tokens_per_day" else "monthly"
-    return (f"Paused: the {which} token budget is spent; the batch resumes when it resets "
-            f"(in about {spent.retry_after}s).")
+    return (
+        f"Paused: the {which} token budget is spent; the batch resumes when it resets (in about {spent.retry_after}s)."
+    )
 
 
 def release_reservation(line: BatchLine) -> None:
@@ -281,4 +286,3 @@ def run_batch(batch_id: int) -> str:
     if not Batch.objects.filter(pk=batch_id).exists():
         return "missing"
     return BatchRunner(batch_id).run()
-

@@ -1,4 +1,5 @@
 """Reads: a user's files and batches (another user's objects are simply not found), pages, due work."""
+
 from __future__ import annotations
 
 from datetime import datetime
@@ -50,8 +51,9 @@ def _cursor_page(qs: QuerySet, after: str | None, limit: int, descending: bool) 
     return items[:limit], len(items) > limit
 
 
-def files_page(user, *, purpose: str | None = None, after: str | None = None, limit: int = 20,
-               order: str = "desc") -> tuple[list[File], bool]:
+def files_page(
+    user, *, purpose: str | None = None, after: str | None = None, limit: int = 20, order: str = "desc"
+) -> tuple[list[File], bool]:
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be 'asc' or 'desc'.", code="invalid_value", param="order")
     qs = File.objects.filter(user=user).defer("content")
@@ -66,8 +68,11 @@ def batches_page(user, *, after: str | None = None, limit: int = 20) -> tuple[li
 
 
 def recent_batches(user, limit: int = 50) -> list[Batch]:
-    return list(Batch.objects.filter(user=user).select_related("output_file", "error_file", "input_file")
-                .order_by("-pk")[:limit])
+    return list(
+        Batch.objects.filter(user=user)
+        .select_related("output_file", "error_file", "input_file")
+        .order_by("-pk")[:limit]
+    )
 
 
 def batch_files(user, limit: int = 50) -> list[File]:
@@ -75,8 +80,9 @@ def batch_files(user, limit: int = 50) -> list[File]:
 
 
 def pending_lines(batch_id: int, limit: int) -> list[BatchLine]:
-    return list(BatchLine.objects.filter(batch_id=batch_id, status=BatchLine.Status.PENDING)
-                .order_by("line_number")[:limit])
+    return list(
+        BatchLine.objects.filter(batch_id=batch_id, status=BatchLine.Status.PENDING).order_by("line_number")[:limit]
+    )
 
 
 def has_unfinished_lines(batch_id: int) -> bool:
@@ -84,28 +90,31 @@ def has_unfinished_lines(batch_id: int) -> bool:
 
 
 def finished_lines(batch_id: int, statuses) -> QuerySet:
-    return (BatchLine.objects.filter(batch_id=batch_id, status__in=statuses).order_by("line_number")
-            .only("line_number", "custom_id", "result_id", "response_status", "response_body", "error",
-                  "engine_request_id"))
+    return (
+        BatchLine.objects.filter(batch_id=batch_id, status__in=statuses)
+        .order_by("line_number")
+        .only("line_number", "custom_id", "result_id", "response_status", "response_body", "error", "engine_request_id")
+    )
 
 
 def stalled_batches(now: datetime) -> list[int]:
     """Unfinished batches whose runner is gone (no live lease) and that are not resting on a pause."""
-    live = Batch.objects.filter(status__in=[Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING,
-                                            Batch.Status.FINALIZING])
+    live = Batch.objects.filter(status__in=[Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING, Batch.Status.FINALIZING])
     free = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
     resting = Q(resume_after__gt=now) & Q(expires_at__gt=now)
     return list(live.filter(free).exclude(resting).values_list("pk", flat=True))
 
 
 def stuck_validations(older_than: datetime, now: datetime) -> list[int]:
-    return list(Batch.objects.filter(status=Batch.Status.VALIDATING, created_at__lt=older_than)
-                .exclude(resume_after__gt=now).values_list("pk", flat=True))
+    return list(
+        Batch.objects.filter(status=Batch.Status.VALIDATING, created_at__lt=older_than)
+        .exclude(resume_after__gt=now)
+        .values_list("pk", flat=True)
+    )
 
 
 def overdue_batches(now: datetime) -> list[int]:
-    return list(Batch.objects.filter(status=Batch.Status.VALIDATING, expires_at__lte=now)
-                .values_list("pk", flat=True))
+    return list(Batch.objects.filter(status=Batch.Status.VALIDATING, expires_at__lte=now).values_list("pk", flat=True))
 
 
 def expired_files(now: datetime) -> QuerySet:

@@ -1,4 +1,5 @@
 """Request validation and (for the OpenAPI schema) the response shapes of /v1/files and /v1/batches."""
+
 from rest_framework import serializers
 
 

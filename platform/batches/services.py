@@ -4,24 +4,24 @@ Celery tasks and the runner call these; every state change is a conditional UPDA
 status, so two processes racing on one batch (a redelivered task, the watchdog, a cancel) cannot
 both move it.
 """
+
 from __future__ import annotations
 
 import json
 import secrets
 from datetime import timedelta
 
+import redis
 from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-import redis
-
 from errors import Conflict, InvalidRequest, ServiceError
 
 from . import conf, progress, selectors
+from .models import Batch, BatchLine, File
 from .tasks import run_batch as run_batch_task
 from .tasks import validate_batch as validate_batch_task
-from .models import Batch, BatchLine, File
 from .validation import SUPPORTED_URLS, validate_jsonl
 
 UPLOAD_PURPOSES = ("batch",)
@@ -30,27 +30,41 @@ MAX_METADATA_KEYS = 16
 
 # ---------------------------------------------------------------- files
 
+
 def upload_file(user, *, content: bytes, filename: str, purpose: str) -> File:
     if purpose not in UPLOAD_PURPOSES:
-        raise InvalidRequest(f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}; got {purpose!r}.",
-                             code="invalid_value", param="purpose")
+        raise InvalidRequest(
+            f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}; got {purpose!r}.",
+            code="invalid_value",
+            param="purpose",
+        )
     limit = conf.get("BATCH_FILE_MAX_BYTES")
     if len(content) > limit:
-        raise InvalidRequest(f"The file is {len(content)} bytes; the limit is {limit}.",
-                             code="file_too_large", param="file")
+        raise InvalidRequest(
+            f"The file is {len(content)} bytes; the limit is {limit}.", code="file_too_large", param="file"
+        )
     if not content.strip():
         raise InvalidRequest("The file is empty.", code="empty_file", param="file")
     lines = content.count(b"\n") + (0 if content.endswith(b"\n") else 1)
     if lines > conf.get("BATCH_MAX_LINES"):
-        raise InvalidRequest(f"The file has {lines} lines; the limit is {conf.get('BATCH_MAX_LINES')}.",
-                             code="too_many_lines", param="file")
+        raise InvalidRequest(
+            f"The file has {lines} lines; the limit is {conf.get('BATCH_MAX_LINES')}.",
+            code="too_many_lines",
+            param="file",
+        )
     return _store_file(user, content, filename or "upload.jsonl", purpose)
 
 
 def _store_file(user, content: bytes, filename: str, purpose: str) -> File:
     retention = timedelta(days=conf.get("BATCH_FILE_RETENTION_DAYS"))
-    return File.objects.create(user=user, purpose=purpose, filename=filename[:255], bytes=len(content),
-                               content=content, expires_at=timezone.now() + retention)
+    return File.objects.create(
+        user=user,
+        purpose=purpose,
+        filename=filename[:255],
+        bytes=len(content),
+        content=content,
+        expires_at=timezone.now() + retention,
+    )
 
 
 def delete_file(user, file_id: str) -> str:
@@ -66,25 +80,37 @@ def delete_expired_files() -> int:
 
 # ---------------------------------------------------------------- creating and validating a batch
 
+
 def create_batch(user, *, input_file_id, endpoint, completion_window, metadata=None) -> Batch:
     if endpoint not in SUPPORTED_URLS:
-        raise InvalidRequest(f"endpoint must be one of {', '.join(SUPPORTED_URLS)}.", code="invalid_value",
-                             param="endpoint")
+        raise InvalidRequest(
+            f"endpoint must be one of {', '.join(SUPPORTED_URLS)}.", code="invalid_value", param="endpoint"
+        )
     windows = conf.get("BATCH_COMPLETION_WINDOWS")
     if completion_window not in windows:
-        raise InvalidRequest(f"completion_window must be one of {', '.join(windows)}.", code="invalid_value",
-                             param="completion_window")
+        raise InvalidRequest(
+            f"completion_window must be one of {', '.join(windows)}.", code="invalid_value", param="completion_window"
+        )
     check_metadata(metadata)
     if not isinstance(input_file_id, str) or not input_file_id:
         raise InvalidRequest("input_file_id is required.", code="missing_required_parameter", param="input_file_id")
     file = selectors.get_file(user, input_file_id)
     if file.purpose != File.Purpose.BATCH:
-        raise InvalidRequest(f"File {input_file_id} has purpose {file.purpose!r}, not 'batch'.",
-                             code="invalid_value", param="input_file_id")
+        raise InvalidRequest(
+            f"File {input_file_id} has purpose {file.purpose!r}, not 'batch'.",
+            code="invalid_value",
+            param="input_file_id",
+        )
     now = timezone.now()
-    batch = Batch.objects.create(user=user, input_file=file, input_file_public_id=file.public_id,
-                                 endpoint=endpoint, completion_window=completion_window, metadata=metadata,
-                                 expires_at=now + timedelta(seconds=windows[completion_window]))
+    batch = Batch.objects.create(
+        user=user,
+        input_file=file,
+        input_file_public_id=file.public_id,
+        endpoint=endpoint,
+        completion_window=completion_window,
+        metadata=metadata,
+        expires_at=now + timedelta(seconds=windows[completion_window]),
+    )
     _enqueue_or_undo(validate_batch_task, batch)
     return batch
 
@@ -98,19 +124,29 @@ def _enqueue_or_undo(task, batch: Batch) -> None:
         _enqueue_on_commit(task, batch.pk)
     except (OperationalError, redis.RedisError) as exc:
         Batch.objects.filter(pk=batch.pk).delete()
-        raise ServiceError(f"A backing service (Redis) is unavailable; try again shortly. ({exc})",
-                           status=503, code="redis_unavailable") from None
+        raise ServiceError(
+            f"A backing service (Redis) is unavailable; try again shortly. ({exc})",
+            status=503,
+            code="redis_unavailable",
+        ) from None
 
 
 def check_metadata(metadata) -> None:
     if metadata is None:
         return
-    ok = (isinstance(metadata, dict) and len(metadata) <= MAX_METADATA_KEYS
-          and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                  for k, v in metadata.items()))
+    ok = (
+        isinstance(metadata, dict)
+        and len(metadata) <= MAX_METADATA_KEYS
+        and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
+        )
+    )
     if not ok:
-        raise InvalidRequest("metadata must be an object of at most 16 string keys (<= 64 chars) "
-                             "and string values (<= 512 chars).", code="invalid_value", param="metadata")
+        raise InvalidRequest(
+            "metadata must be an object of at most 16 string keys (<= 64 chars) and string values (<= 512 chars).",
+            code="invalid_value",
+            param="metadata",
+        )
 
 
 def validate_batch(batch_id: int) -> None:
@@ -124,14 +160,27 @@ def validate_batch(batch_id: int) -> None:
     if batch.status != Batch.Status.VALIDATING:
         return  # already validated: a redelivered task does nothing
     if batch.input_file is None:
-        _fail(batch, [{"code": "file_not_found", "message": "The input file was deleted.",
-                       "param": "input_file_id", "line": None}])
+        _fail(
+            batch,
+            [
+                {
+                    "code": "file_not_found",
+                    "message": "The input file was deleted.",
+                    "param": "input_file_id",
+                    "line": None,
+                }
+            ],
+        )
         return
     from .lines import body_checker_for, model_problem_for  # the live endpoints' own checks
 
-    result = validate_jsonl(bytes(batch.input_file.content), batch.endpoint,
-                            check_model=model_problem_for(batch.user), check_body=body_checker_for(batch.user),
-                            max_lines=conf.get("BATCH_MAX_LINES"))
+    result = validate_jsonl(
+        bytes(batch.input_file.content),
+        batch.endpoint,
+        check_model=model_problem_for(batch.user),
+        check_body=body_checker_for(batch.user),
+        max_lines=conf.get("BATCH_MAX_LINES"),
+    )
     if not result.ok:
         _fail(batch, result.errors)
         return
@@ -141,7 +190,8 @@ def validate_batch(batch_id: int) -> None:
 def _fail(batch: Batch, errors: list[dict]) -> None:
     now = timezone.now()
     if Batch.objects.filter(pk=batch.pk, status=Batch.Status.VALIDATING).update(
-            status=Batch.Status.FAILED, errors=errors, failed_at=now):
+        status=Batch.Status.FAILED, errors=errors, failed_at=now
+    ):
         progress.push(batch.pk)
 
 
@@ -149,13 +199,25 @@ def _start(batch: Batch, lines) -> None:
     with transaction.atomic():
         now = timezone.now()
         moved = Batch.objects.filter(pk=batch.pk, status=Batch.Status.VALIDATING).update(
-            status=Batch.Status.IN_PROGRESS, in_progress_at=now, total=len(lines))
+            status=Batch.Status.IN_PROGRESS, in_progress_at=now, total=len(lines)
+        )
         if not moved:
             return
         BatchLine.objects.bulk_create(
-            [BatchLine(batch_id=batch.pk, line_number=ln.line_number, custom_id=ln.custom_id, method=ln.method,
-                       url=ln.url, body=ln.body) for ln in lines],
-            batch_size=500, ignore_conflicts=True)
+            [
+                BatchLine(
+                    batch_id=batch.pk,
+                    line_number=ln.line_number,
+                    custom_id=ln.custom_id,
+                    method=ln.method,
+                    url=ln.url,
+                    body=ln.body,
+                )
+                for ln in lines
+            ],
+            batch_size=500,
+            ignore_conflicts=True,
+        )
         _enqueue_on_commit(run_batch_task, batch.pk)
     progress.push(batch.pk)
 
@@ -163,7 +225,8 @@ def _start(batch: Batch, lines) -> None:
 def _finish_cancel_before_start(batch: Batch) -> None:
     now = timezone.now()
     if Batch.objects.filter(pk=batch.pk, status=Batch.Status.CANCELLING).update(
-            status=Batch.Status.CANCELLED, cancelled_at=now):
+        status=Batch.Status.CANCELLED, cancelled_at=now
+    ):
         progress.push(batch.pk)
 
 
@@ -174,6 +237,7 @@ def _enqueue_on_commit(task, batch_id: int) -> None:
 
 # ---------------------------------------------------------------- cancel
 
+
 def cancel_batch(user, batch_id: str) -> Batch:
     """in_progress/validating -> cancelling; the runner aborts in-flight lines and finalizes."""
     batch = selectors.get_batch(user, batch_id)
@@ -181,7 +245,8 @@ def cancel_batch(user, batch_id: str) -> Batch:
         return batch
     now = timezone.now()
     moved = Batch.objects.filter(pk=batch.pk, status__in=[Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS]).update(
-        status=Batch.Status.CANCELLING, cancelling_at=now)
+        status=Batch.Status.CANCELLING, cancelling_at=now
+    )
     if not moved:
         raise Conflict(f"Batch {batch_id} is {batch.status} and cannot be cancelled.", code="invalid_state")
     with transaction.atomic():
@@ -194,14 +259,19 @@ def cancel_batch(user, batch_id: str) -> Batch:
 
 # ---------------------------------------------------------------- the runner's writes
 
+
 def acquire_lease(batch_id: int, owner: str) -> bool:
     """Become the batch's only runner (the lease is free, expired, or already ours)."""
     now = timezone.now()
     until = now + timedelta(seconds=conf.get("BATCH_LEASE_SECONDS"))
-    free = Batch.objects.filter(pk=batch_id, status__in=[Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING,
-                                                         Batch.Status.FINALIZING])
-    return bool(free.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now) | Q(lease_owner=owner))
-                .update(lease_owner=owner, lease_until=until))
+    free = Batch.objects.filter(
+        pk=batch_id, status__in=[Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING, Batch.Status.FINALIZING]
+    )
+    return bool(
+        free.filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now) | Q(lease_owner=owner)).update(
+            lease_owner=owner, lease_until=until
+        )
+    )
 
 
 def renew_lease(batch_id: int, owner: str) -> bool:
@@ -219,16 +289,21 @@ def orphaned_lines(batch_id: int) -> list[BatchLine]:
 
 
 def requeue_line(line: BatchLine) -> bool:
-    return bool(BatchLine.objects.filter(pk=line.pk, status=BatchLine.Status.RUNNING,
-                                         engine_request_id=line.engine_request_id)
-                .update(status=BatchLine.Status.PENDING, reservation=None))
+    return bool(
+        BatchLine.objects.filter(
+            pk=line.pk, status=BatchLine.Status.RUNNING, engine_request_id=line.engine_request_id
+        ).update(status=BatchLine.Status.PENDING, reservation=None)
+    )
 
 
 def mark_line_running(line: BatchLine, engine_request_id: str, reservation: dict | None) -> bool:
     """pending -> running under a fresh engine request id (the only id whose result will be accepted)."""
     moved = BatchLine.objects.filter(pk=line.pk, status=BatchLine.Status.PENDING).update(
-        status=BatchLine.Status.RUNNING, engine_request_id=engine_request_id, reservation=reservation,
-        attempts=F("attempts") + 1)
+        status=BatchLine.Status.RUNNING,
+        engine_request_id=engine_request_id,
+        reservation=reservation,
+        attempts=F("attempts") + 1,
+    )
     if moved:
         line.status, line.engine_request_id, line.reservation = BatchLine.Status.RUNNING, engine_request_id, reservation
         line.attempts += 1
@@ -237,9 +312,9 @@ def mark_line_running(line: BatchLine, engine_request_id: str, reservation: dict
 
 def return_line_to_pending(line: BatchLine) -> None:
     """A line whose submission did not happen (quota pause, engine down) goes back to the queue."""
-    BatchLine.objects.filter(pk=line.pk, status=BatchLine.Status.RUNNING,
-                             engine_request_id=line.engine_request_id).update(
-        status=BatchLine.Status.PENDING, reservation=None)
+    BatchLine.objects.filter(
+        pk=line.pk, status=BatchLine.Status.RUNNING, engine_request_id=line.engine_request_id
+    ).update(status=BatchLine.Status.PENDING, reservation=None)
 
 
 def record_line_result(line: BatchLine, outcome) -> bool:
@@ -249,11 +324,17 @@ def record_line_result(line: BatchLine, outcome) -> bool:
     generation service calls this as its save, in the transaction that writes the usage row.
     """
     with transaction.atomic():
-        moved = BatchLine.objects.filter(pk=line.pk, status=BatchLine.Status.RUNNING,
-                                         engine_request_id=line.engine_request_id).update(
+        moved = BatchLine.objects.filter(
+            pk=line.pk, status=BatchLine.Status.RUNNING, engine_request_id=line.engine_request_id
+        ).update(
             status=BatchLine.Status.COMPLETED if outcome.ok else BatchLine.Status.FAILED,
-            result_id=f"batch_req_{secrets.token_hex(12)}", response_status=outcome.status_code,
-            response_body=outcome.body, error=outcome.error, finished_at=timezone.now(), reservation=None)
+            result_id=f"batch_req_{secrets.token_hex(12)}",
+            response_status=outcome.status_code,
+            response_body=outcome.body,
+            error=outcome.error,
+            finished_at=timezone.now(),
+            reservation=None,
+        )
         if not moved:
             return False
         usage = outcome.usage or {}
@@ -262,21 +343,29 @@ def record_line_result(line: BatchLine, outcome) -> bool:
             **{counter: F(counter) + 1},
             input_tokens=F("input_tokens") + usage.get("prompt_tokens", 0),
             output_tokens=F("output_tokens") + usage.get("completion_tokens", 0),
-            cached_tokens=F("cached_tokens") + usage.get("cached_tokens", 0))
+            cached_tokens=F("cached_tokens") + usage.get("cached_tokens", 0),
+        )
     return True
 
 
 def close_unfinished_lines(batch_id: int, status: str, code: str, message: str) -> int:
     """Lines that never ran get their final status (cancelled / expired) and an error for the error file."""
     return BatchLine.objects.filter(batch_id=batch_id, status__in=BatchLine.UNFINISHED).update(
-        status=status, error={"code": code, "message": message}, finished_at=timezone.now(),
-        result_id="", reservation=None)
+        status=status,
+        error={"code": code, "message": message},
+        finished_at=timezone.now(),
+        result_id="",
+        reservation=None,
+    )
 
 
 def set_paused(batch_id: int, reason: str, retry_after_s: int) -> None:
     resume = timezone.now() + timedelta(seconds=max(1, retry_after_s))
-    if Batch.objects.filter(pk=batch_id).exclude(paused_reason=reason).update(paused_reason=reason,
-                                                                              resume_after=resume):
+    if (
+        Batch.objects.filter(pk=batch_id)
+        .exclude(paused_reason=reason)
+        .update(paused_reason=reason, resume_after=resume)
+    ):
         progress.push(batch_id)
     else:
         Batch.objects.filter(pk=batch_id).update(resume_after=resume)
@@ -301,8 +390,11 @@ def begin_cancel_or_expiry(batch_id: int) -> str | None:
 
 # ---------------------------------------------------------------- finalizing
 
-FINAL_TIMESTAMPS = {Batch.Status.COMPLETED: "completed_at", Batch.Status.CANCELLED: "cancelled_at",
-                    Batch.Status.EXPIRED: "expired_at"}
+FINAL_TIMESTAMPS = {
+    Batch.Status.COMPLETED: "completed_at",
+    Batch.Status.CANCELLED: "cancelled_at",
+    Batch.Status.EXPIRED: "expired_at",
+}
 
 
 def finalize_batch(batch_id: int, final_status: str) -> None:
@@ -318,15 +410,25 @@ def finalize_batch(batch_id: int, final_status: str) -> None:
         progress.push(batch_id)
     # Read first, then write in one short transaction (SQLite: a reader that turns writer can be refused).
     output = _jsonl(output_line(line) for line in selectors.finished_lines(batch_id, [BatchLine.Status.COMPLETED]))
-    errors = _jsonl(error_line(line) for line in selectors.finished_lines(
-        batch_id, [BatchLine.Status.FAILED, BatchLine.Status.CANCELLED, BatchLine.Status.EXPIRED]))
+    errors = _jsonl(
+        error_line(line)
+        for line in selectors.finished_lines(
+            batch_id, [BatchLine.Status.FAILED, BatchLine.Status.CANCELLED, BatchLine.Status.EXPIRED]
+        )
+    )
     base = batch.public_id
     with transaction.atomic():
         output_file = _result_file(batch.user, output, f"{base}_output.jsonl")
         error_file = _result_file(batch.user, errors, f"{base}_error.jsonl")
         finished = Batch.objects.filter(pk=batch_id, status=writing).update(
-            status=final_status, output_file=output_file, error_file=error_file, paused_reason="",
-            lease_owner="", lease_until=None, **{FINAL_TIMESTAMPS[final_status]: timezone.now()})
+            status=final_status,
+            output_file=output_file,
+            error_file=error_file,
+            paused_reason="",
+            lease_owner="",
+            lease_until=None,
+            **{FINAL_TIMESTAMPS[final_status]: timezone.now()},
+        )
         if not finished:  # someone else finalized it meanwhile: keep theirs, drop these files
             transaction.set_rollback(True)
     progress.push(batch_id)
@@ -341,28 +443,43 @@ def _jsonl(rows) -> bytes:
 
 
 def output_line(line: BatchLine) -> dict:
-    return {"id": line.result_id, "custom_id": line.custom_id,
-            "response": {"status_code": line.response_status, "request_id": line.engine_request_id,
-                         "body": line.response_body},
-            "error": None}
+    return {
+        "id": line.result_id,
+        "custom_id": line.custom_id,
+        "response": {
+            "status_code": line.response_status,
+            "request_id": line.engine_request_id,
+            "body": line.response_body,
+        },
+        "error": None,
+    }
 
 
 def error_line(line: BatchLine) -> dict:
     response = None
     if line.response_status is not None:
-        response = {"status_code": line.response_status, "request_id": line.engine_request_id,
-                    "body": line.response_body}
-    return {"id": line.result_id or f"batch_req_{secrets.token_hex(12)}", "custom_id": line.custom_id,
-            "response": response, "error": line.error}
+        response = {
+            "status_code": line.response_status,
+            "request_id": line.engine_request_id,
+            "body": line.response_body,
+        }
+    return {
+        "id": line.result_id or f"batch_req_{secrets.token_hex(12)}",
+        "custom_id": line.custom_id,
+        "response": response,
+        "error": line.error,
+    }
 
 
 # ---------------------------------------------------------------- periodic work
+
 
 def batches_needing_a_runner() -> list[int]:
     """Unfinished batches with no live runner (crashed worker, lost task, pause over) and stuck validations."""
     now = timezone.now()
     return selectors.stalled_batches(now) + selectors.stuck_validations(
-        now - timedelta(seconds=max(60, conf.get("BATCH_LEASE_SECONDS") * 3)), now)
+        now - timedelta(seconds=max(60, conf.get("BATCH_LEASE_SECONDS") * 3)), now
+    )
 
 
 def expire_overdue_batches() -> list[int]:
@@ -373,7 +490,8 @@ def expire_overdue_batches() -> list[int]:
     expired = []
     for batch_id in selectors.overdue_batches(now):
         if Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING).update(
-                status=Batch.Status.EXPIRED, expired_at=now):
+            status=Batch.Status.EXPIRED, expired_at=now
+        ):
             expired.append(batch_id)
             progress.push(batch_id)
     return expired

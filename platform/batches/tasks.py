@@ -8,6 +8,7 @@ again is harmless (status checks, the runner lease, per-line conditional updates
 watchdog also restarts batches whose runner vanished, without waiting for the broker's
 visibility timeout.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """/v1/files, /v1/batches (OpenAI's API) and the Batches web pages; included at the site root."""
+
 from django.urls import path
 
 from . import api, views

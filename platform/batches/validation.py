@@ -3,6 +3,7 @@
 Pure functions (no database): the caller supplies what depends on the user and the deployment
 (which models they may use, and the endpoint's own body checks).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,8 +44,9 @@ def line_error(code: str, message: str, line: int | None, param: str | None = No
     return {"code": code, "message": message, "param": param, "line": line}
 
 
-def validate_jsonl(content: bytes, endpoint: str, *, check_model: ModelCheck, check_body: BodyCheck,
-                   max_lines: int) -> ValidationResult:
+def validate_jsonl(
+    content: bytes, endpoint: str, *, check_model: ModelCheck, check_body: BodyCheck, max_lines: int
+) -> ValidationResult:
     """Parse and check every line; a result with any error means the batch must not run at all."""
     result = ValidationResult()
     try:
@@ -57,14 +59,18 @@ def validate_jsonl(content: bytes, endpoint: str, *, check_model: ModelCheck, ch
         if not raw.strip():
             continue
         if len(result.lines) + len(result.errors) >= max_lines:
-            result.errors.append(line_error("too_many_lines", f"The input file has more than {max_lines} lines.",
-                                            number))
+            result.errors.append(
+                line_error("too_many_lines", f"The input file has more than {max_lines} lines.", number)
+            )
             break
         parsed, error = parse_line(raw, number, endpoint, check_model, check_body)
         if error is None and parsed.custom_id in seen:
-            error = line_error("duplicate_custom_id",
-                               f"custom_id {parsed.custom_id!r} also appears on line {seen[parsed.custom_id]}.",
-                               number, "custom_id")
+            error = line_error(
+                "duplicate_custom_id",
+                f"custom_id {parsed.custom_id!r} also appears on line {seen[parsed.custom_id]}.",
+                number,
+                "custom_id",
+            )
         if error is not None:
             if len(result.errors) < MAX_ERRORS_REPORTED:
                 result.errors.append(error)
@@ -76,8 +82,9 @@ def validate_jsonl(content: bytes, endpoint: str, *, check_model: ModelCheck, ch
     return result
 
 
-def parse_line(raw: str, number: int, endpoint: str, check_model: ModelCheck,
-               check_body: BodyCheck) -> tuple[ParsedLine | None, dict | None]:
+def parse_line(
+    raw: str, number: int, endpoint: str, check_model: ModelCheck, check_body: BodyCheck
+) -> tuple[ParsedLine | None, dict | None]:
     try:
         obj = http_guards.loads(raw)  # json.loads, refusing lone surrogates and deep nesting (ValueError)
     except ValueError as exc:
@@ -98,16 +105,18 @@ def check_envelope(obj: dict, number: int, endpoint: str) -> dict | None:
     if not isinstance(custom_id, str) or not custom_id:
         return line_error("invalid_custom_id", "custom_id must be a non-empty string.", number, "custom_id")
     if len(custom_id) > MAX_CUSTOM_ID_LENGTH:
-        return line_error("invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID_LENGTH} characters.",
-                          number, "custom_id")
+        return line_error(
+            "invalid_custom_id", f"custom_id is longer than {MAX_CUSTOM_ID_LENGTH} characters.", number, "custom_id"
+        )
     if obj.get("method") != "POST":
-        return line_error("invalid_method", "method must be \"POST\".", number, "method")
+        return line_error("invalid_method", 'method must be "POST".', number, "method")
     url = obj.get("url")
     if url not in SUPPORTED_URLS:
         return line_error("invalid_url", f"url must be one of {', '.join(SUPPORTED_URLS)}; got {url!r}.", number, "url")
     if url != endpoint:
-        return line_error("mismatched_endpoint", f"url {url!r} does not match the batch endpoint {endpoint!r}.",
-                          number, "url")
+        return line_error(
+            "mismatched_endpoint", f"url {url!r} does not match the batch endpoint {endpoint!r}.", number, "url"
+        )
     if not isinstance(obj.get("body"), dict):
         return line_error("invalid_body", "body must be a JSON object.", number, "body")
     return None

@@ -1,4 +1,5 @@
 """The Batches web pages (session auth): upload and start, list, live progress, cancel, download."""
+
 from __future__ import annotations
 
 from django.contrib import messages
@@ -15,8 +16,9 @@ from .validation import SUPPORTED_URLS
 
 @login_required
 def batch_list(request):
-    return render(request, "batches/list.html", {
-        "batches": selectors.recent_batches(request.user), "endpoints": SUPPORTED_URLS})
+    return render(
+        request, "batches/list.html", {"batches": selectors.recent_batches(request.user), "endpoints": SUPPORTED_URLS}
+    )
 
 
 @login_required
@@ -28,11 +30,16 @@ def upload(request):
         messages.error(request, "Choose a JSONL file to upload.")
         return redirect("batches:list")
     try:
-        file = services.upload_file(request.user, content=upload_file.read(), filename=upload_file.name,
-                                    purpose="batch")
-        batch = services.create_batch(request.user, input_file_id=file.public_id,
-                                      endpoint=request.POST.get("endpoint", SUPPORTED_URLS[0]),
-                                      completion_window="24h", metadata=_description(request))
+        file = services.upload_file(
+            request.user, content=upload_file.read(), filename=upload_file.name, purpose="batch"
+        )
+        batch = services.create_batch(
+            request.user,
+            input_file_id=file.public_id,
+            endpoint=request.POST.get("endpoint", SUPPORTED_URLS[0]),
+            completion_window="24h",
+            metadata=_description(request),
+        )
     except ServiceError as exc:
         messages.error(request, exc.message)
         return redirect("batches:list")

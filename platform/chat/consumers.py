@@ -11,6 +11,7 @@ presence_penalty, frequency_penalty}}.
 Server -> client: ready, started, delta {message_id, text}, done {message}, branch {messages}, error
 {code, message, retry_after?}. Protocol notes in docs/playground.md.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,9 +75,14 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
         if not isinstance(content, dict):
             await self.send_error(ServiceError("Frames are JSON objects.", code="bad_frame"))
             return
-        handler = {"send": self.on_send, "edit": self.on_edit, "regenerate": self.on_regenerate,
-                   "stop": self.on_stop, "resume": self.on_resume,
-                   "select_branch": self.on_select_branch}.get(content.get("type"))
+        handler = {
+            "send": self.on_send,
+            "edit": self.on_edit,
+            "regenerate": self.on_regenerate,
+            "stop": self.on_stop,
+            "resume": self.on_resume,
+            "select_branch": self.on_select_branch,
+        }.get(content.get("type"))
         if handler is None:
             await self.send_error(ServiceError("Unknown frame type.", code="bad_frame"))
             return
@@ -99,8 +105,9 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
                 conversation = selectors.conversation_for(self.user, conversation_id)
                 if conversation is None:
                     raise services.ChatError("Conversation not found.", code="not_found")
-            return services.send_message(self.user, frame.get("content"), frame.get("settings") or {}, conversation,
-                                         arrived_at=arrived_at)
+            return services.send_message(
+                self.user, frame.get("content"), frame.get("settings") or {}, conversation, arrived_at=arrived_at
+            )
 
         arrived_at = time.time()  # TTFT and latency count from here, as the user waits
         await self._start(begin)
@@ -108,8 +115,9 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
     async def on_edit(self, frame):
         def begin():
             message = self._own_message(frame.get("message_id"))
-            return services.edit_message(self.user, message, frame.get("content"), frame.get("settings") or {},
-                                         arrived_at=arrived_at)
+            return services.edit_message(
+                self.user, message, frame.get("content"), frame.get("settings") or {}, arrived_at=arrived_at
+            )
 
         arrived_at = time.time()
         await self._start(begin)
@@ -184,8 +192,9 @@ class PlaygroundConsumer(AsyncJsonWebsocketConsumer):
             await self.send_error(ServiceError("Message not found.", code="not_found"))
             return
         if message.status != Message.Status.STREAMING:
-            await self.send_json({"type": "done", "message": await database_sync_to_async(
-                selectors.message_payload)(message)})
+            await self.send_json(
+                {"type": "done", "message": await database_sync_to_async(selectors.message_payload)(message)}
+            )
             return
         if self._busy():
             await self.send_error(ServiceError("Already following an answer.", code="busy"))

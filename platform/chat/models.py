@@ -1,4 +1,5 @@
 """Conversations as trees of messages: editing or regenerating adds a sibling, so old branches stay."""
+
 import uuid
 
 from django.conf import settings

@@ -5,15 +5,30 @@ metadata) and, for what the model leaves open, from the playground's: a 135M cha
 SmolLM2 loops at temperature 0.7 without a repetition penalty, so the playground starts cooler
 and with a mild penalty (see docs/running.md for the measurement).
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
 
-PLAYGROUND_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1, "max_tokens": 256,
-                       "seed": None, "stop": [], "presence_penalty": 0.0, "frequency_penalty": 0.0}
+PLAYGROUND_DEFAULTS = {
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "top_k": 0,
+    "repetition_penalty": 1.1,
+    "max_tokens": 256,
+    "seed": None,
+    "stop": [],
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 MODEL_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")  # what a model's defaults may set
-RANGES = {"temperature": (0.0, 2.0), "top_p": (0.01, 1.0), "repetition_penalty": (0.5, 2.0),
-          "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+RANGES = {
+    "temperature": (0.0, 2.0),
+    "top_p": (0.01, 1.0),
+    "repetition_penalty": (0.5, 2.0),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
+}
 MAX_STOP_SEQUENCES = 4
 
 
@@ -101,8 +116,15 @@ def clean(raw: dict | None) -> dict:
 
 def sampling_params(params: dict) -> dict:
     """The engine's SamplingParams fields for these playground parameters."""
-    names = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "presence_penalty",
-             "frequency_penalty")
+    names = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "repetition_penalty",
+        "max_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+    )
     sp = {k: params[k] for k in names if params.get(k) is not None}
     if params.get("seed") is not None:
         sp["seed"] = params["seed"]

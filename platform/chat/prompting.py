@@ -3,6 +3,7 @@
 Tokenization is shared with the /v1 API (generation.tokenization), so the playground and the API
 count the same tokens for the same messages.
 """
+
 from __future__ import annotations
 
 from django.conf import settings

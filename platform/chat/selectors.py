@@ -1,4 +1,5 @@
 """Reads for the playground and history: a user's conversations, branches, exports, API requests."""
+
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError
@@ -14,8 +15,9 @@ def conversations_for(user, query: str = "") -> QuerySet[Conversation]:
     qs = Conversation.objects.filter(user=user)
     query = query.strip()
     if query:
-        qs = qs.filter(Q(title__icontains=query) | Q(messages__content__icontains=query)
-                       | Q(system_prompt__icontains=query)).distinct()
+        qs = qs.filter(
+            Q(title__icontains=query) | Q(messages__content__icontains=query) | Q(system_prompt__icontains=query)
+        ).distinct()
     return qs.order_by("-updated_at")
 
 
@@ -84,9 +86,16 @@ def message_dict(message: Message, sibling_ids: list[int] | None = None) -> dict
     """What the playground's JavaScript receives for one message."""
     sibling_ids = sibling_ids or [message.pk]
     return {
-        "id": message.pk, "parent_id": message.parent_id, "role": message.role, "content": message.content,
-        "status": message.status, "finish_reason": message.finish_reason, "error": message.error,
-        "model": message.model, "siblings": sibling_ids, "sibling_index": sibling_ids.index(message.pk),
+        "id": message.pk,
+        "parent_id": message.parent_id,
+        "role": message.role,
+        "content": message.content,
+        "status": message.status,
+        "finish_reason": message.finish_reason,
+        "error": message.error,
+        "model": message.model,
+        "siblings": sibling_ids,
+        "sibling_index": sibling_ids.index(message.pk),
         "stats": message_stats(message),
     }
 
@@ -94,21 +103,38 @@ def message_dict(message: Message, sibling_ids: list[int] | None = None) -> dict
 def message_stats(message: Message) -> dict | None:
     if message.role != Message.Role.ASSISTANT or message.status == Message.Status.STREAMING:
         return None
-    return {"prompt_tokens": message.prompt_tokens, "completion_tokens": message.completion_tokens,
-            "cached_tokens": message.cached_tokens, "ttft_ms": message.ttft_ms,
-            "tokens_per_s": message.tokens_per_s, "latency_ms": message.latency_ms}
+    return {
+        "prompt_tokens": message.prompt_tokens,
+        "completion_tokens": message.completion_tokens,
+        "cached_tokens": message.cached_tokens,
+        "ttft_ms": message.ttft_ms,
+        "tokens_per_s": message.tokens_per_s,
+        "latency_ms": message.latency_ms,
+    }
 
 
 def export_json(conversation: Conversation) -> dict:
     """The whole tree (every branch), with parent links, for download."""
     return {
-        "id": str(conversation.pk), "title": conversation.title, "model": conversation.model,
-        "system_prompt": conversation.system_prompt, "params": conversation.params,
-        "created_at": conversation.created_at.isoformat(), "updated_at": conversation.updated_at.isoformat(),
+        "id": str(conversation.pk),
+        "title": conversation.title,
+        "model": conversation.model,
+        "system_prompt": conversation.system_prompt,
+        "params": conversation.params,
+        "created_at": conversation.created_at.isoformat(),
+        "updated_at": conversation.updated_at.isoformat(),
         "current_leaf_id": conversation.current_leaf_id,
         "messages": [
-            {"id": m.pk, "parent_id": m.parent_id, "role": m.role, "content": m.content, "status": m.status,
-             "finish_reason": m.finish_reason, "created_at": m.created_at.isoformat(), "stats": message_stats(m)}
+            {
+                "id": m.pk,
+                "parent_id": m.parent_id,
+                "role": m.role,
+                "content": m.content,
+                "status": m.status,
+                "finish_reason": m.finish_reason,
+                "created_at": m.created_at.isoformat(),
+                "stats": message_stats(m),
+            }
             for m in conversation.messages.order_by("created_at", "pk")
         ],
     }
@@ -155,21 +181,27 @@ def usage_record_for(user, record_id) -> UsageRecord | None:
 
 def filter_choices(user) -> dict[str, list[str]]:
     mine = UsageRecord.objects.filter(user=user)
-    return {field: sorted(v for v in mine.values_list(field, flat=True).distinct() if v)
-            for field in ("source", "endpoint", "model")}
+    return {
+        field: sorted(v for v in mine.values_list(field, flat=True).distinct() if v)
+        for field in ("source", "endpoint", "model")
+    }
 
 
 def usage_totals(user, since) -> dict:
     from django.db.models import Count, Sum
 
     agg = UsageRecord.objects.filter(user=user, created_at__gte=since).aggregate(
-        requests=Count("id"), prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens"))
+        requests=Count("id"), prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens")
+    )
     return {k: v or 0 for k, v in agg.items()}
 
 
 def sibling_ids(message: Message) -> list[int]:
-    return list(Message.objects.filter(conversation_id=message.conversation_id, parent_id=message.parent_id)
-                .order_by("created_at", "pk").values_list("pk", flat=True))
+    return list(
+        Message.objects.filter(conversation_id=message.conversation_id, parent_id=message.parent_id)
+        .order_by("created_at", "pk")
+        .values_list("pk", flat=True)
+    )
 
 
 def message_payload(message: Message) -> dict:
@@ -181,6 +213,10 @@ def reply_started_payload(reply) -> dict:
     """The socket frame announcing a new reply: its conversation, the user turn and the empty answer."""
     assistant = Message.objects.select_related("conversation", "parent").get(pk=reply.message_id)
     conversation = assistant.conversation
-    return {"type": "started", "request_id": reply.request_id,
-            "conversation": {"id": str(conversation.pk), "title": conversation.title},
-            "user_message": message_payload(assistant.parent), "message": message_payload(assistant)}
+    return {
+        "type": "started",
+        "request_id": reply.request_id,
+        "conversation": {"id": str(conversation.pk), "title": conversation.title},
+        "user_message": message_payload(assistant.parent),
+        "message": message_payload(assistant),
+    }

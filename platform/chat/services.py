@@ -6,6 +6,7 @@ behind) -> the consumer submits it and streams it (save_progress as it goes) -> 
 service's finish with save_reply, exactly once: the message, the usage row and the quota
 settlement. save_reply is the once-guard, so several followers may try.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,10 +66,16 @@ def title_from(text: str) -> str:
     return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1] + "…"
 
 
-def create_conversation(user, *, model: str = "", system_prompt: str = "", params: dict | None = None,
-                        title: str = "") -> Conversation:
-    return Conversation.objects.create(user=user, model=model or prompting.served_model_name(),
-                                       system_prompt=system_prompt, params=params or {}, title=title)
+def create_conversation(
+    user, *, model: str = "", system_prompt: str = "", params: dict | None = None, title: str = ""
+) -> Conversation:
+    return Conversation.objects.create(
+        user=user,
+        model=model or prompting.served_model_name(),
+        system_prompt=system_prompt,
+        params=params or {},
+        title=title,
+    )
 
 
 def rename_conversation(conversation: Conversation, title: str) -> Conversation:
@@ -126,31 +133,49 @@ def _apply_settings(conversation: Conversation, settings: dict) -> dict:
     return clean
 
 
-def _begin_reply(user, conversation: Conversation, user_message: Message, params: dict,
-                 arrived_at: float | None) -> Reply:
+def _begin_reply(
+    user, conversation: Conversation, user_message: Message, params: dict, arrived_at: float | None
+) -> Reply:
     """Reserve quota and create the streaming assistant message (inside the caller's transaction)."""
-    ids = prompting.prompt_token_ids(conversation.model, conversation.system_prompt,
-                                     selectors.branch_turns(user_message))
-    gen = Generation(source="playground", endpoint="playground", user=user, model=conversation.model, prompts=[ids],
-                     sampling_params=chat_params.sampling_params(params), max_tokens=params["max_tokens"],
-                     arrived_at=arrived_at)
+    ids = prompting.prompt_token_ids(
+        conversation.model, conversation.system_prompt, selectors.branch_turns(user_message)
+    )
+    gen = Generation(
+        source="playground",
+        endpoint="playground",
+        user=user,
+        model=conversation.model,
+        prompts=[ids],
+        sampling_params=chat_params.sampling_params(params),
+        max_tokens=params["max_tokens"],
+        arrived_at=arrived_at,
+    )
     generation.admit(gen)
     try:  # if saving fails, the reservation must not leak: give it back with nothing used
         assistant = Message.objects.create(
-            conversation=conversation, parent=user_message, role=Message.Role.ASSISTANT,
-            status=Message.Status.STREAMING, request_id=gen.request_id, model=conversation.model,
-            params=params, reservation=gen.reservation.as_dict(), prompt_tokens=len(ids))
+            conversation=conversation,
+            parent=user_message,
+            role=Message.Role.ASSISTANT,
+            status=Message.Status.STREAMING,
+            request_id=gen.request_id,
+            model=conversation.model,
+            params=params,
+            reservation=gen.reservation.as_dict(),
+            prompt_tokens=len(ids),
+        )
         conversation.current_leaf = assistant
         conversation.save(update_fields=["current_leaf", "updated_at"])
     except Exception:
         generation.release(gen)
         raise
-    return Reply(conversation_id=str(conversation.pk), user_message_id=user_message.pk, message_id=assistant.pk,
-                 gen=gen)
+    return Reply(
+        conversation_id=str(conversation.pk), user_message_id=user_message.pk, message_id=assistant.pk, gen=gen
+    )
 
 
-def send_message(user, content, settings: dict, conversation: Conversation | None = None, *,
-                 arrived_at: float | None = None) -> Reply:
+def send_message(
+    user, content, settings: dict, conversation: Conversation | None = None, *, arrived_at: float | None = None
+) -> Reply:
     """A new user turn at the end of the branch on screen (a new conversation when none is given)."""
     content = _clean_content(content)
     with transaction.atomic():
@@ -159,8 +184,9 @@ def send_message(user, content, settings: dict, conversation: Conversation | Non
         elif conversation.current_leaf and conversation.current_leaf.status == Message.Status.STREAMING:
             raise ChatError("An answer is still being generated in this conversation.", code="busy")
         clean = _apply_settings(conversation, settings)
-        user_message = Message.objects.create(conversation=conversation, parent=conversation.current_leaf,
-                                              role=Message.Role.USER, content=content)
+        user_message = Message.objects.create(
+            conversation=conversation, parent=conversation.current_leaf, role=Message.Role.USER, content=content
+        )
         return _begin_reply(user, conversation, user_message, clean, arrived_at)
 
 
@@ -172,8 +198,9 @@ def edit_message(user, message: Message, content, settings: dict, *, arrived_at:
     with transaction.atomic():
         conversation = message.conversation
         clean = _apply_settings(conversation, settings)
-        edited = Message.objects.create(conversation=conversation, parent=message.parent,
-                                        role=Message.Role.USER, content=content)
+        edited = Message.objects.create(
+            conversation=conversation, parent=message.parent, role=Message.Role.USER, content=content
+        )
         return _begin_reply(user, conversation, edited, clean, arrived_at)
 
 
@@ -192,16 +219,25 @@ def regenerate(user, message: Message, settings: dict, *, arrived_at: float | No
 def save_progress(message_id: int, content: str) -> None:
     """Persist the text so far, so a reload mid-answer shows it (only while still streaming)."""
     Message.objects.filter(pk=message_id, status=Message.Status.STREAMING).update(
-        content=_storable(content), updated_at=timezone.now())
+        content=_storable(content), updated_at=timezone.now()
+    )
 
 
 def generation_for(message: Message) -> Generation:
     """The generation of a reply already under way (a resumed socket, a stale reply's clean-up)."""
     reservation = Reservation.from_dict(message.reservation) if message.reservation else None
-    return Generation(source="playground", endpoint="playground", user=message.conversation.user,
-                      model=message.model, prompts=[[]], prompt_tokens=message.prompt_tokens or 0,
-                      sampling_params={}, request_id=message.request_id, reservation=reservation,
-                      arrived_at=message.created_at.timestamp())
+    return Generation(
+        source="playground",
+        endpoint="playground",
+        user=message.conversation.user,
+        model=message.model,
+        prompts=[[]],
+        prompt_tokens=message.prompt_tokens or 0,
+        sampling_params={},
+        request_id=message.request_id,
+        reservation=reservation,
+        arrived_at=message.created_at.timestamp(),
+    )
 
 
 def reply_status(gen: Generation) -> str:
@@ -221,8 +257,7 @@ def tokens_per_s(gen: Generation) -> float | None:
 def save_reply(message_id: int, gen: Generation, saved_content: str = "") -> bool:
     """The final answer from the generation's result; False if another follower saved it first
     (the generation service runs this in the transaction that writes the usage row)."""
-    message = (Message.objects.select_for_update()
-               .filter(pk=message_id, status=Message.Status.STREAMING).first())
+    message = Message.objects.select_for_update().filter(pk=message_id, status=Message.Status.STREAMING).first()
     if message is None:
         return False
     result = gen.result
@@ -256,8 +291,9 @@ def finish_stale_replies(older_than_s: float = STALE_AFTER_S, collect_timeout_s:
     """
     cutoff = timezone.now() - timedelta(seconds=older_than_s)
     finished = 0
-    for message in (Message.objects.select_related("conversation__user")
-                    .filter(status=Message.Status.STREAMING, updated_at__lt=cutoff)):
+    for message in Message.objects.select_related("conversation__user").filter(
+        status=Message.Status.STREAMING, updated_at__lt=cutoff
+    ):
         gen = generation_for(message)
         gen.result = generation.collect(message.request_id, model=message.model, timeout=collect_timeout_s)
         if (gen.result.error or {}).get("code") == "timeout":  # still running with nobody following: aborted

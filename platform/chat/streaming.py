@@ -6,6 +6,7 @@ still saved; if no socket watches the reply for RECONNECT_GRACE_S, it aborts the
 start (the output stream stays in Redis until the message is saved). Everything asked of the engine
 goes through the generation service; the watch keys are chat's own, on common.connections.
 """
+
 from __future__ import annotations
 
 import asyncio

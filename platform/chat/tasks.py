@@ -1,4 +1,5 @@
 """Periodic clean-up (Celery beat: settings.CELERY_BEAT_SCHEDULE["chat-finish-stale-replies"])."""
+
 from celery import shared_task
 
 from . import services

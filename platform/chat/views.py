@@ -1,4 +1,5 @@
 """Playground and history pages: thin views over chat.selectors / chat.services."""
+
 from __future__ import annotations
 
 import json
@@ -36,22 +37,34 @@ def _own_conversation(request, conversation_id):
 def playground(request, conversation_id=None):
     conversation = _own_conversation(request, conversation_id) if conversation_id else None
     state = {
-        "conversation": None if conversation is None else {
-            "id": str(conversation.pk), "title": conversation.title, "model": conversation.model,
-            "system_prompt": conversation.system_prompt},
+        "conversation": None
+        if conversation is None
+        else {
+            "id": str(conversation.pk),
+            "title": conversation.title,
+            "model": conversation.model,
+            "system_prompt": conversation.system_prompt,
+        },
         "messages": selectors.current_branch(conversation) if conversation else [],
         "params": {**chat_params.defaults(), **(conversation.params if conversation else {})},
-        "param_defaults": chat_params.defaults(), "param_sources": chat_params.default_sources(),
+        "param_defaults": chat_params.defaults(),
+        "param_sources": chat_params.default_sources(),
         "models": prompting.available_models(),
         "ws_path": "/ws/chat/",
     }
-    return render(request, "chat/playground.html", {
-        "conversation": conversation, "state": state,
-        "recent": selectors.conversations_for(request.user)[:30],
-    })
+    return render(
+        request,
+        "chat/playground.html",
+        {
+            "conversation": conversation,
+            "state": state,
+            "recent": selectors.conversations_for(request.user)[:30],
+        },
+    )
 
 
 # ---------------------------------------------------------------- conversation history
+
 
 @login_required
 def conversation_list(request):
@@ -86,8 +99,10 @@ def _download_name(conversation, ext: str) -> str:
 @login_required
 def conversation_export_json(request, conversation_id):
     conversation = _own_conversation(request, conversation_id)
-    response = HttpResponse(json.dumps(selectors.export_json(conversation), indent=2, ensure_ascii=False),
-                            content_type="application/json; charset=utf-8")
+    response = HttpResponse(
+        json.dumps(selectors.export_json(conversation), indent=2, ensure_ascii=False),
+        content_type="application/json; charset=utf-8",
+    )
     response["Content-Disposition"] = f'attachment; filename="{_download_name(conversation, "json")}"'
     return response
 
@@ -102,16 +117,26 @@ def conversation_export_markdown(request, conversation_id):
 
 # ---------------------------------------------------------------- API requests and usage
 
+
 @login_required
 def request_list(request):
     filters = {k: request.GET.get(k, "") for k in (*selectors.REQUEST_FILTERS, "date_from", "date_to")}
     page = Paginator(selectors.usage_records_for(request.user, filters), PAGE_SIZE).get_page(request.GET.get("page"))
     query = request.GET.copy()
     query.pop("page", None)
-    return render(request, "chat/requests.html", {
-        "page": page, "filters": filters, "choices": [(field, values, filters.get(field, ""))
-                    for field, values in selectors.filter_choices(request.user).items()],
-        "querystring": query.urlencode()})
+    return render(
+        request,
+        "chat/requests.html",
+        {
+            "page": page,
+            "filters": filters,
+            "choices": [
+                (field, values, filters.get(field, ""))
+                for field, values in selectors.filter_choices(request.user).items()
+            ],
+            "querystring": query.urlencode(),
+        },
+    )
 
 
 @login_required
@@ -131,11 +156,16 @@ def usage(request):
     status = quota_selectors.quota_status(request.user)
     now = timezone.now()
     start_of_day = now.replace(hour=0, minute=0, second=0, microsecond=0)
-    return render(request, "chat/usage.html", {
-        "status": status, "plan": status.plan,
-        "day_pct": _meter(status.usage.tokens_today, status.plan.tokens_per_day),
-        "month_pct": _meter(status.usage.tokens_this_month, status.plan.tokens_per_month),
-        "today": selectors.usage_totals(request.user, start_of_day),
-        "last_30_days": selectors.usage_totals(request.user, now - timedelta(days=30)),
-        "headers": quota_selectors.headers_for(status),
-    })
+    return render(
+        request,
+        "chat/usage.html",
+        {
+            "status": status,
+            "plan": status.plan,
+            "day_pct": _meter(status.usage.tokens_today, status.plan.tokens_per_day),
+            "month_pct": _meter(status.usage.tokens_this_month, status.plan.tokens_per_month),
+            "today": selectors.usage_totals(request.user, start_of_day),
+            "last_30_days": selectors.usage_totals(request.user, now - timedelta(days=30)),
+            "headers": quota_selectors.headers_for(status),
+        },
+    )

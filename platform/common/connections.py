@@ -8,6 +8,7 @@ The engine client, the quota ledger, the log-in throttle, chat's watch keys, the
 /metrics all share these, so one process holds one pool per Redis (and per event loop), whoever asks.
 redis-py pools notice a fork and start afresh, so a Celery worker's children need nothing of their own.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,5 +57,6 @@ def async_redis() -> aioredis.Redis:
 
 def _async_pool(url: str) -> aioredis.BlockingConnectionPool:
     """Cancel-safe connections (redis_async): a cancelled stream or lease task really stops."""
-    return aioredis.BlockingConnectionPool(**pool_kwargs(url, max_connections=ASYNC_POOL_CONNECTIONS,
-                                                         timeout=ASYNC_POOL_WAIT_S))
+    return aioredis.BlockingConnectionPool(
+        **pool_kwargs(url, max_connections=ASYNC_POOL_CONNECTIONS, timeout=ASYNC_POOL_WAIT_S)
+    )

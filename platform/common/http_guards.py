@@ -7,6 +7,7 @@ encoder later refuses) and a nesting limit (json.loads raises RecursionError pas
 and validators recurse too). Malformed JSON is left to the views, which say where it broke.
 loads() is the same JSON rule for JSON that arrives inside a file (batch input lines).
 """
+
 from __future__ import annotations
 
 import json
@@ -143,8 +144,8 @@ def loads(text: str | bytes):
 
 def _may_be_unsafe(text: str | bytes) -> bool:
     """Cheap scans of the raw text that rule out the tree walk for almost every body (a walk of a
-    large prompt blocks the event loop: docs/architecture.md): a lone surrogate needs a \\uD800-\\uDFFF escape (or, in a str,
-    the character itself), and depth past the limit needs more brackets than the limit."""
+    large prompt blocks the event loop: docs/architecture.md): a lone surrogate needs a \\uD800-\\uDFFF
+    escape (or, in a str, the character itself), and depth past the limit needs more brackets than the limit."""
     raw = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
         return True
@@ -160,8 +161,10 @@ def _check_tree(value) -> None:
         item, depth = pending.pop()
         if isinstance(item, str):
             if _SURROGATE.search(item):
-                raise UnsafeJSON("The JSON contains a lone UTF-16 surrogate (such as \\ud800), which is not "
-                                 "valid Unicode.", "invalid_unicode")
+                raise UnsafeJSON(
+                    "The JSON contains a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode.",
+                    "invalid_unicode",
+                )
         elif isinstance(item, (dict, list)):
             if depth > MAX_JSON_DEPTH:
                 raise _too_deep()

@@ -9,6 +9,7 @@ for ever (a test run hung so in CI); the engine client's lease keeper would do t
 These connections bound the write with asyncio.timeout instead, which counts cancellations right.
 Both the channel layer and the engine client build their pools from pool_kwargs(url).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +57,8 @@ def pool_kwargs(url: str, **options) -> dict:
     (ConnectionPool.from_url would let the URL's own class win for rediss:// and unix://)."""
     kwargs = {**parse_url(url), **options}
     unsafe = kwargs.get("connection_class", aioredis.Connection)
-    kwargs["connection_class"] = {aioredis.SSLConnection: CancelSafeSSLConnection,
-                                  aioredis.UnixDomainSocketConnection: CancelSafeUnixConnection}.get(
-        unsafe, CancelSafeConnection)
+    kwargs["connection_class"] = {
+        aioredis.SSLConnection: CancelSafeSSLConnection,
+        aioredis.UnixDomainSocketConnection: CancelSafeUnixConnection,
+    }.get(unsafe, CancelSafeConnection)
     return kwargs

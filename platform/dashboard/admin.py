@@ -5,8 +5,18 @@ from .models import LatencyHourly, RollupState, UsageHourly
 
 @admin.register(UsageHourly)
 class UsageHourlyAdmin(admin.ModelAdmin):
-    list_display = ("hour", "user", "api_key_id", "model", "source", "requests", "prompt_tokens",
-                    "completion_tokens", "errors", "rate_limited")
+    list_display = (
+        "hour",
+        "user",
+        "api_key_id",
+        "model",
+        "source",
+        "requests",
+        "prompt_tokens",
+        "completion_tokens",
+        "errors",
+        "rate_limited",
+    )
     list_filter = ("source", "model")
     search_fields = ("user__username", "model")
     date_hierarchy = "hour"

@@ -3,6 +3,7 @@
 The roll-up task stores these cells as UsageHourly rows, and the selectors fold the not yet
 rolled-up usage with the same code, so the live hour and the roll-ups always agree.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -90,8 +91,16 @@ def fold(rows) -> dict[CellKey, Cell]:
     return cells
 
 
-SUM_FIELDS = ("requests", "errors", "rate_limited", "prompt_tokens", "completion_tokens", "cached_tokens",
-              "ttft_ms_sum", "latency_ms_sum")
+SUM_FIELDS = (
+    "requests",
+    "errors",
+    "rate_limited",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "ttft_ms_sum",
+    "latency_ms_sum",
+)
 HIST_FIELDS = ("ttft_hist", "tpot_hist", "latency_hist")
 
 

@@ -3,6 +3,7 @@
 Each connection polls the workers' heartbeats itself (a cheap Redis read) rather than joining a
 Channels group, so every web replica serves its own staff without a broadcaster process.
 """
+
 from __future__ import annotations
 
 import asyncio

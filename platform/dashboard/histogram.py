@@ -5,6 +5,7 @@ value that is within RELATIVE_ACCURACY of every value in it. Hourly roll-ups sto
 counts, and any range of hours merges by adding counts, so p50/p95/p99 over a day or a month come
 from the roll-ups with the same error bound as over one hour. Pure Python, no Django.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def bucket_of(value: float) -> int:
 
 def representative(bucket: int) -> float:
     """The value whose relative distance to both bucket bounds is equal (<= RELATIVE_ACCURACY)."""
-    return 2 * GAMMA ** bucket / (GAMMA + 1)
+    return 2 * GAMMA**bucket / (GAMMA + 1)
 
 
 def build(values: Iterable[float]) -> Histogram:

@@ -4,6 +4,7 @@ Reads go through engine_client (the only module that knows the engine's Redis ke
 only reshapes what the workers publish (docs/protocol.md, "Heartbeat") into one JSON snapshot,
 sent over the dashboard websocket every second and served by GET /dashboard/api/engine/.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,8 +17,18 @@ FREE, CACHED, USED, SHARED = "f", "c", "u", "s"
 # engine.block_map() codes each block as a digit: 0 free, 1 cached (free, keeps its prefix hash),
 # 2 in use by one request, 3 shared by several. Names and letters are accepted too.
 _CODES = (FREE, CACHED, USED, SHARED)
-_STATE_NAMES = {"free": FREE, "f": FREE, "cached": CACHED, "c": CACHED, "used": USED, "in_use": USED,
-                "u": USED, "shared": SHARED, "s": SHARED, **{str(i): letter for i, letter in enumerate(_CODES)}}
+_STATE_NAMES = {
+    "free": FREE,
+    "f": FREE,
+    "cached": CACHED,
+    "c": CACHED,
+    "used": USED,
+    "in_use": USED,
+    "u": USED,
+    "shared": SHARED,
+    "s": SHARED,
+    **{str(i): letter for i, letter in enumerate(_CODES)},
+}
 MEMORY_KEYS = ("memory", "memory_budget")
 TOP_REQUESTS = 8
 
@@ -28,8 +39,10 @@ def engine_snapshot() -> dict:
 
 
 def summarize(workers: list[dict], block_maps: dict, now: float) -> dict:
-    rows = [_worker_row(w, block_maps.get(w.get("worker_id")), now)
-            for w in sorted(workers, key=lambda w: w.get("worker_id", ""))]
+    rows = [
+        _worker_row(w, block_maps.get(w.get("worker_id")), now)
+        for w in sorted(workers, key=lambda w: w.get("worker_id", ""))
+    ]
     return {"at": now, "workers": rows, "totals": _totals(rows)}
 
 
@@ -84,9 +97,15 @@ def normalize_block_map(raw) -> dict | None:
         raw = raw.get("blocks", raw.get("states", ""))
     blocks = "".join(_state_letter(item) for item in raw)
     counts = Counter(blocks)
-    return {"blocks": blocks, "block_size": block_size, "counts": {name: counts.get(letter, 0) for name, letter in
-                                         (("free", FREE), ("cached", CACHED), ("used", USED), ("shared", SHARED))},
-            "top_requests": top[:TOP_REQUESTS]}
+    return {
+        "blocks": blocks,
+        "block_size": block_size,
+        "counts": {
+            name: counts.get(letter, 0)
+            for name, letter in (("free", FREE), ("cached", CACHED), ("used", USED), ("shared", SHARED))
+        },
+        "top_requests": top[:TOP_REQUESTS],
+    }
 
 
 def _state_letter(item) -> str:
@@ -100,8 +119,11 @@ def _state_letter(item) -> str:
 def _top_requests(raw) -> list[dict]:
     if isinstance(raw, dict):
         raw = [{"request_id": k, "blocks": v} for k, v in raw.items()]
-    rows = [{"request_id": str(r.get("request_id", r.get("id", ""))), "blocks": int(r.get("blocks", 0))}
-            for r in raw if isinstance(r, dict)]
+    rows = [
+        {"request_id": str(r.get("request_id", r.get("id", ""))), "blocks": int(r.get("blocks", 0))}
+        for r in raw
+        if isinstance(r, dict)
+    ]
     return sorted(rows, key=lambda r: -r["blocks"])
 
 
@@ -113,8 +135,9 @@ def _totals(rows: list[dict]) -> dict:
         "num_running": sum(r["num_running"] for r in rows),
         "num_waiting": sum(r["num_waiting"] for r in rows),
         # Pool-weighted: a big worker at 90% matters more than a small idle one.
-        "kv_usage": round(used / blocks, 4) if blocks else (round(sum(r["kv_usage"] for r in rows) / len(rows), 4)
-                                                            if rows else 0.0),
+        "kv_usage": round(used / blocks, 4)
+        if blocks
+        else (round(sum(r["kv_usage"] for r in rows) / len(rows), 4) if rows else 0.0),
         "prefix_cache_hit_rate": round(sum(r["prefix_cache_hit_rate"] for r in rows) / len(rows), 4) if rows else 0.0,
         "num_preemptions": sum(r["num_preemptions"] for r in rows),
         "tokens_per_s": round(sum(r["tokens_per_s"] for r in rows), 2),

@@ -1,5 +1,6 @@
 """Lines the dashboard adds to GET /metrics (openai_api.metrics.EXTRA_COLLECTORS): Celery queue
 lengths, batches by status and the usage roll-up's lag. Registered in DashboardConfig.ready()."""
+
 from __future__ import annotations
 
 import logging
@@ -32,7 +33,7 @@ def celery_queue_lengths() -> dict[str, int]:
             pipe.llen(name if step == 0 else f"{name}{_PRIORITY_SEP}{step}")
     lengths = pipe.execute()
     per = len(_PRIORITY_STEPS)
-    return {name: sum(lengths[i * per:(i + 1) * per]) for i, name in enumerate(names)}
+    return {name: sum(lengths[i * per : (i + 1) * per]) for i, name in enumerate(names)}
 
 
 def collect() -> list[str]:
@@ -46,14 +47,17 @@ def collect() -> list[str]:
 
 
 def _celery_lines() -> list[str]:
-    lines = ["# HELP tessera_celery_queue_length Tasks waiting in each Celery queue.",
-             "# TYPE tessera_celery_queue_length gauge"]
+    lines = [
+        "# HELP tessera_celery_queue_length Tasks waiting in each Celery queue.",
+        "# TYPE tessera_celery_queue_length gauge",
+    ]
     return lines + [f'tessera_celery_queue_length{{queue="{q}"}} {n}' for q, n in celery_queue_lengths().items()]
 
 
 def _batch_lines() -> list[str]:
-    from batches.models import Batch
     from django.db.models import Count
+
+    from batches.models import Batch
 
     counts = dict(Batch.objects.order_by().values_list("status").annotate(n=Count("id")))
     lines = ["# HELP tessera_batches Batches by status.", "# TYPE tessera_batches gauge"]
@@ -65,5 +69,8 @@ def _rollup_lines() -> list[str]:
 
     rolled = RollupState.objects.filter(name="usage").values_list("rolled_until", flat=True).first()
     lag = time.time() - rolled.timestamp() if rolled else -1
-    return ["# HELP tessera_usage_rollup_lag_seconds Seconds of usage not yet rolled up (-1: never ran).",
-            "# TYPE tessera_usage_rollup_lag_seconds gauge", f"tessera_usage_rollup_lag_seconds {lag:.0f}"]
+    return [
+        "# HELP tessera_usage_rollup_lag_seconds Seconds of usage not yet rolled up (-1: never ran).",
+        "# TYPE tessera_usage_rollup_lag_seconds gauge",
+        f"tessera_usage_rollup_lag_seconds {lag:.0f}",
+    ]

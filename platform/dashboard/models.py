@@ -1,4 +1,5 @@
 """Hourly usage roll-ups: what the dashboard reads instead of scanning every usage row."""
+
 from django.conf import settings
 from django.db import models
 

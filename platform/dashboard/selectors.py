@@ -4,6 +4,7 @@ Usage comes from two places joined at the roll-up watermark (RollupState.rolled_
 UsageHourly roll-ups before it and the raw usage records after it (the current hour, and any
 hour the periodic roll-up has not reached yet), folded with the same code the roll-up uses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ LATENCY_METRICS = {"ttft": "ttft_hist", "tpot": "tpot_hist", "latency": "latency
 
 
 # ---------------------------------------------------------------- windows
+
 
 @dataclass(frozen=True)
 class Window:
@@ -67,6 +69,7 @@ def _split(window: Window) -> datetime:
 
 # ---------------------------------------------------------------- the core fold
 
+
 def grouped(window: Window, dims: tuple[str, ...] = (), *, hists: bool = False, **filters) -> dict[tuple, Cell]:
     """Usage in the window grouped by `dims` (any of "bucket", user_id, api_key_id, model, source).
 
@@ -100,8 +103,13 @@ def grouped(window: Window, dims: tuple[str, ...] = (), *, hists: bool = False, 
             merge_hists(cell_for(row), row)
     for key, cell in fold(usage_source.rows_between(split, window.end, **filters)).items():
         hour, user_id, api_key_id, model, source = key
-        named = {"bucket": floor_to(hour, window.bucket), "user_id": user_id, "api_key_id": api_key_id,
-                 "model": model, "source": source}
+        named = {
+            "bucket": floor_to(hour, window.bucket),
+            "user_id": user_id,
+            "api_key_id": api_key_id,
+            "model": model,
+            "source": source,
+        }
         target = out.setdefault(tuple(named[d] for d in dims), Cell())
         merge_sums(target, cell)
         if hists:
@@ -128,14 +136,20 @@ def _latency(cell: Cell) -> dict:
     served = histogram.total(cell.latency_hist)
     ttft_n = histogram.total(cell.ttft_hist)
     return {
-        "ttft": {**histogram.quantiles(cell.ttft_hist), "mean": round(cell.ttft_ms_sum / ttft_n, 2) if ttft_n else None},
+        "ttft": {
+            **histogram.quantiles(cell.ttft_hist),
+            "mean": round(cell.ttft_ms_sum / ttft_n, 2) if ttft_n else None,
+        },
         "tpot": histogram.quantiles(cell.tpot_hist),
-        "latency": {**histogram.quantiles(cell.latency_hist),
-                    "mean": round(cell.latency_ms_sum / served, 2) if served else None},
+        "latency": {
+            **histogram.quantiles(cell.latency_hist),
+            "mean": round(cell.latency_ms_sum / served, 2) if served else None,
+        },
     }
 
 
 # ---------------------------------------------------------------- usage
+
 
 def totals(window: Window, **filters) -> dict:
     cell = grouped(window, (), hists=True, **filters).get((), Cell())
@@ -177,8 +191,7 @@ def top_users(window: Window, limit: int = 10, **filters) -> list[dict]:
 def top_api_keys(window: Window, limit: int = 10, **filters) -> list[dict]:
     rows = [r for r in breakdown(window, "api_key_id", **filters) if r["api_key_id"] is not None][:limit]
     labels = usage_source.api_key_labels([r["api_key_id"] for r in rows])
-    return [{**r, **labels.get(r["api_key_id"], {"label": f"key #{r['api_key_id']}", "username": ""})}
-            for r in rows]
+    return [{**r, **labels.get(r["api_key_id"], {"label": f"key #{r['api_key_id']}", "username": ""})} for r in rows]
 
 
 def _check_dim(dim: str) -> None:
@@ -188,6 +201,7 @@ def _check_dim(dim: str) -> None:
 
 # ---------------------------------------------------------------- latency
 
+
 def latency_over_time(window: Window, **filters) -> list[dict]:
     """Per bucket: TTFT, time per output token and end-to-end latency p50/p95/p99 (ms)."""
     cells = grouped(window, ("bucket",), hists=True, **filters)
@@ -195,6 +209,7 @@ def latency_over_time(window: Window, **filters) -> list[dict]:
 
 
 # ---------------------------------------------------------------- one user
+
 
 def user_drilldown(user, window: Window) -> dict:
     return {
@@ -211,6 +226,7 @@ def user_drilldown(user, window: Window) -> dict:
 
 # ---------------------------------------------------------------- quotas
 
+
 def _budget_windows(now: datetime) -> tuple[Window, Window]:
     day = floor_to(now, "day")
     month = day.replace(day=1)
@@ -225,21 +241,31 @@ def quota_of(user, now: datetime | None = None) -> dict:
     today, month = _budget_windows(now)
     used_day = grouped(today, (), user_id=user.pk).get((), Cell())
     used_month = grouped(month, (), user_id=user.pk).get((), Cell())
-    return _quota_row(user, plan_for(user), used_day.prompt_tokens + used_day.completion_tokens,
-                      used_month.prompt_tokens + used_month.completion_tokens)
+    return _quota_row(
+        user,
+        plan_for(user),
+        used_day.prompt_tokens + used_day.completion_tokens,
+        used_month.prompt_tokens + used_month.completion_tokens,
+    )
 
 
 def _quota_row(user, plan, tokens_today: int, tokens_month: int) -> dict:
     day_frac = tokens_today / plan.tokens_per_day if plan.tokens_per_day else None
     month_frac = tokens_month / plan.tokens_per_month if plan.tokens_per_month else None
     worst = max([f for f in (day_frac, month_frac) if f is not None], default=None)
-    return {"user_id": user.pk, "username": user.get_username(), "plan": plan.name,
-            "tokens_today": tokens_today, "tokens_per_day": plan.tokens_per_day,
-            "tokens_this_month": tokens_month, "tokens_per_month": plan.tokens_per_month,
-            "day_used": None if day_frac is None else round(day_frac, 4),
-            "month_used": None if month_frac is None else round(month_frac, 4),
-            "used": None if worst is None else round(worst, 4),
-            "state": _quota_state(worst)}
+    return {
+        "user_id": user.pk,
+        "username": user.get_username(),
+        "plan": plan.name,
+        "tokens_today": tokens_today,
+        "tokens_per_day": plan.tokens_per_day,
+        "tokens_this_month": tokens_month,
+        "tokens_per_month": plan.tokens_per_month,
+        "day_used": None if day_frac is None else round(day_frac, 4),
+        "month_used": None if month_frac is None else round(month_frac, 4),
+        "used": None if worst is None else round(worst, 4),
+        "state": _quota_state(worst),
+    }
 
 
 def _quota_state(used: float | None, near: float = NEAR_QUOTA) -> str:
@@ -260,14 +286,16 @@ def users_near_quota(threshold: float = NEAR_QUOTA, now: datetime | None = None)
     rows = []
     for user in users:
         d, m = by_day.get((user.pk,), Cell()), by_month.get((user.pk,), Cell())
-        row = _quota_row(user, plan_for(user), d.prompt_tokens + d.completion_tokens,
-                         m.prompt_tokens + m.completion_tokens)
+        row = _quota_row(
+            user, plan_for(user), d.prompt_tokens + d.completion_tokens, m.prompt_tokens + m.completion_tokens
+        )
         if row["used"] is not None and row["used"] >= threshold:
             rows.append({**row, "state": _quota_state(row["used"], threshold)})
     return sorted(rows, key=lambda r: -r["used"])
 
 
 # ---------------------------------------------------------------- batches
+
 
 def batch_summary(now: datetime | None = None, rate_window_s: int = 60) -> dict:
     """Batches by status, lines finished per second lately, and the oldest batch still running."""
@@ -276,15 +304,28 @@ def batch_summary(now: datetime | None = None, rate_window_s: int = 60) -> dict:
     now = now or timezone.now()
     by_status = dict(Batch.objects.order_by().values_list("status").annotate(n=Count("id")))
     finished = BatchLine.objects.filter(finished_at__gte=now - timedelta(seconds=rate_window_s)).count()
-    running = (Batch.objects.filter(status__in=[Batch.Status.IN_PROGRESS, Batch.Status.FINALIZING,
-                                                Batch.Status.CANCELLING])
-               .select_related("user").order_by("in_progress_at", "created_at").first())
+    running = (
+        Batch.objects.filter(status__in=[Batch.Status.IN_PROGRESS, Batch.Status.FINALIZING, Batch.Status.CANCELLING])
+        .select_related("user")
+        .order_by("in_progress_at", "created_at")
+        .first()
+    )
     oldest = None
     if running is not None:
         since = running.in_progress_at or running.created_at
-        oldest = {"id": running.public_id, "user": running.user.get_username(), "status": running.status,
-                  "since": since.isoformat(), "age_s": round((now - since).total_seconds()),
-                  "total": running.total, "completed": running.completed, "failed": running.failed,
-                  "paused_reason": running.paused_reason}
-    return {"by_status": {s: by_status.get(s, 0) for s in Batch.Status.values},
-            "lines_per_s": round(finished / rate_window_s, 3), "oldest_running": oldest}
+        oldest = {
+            "id": running.public_id,
+            "user": running.user.get_username(),
+            "status": running.status,
+            "since": since.isoformat(),
+            "age_s": round((now - since).total_seconds()),
+            "total": running.total,
+            "completed": running.completed,
+            "failed": running.failed,
+            "paused_reason": running.paused_reason,
+        }
+    return {
+        "by_status": {s: by_status.get(s, 0) for s in Batch.Status.values},
+        "lines_per_s": round(finished / rate_window_s, 3),
+        "oldest_running": oldest,
+    }

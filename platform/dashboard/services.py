@@ -1,4 +1,5 @@
 """Writes: rolling usage records up into UsageHourly (idempotent: each hour is rebuilt whole)."""
+
 from __future__ import annotations
 
 from datetime import datetime, timedelta
@@ -7,7 +8,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from . import usage_source
-from .aggregate import Cell, fold, floor_hour, merge_hists
+from .aggregate import Cell, floor_hour, fold, merge_hists
 from .models import LatencyHourly, RollupState, UsageHourly
 
 HOUR = timedelta(hours=1)
@@ -47,20 +48,41 @@ def _first_hour_to_build(state: RollupState, until: datetime, lookback_hours: in
 
 def _to_model(key, cell: Cell) -> UsageHourly:
     hour, user_id, api_key_id, model, source = key
-    return UsageHourly(hour=hour, user_id=user_id, api_key_id=api_key_id, model=model, source=source,
-                       requests=cell.requests, errors=cell.errors, rate_limited=cell.rate_limited,
-                       prompt_tokens=cell.prompt_tokens, completion_tokens=cell.completion_tokens,
-                       cached_tokens=cell.cached_tokens, ttft_ms_sum=cell.ttft_ms_sum,
-                       latency_ms_sum=cell.latency_ms_sum, ttft_hist=cell.ttft_hist,
-                       tpot_hist=cell.tpot_hist, latency_hist=cell.latency_hist)
+    return UsageHourly(
+        hour=hour,
+        user_id=user_id,
+        api_key_id=api_key_id,
+        model=model,
+        source=source,
+        requests=cell.requests,
+        errors=cell.errors,
+        rate_limited=cell.rate_limited,
+        prompt_tokens=cell.prompt_tokens,
+        completion_tokens=cell.completion_tokens,
+        cached_tokens=cell.cached_tokens,
+        ttft_ms_sum=cell.ttft_ms_sum,
+        latency_ms_sum=cell.latency_ms_sum,
+        ttft_hist=cell.ttft_hist,
+        tpot_hist=cell.tpot_hist,
+        latency_hist=cell.latency_hist,
+    )
 
 
 def _latency_rows(cells) -> list[LatencyHourly]:
     coarse: dict[tuple, Cell] = {}
     for (hour, _user, _key, model, source), cell in cells.items():
         merge_hists(coarse.setdefault((hour, model, source), Cell()), cell)
-    return [LatencyHourly(hour=hour, model=model, source=source, ttft_hist=c.ttft_hist, tpot_hist=c.tpot_hist,
-                          latency_hist=c.latency_hist) for (hour, model, source), c in coarse.items()]
+    return [
+        LatencyHourly(
+            hour=hour,
+            model=model,
+            source=source,
+            ttft_hist=c.ttft_hist,
+            tpot_hist=c.tpot_hist,
+            latency_hist=c.latency_hist,
+        )
+        for (hour, model, source), c in coarse.items()
+    ]
 
 
 def reset_rollups() -> None:

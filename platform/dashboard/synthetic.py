@@ -5,6 +5,7 @@ long tail, API traffic with keys, interactive playground chats with prefix-cache
 bursts, log-normal token counts and latencies that grow with prompt length and load, and a few
 per cent of 429s and errors.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,14 +31,21 @@ USERNAME_PREFIX = "demo-user-"
 @dataclass
 class DemoUser:
     user: object
-    weight: float            # share of all traffic
+    weight: float  # share of all traffic
     sources: dict[str, float]  # source -> share of this user's traffic
     key_ids: list[int]
-    model: str               # favourite model
+    model: str  # favourite model
 
 
-def generate(*, days: int = 30, users: int = 12, requests_per_day: int = 2000, seed: int = 0,
-             now: datetime | None = None, progress=None) -> int:
+def generate(
+    *,
+    days: int = 30,
+    users: int = 12,
+    requests_per_day: int = 2000,
+    seed: int = 0,
+    now: datetime | None = None,
+    progress=None,
+) -> int:
     """Create demo users, API keys and `days` of usage ending now; returns the number of rows."""
     rng = random.Random(seed)
     now = now or timezone.now()
@@ -82,16 +90,31 @@ def generate_batches(*, count: int = 10, seed: int = 0, now: datetime | None = N
             total = rng.randint(50, 2000)
             done = total if status == Batch.Status.COMPLETED else rng.randint(0, total // 2)
             batch = Batch.objects.create(
-                user=owners[i % len(owners)], input_file_public_id=f"file-demo{i:04d}",
-                endpoint="/v1/chat/completions", status=status, total=total, completed=done,
-                failed=rng.randint(0, 3) if done else 0, expires_at=created + timedelta(hours=24),
-                in_progress_at=created + timedelta(seconds=5), metadata={"demo": True})
+                user=owners[i % len(owners)],
+                input_file_public_id=f"file-demo{i:04d}",
+                endpoint="/v1/chat/completions",
+                status=status,
+                total=total,
+                completed=done,
+                failed=rng.randint(0, 3) if done else 0,
+                expires_at=created + timedelta(hours=24),
+                in_progress_at=created + timedelta(seconds=5),
+                metadata={"demo": True},
+            )
             Batch.objects.filter(pk=batch.pk).update(created_at=created)
             if status == Batch.Status.IN_PROGRESS:
                 BatchLine.objects.bulk_create(
-                    BatchLine(batch=batch, line_number=n, custom_id=f"demo-{n}", url="/v1/chat/completions", body={},
-                              status="completed", finished_at=now - timedelta(seconds=rng.uniform(0, 58)))
-                    for n in range(90))
+                    BatchLine(
+                        batch=batch,
+                        line_number=n,
+                        custom_id=f"demo-{n}",
+                        url="/v1/chat/completions",
+                        body={},
+                        status="completed",
+                        finished_at=now - timedelta(seconds=rng.uniform(0, 58)),
+                    )
+                    for n in range(90)
+                )
     return count
 
 
@@ -100,18 +123,24 @@ def _demo_user(i: int, rng: random.Random) -> DemoUser:
     from accounts.services import create_api_key
 
     user, created = get_user_model().objects.get_or_create(
-        username=f"{USERNAME_PREFIX}{i + 1:02d}", defaults={"email": f"demo{i + 1}@example.com"})
+        username=f"{USERNAME_PREFIX}{i + 1:02d}", defaults={"email": f"demo{i + 1}@example.com"}
+    )
     if created:
         user.set_unusable_password()
         user.save(update_fields=["password"])
     kind = ("api", "playground", "mixed", "batch")[i % 4]
-    sources = {"api": {"api": 0.9, "playground": 0.1}, "playground": {"playground": 0.95, "api": 0.05},
-               "mixed": {"api": 0.5, "playground": 0.3, "batch": 0.2}, "batch": {"batch": 0.7, "api": 0.3}}[kind]
+    sources = {
+        "api": {"api": 0.9, "playground": 0.1},
+        "playground": {"playground": 0.95, "api": 0.05},
+        "mixed": {"api": 0.5, "playground": 0.3, "batch": 0.2},
+        "batch": {"batch": 0.7, "api": 0.3},
+    }[kind]
     keys = list(ApiKey.objects.filter(user=user).values_list("pk", flat=True))
     if not keys and kind != "playground":
         keys = [create_api_key(user, name=name)[0].pk for name in ("production", "staging")[: 1 + i % 2]]
-    return DemoUser(user=user, weight=1.0 / (i + 1) ** 1.1, sources=sources, key_ids=keys,
-                    model=list(MODELS)[i % len(MODELS)])
+    return DemoUser(
+        user=user, weight=1.0 / (i + 1) ** 1.1, sources=sources, key_ids=keys, model=list(MODELS)[i % len(MODELS)]
+    )
 
 
 def _load(hour: datetime) -> float:
@@ -139,14 +168,25 @@ def _record(rng: random.Random, who: DemoUser, at: datetime, hour: datetime) -> 
     key_id = rng.choice(who.key_ids) if source == "api" and who.key_ids else None
     prompt = max(1, int(rng.lognormvariate(math.log({"playground": 180, "api": 450, "batch": 900}[source]), 0.8)))
     status = _status(rng, source, _load(hour))
-    fields = dict(user=who.user, api_key_id=key_id, source=source, model=model, created_at=at,
-                  endpoint="/v1/completions" if source == "api" and rng.random() < 0.2 else "/v1/chat/completions",
-                  request_id=f"synthetic-{rng.getrandbits(64):016x}", prompt_tokens=prompt, status_code=status)
+    fields = dict(
+        user=who.user,
+        api_key_id=key_id,
+        source=source,
+        model=model,
+        created_at=at,
+        endpoint="/v1/completions" if source == "api" and rng.random() < 0.2 else "/v1/chat/completions",
+        request_id=f"synthetic-{rng.getrandbits(64):016x}",
+        prompt_tokens=prompt,
+        status_code=status,
+    )
     if source == "playground":
         fields["endpoint"] = "playground"
     if status >= 400:
-        return UsageRecord(**fields, error_code=_error_code(status),
-                           latency_ms=round(rng.uniform(2, 15) if status != 500 else rng.uniform(50, 3000), 2))
+        return UsageRecord(
+            **fields,
+            error_code=_error_code(status),
+            latency_ms=round(rng.uniform(2, 15) if status != 500 else rng.uniform(50, 3000), 2),
+        )
     return UsageRecord(**fields, **_served(rng, source, model, prompt, _load(hour)))
 
 
@@ -169,11 +209,15 @@ def _served(rng: random.Random, source: str, model: str, prompt: int, load: floa
     _, tpot_median, prefill_per_token = MODELS[model]
     completion = max(1, int(rng.lognormvariate(math.log({"playground": 220, "api": 140, "batch": 300}[source]), 0.7)))
     cached = int(prompt * rng.uniform(0.4, 0.9)) if source == "playground" and rng.random() < 0.7 else 0
-    queueing = rng.expovariate(1 / (5 + 40 * load ** 2))
+    queueing = rng.expovariate(1 / (5 + 40 * load**2))
     ttft = (15 + (prompt - cached) * prefill_per_token) * rng.lognormvariate(0, 0.25) + queueing
     tpot = tpot_median * (0.8 + 0.3 * load) * rng.lognormvariate(0, 0.15)
-    return {"completion_tokens": completion, "cached_tokens": cached, "ttft_ms": round(ttft, 3),
-            "latency_ms": round(ttft + (completion - 1) * tpot, 3)}
+    return {
+        "completion_tokens": completion,
+        "cached_tokens": cached,
+        "ttft_ms": round(ttft, 3),
+        "latency_ms": round(ttft + (completion - 1) * tpot, 3),
+    }
 
 
 @contextlib.contextmanager

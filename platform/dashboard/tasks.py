@@ -1,4 +1,5 @@
 """Periodic roll-up (Celery beat: settings.CELERY_BEAT_SCHEDULE["dashboard-roll-up-usage"])."""
+
 from celery import shared_task
 
 from . import services

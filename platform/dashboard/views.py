@@ -1,4 +1,5 @@
 """Staff-only dashboard page and its JSON feeds; everyone else gets 404 (the page does not exist for them)."""
+
 from __future__ import annotations
 
 from functools import wraps
@@ -46,20 +47,22 @@ def user_page(request, user_id: int):
 @require_GET
 def usage_json(request):
     window = _window(request)
-    return JsonResponse({
-        "window": {"start": window.start.isoformat(), "end": window.end.isoformat(), "bucket": window.bucket},
-        "totals": selectors.totals(window),
-        "over_time": selectors.usage_over_time(window),
-        "by_model": selectors.breakdown(window, "model"),
-        "by_source": selectors.breakdown(window, "source"),
-        "model_over_time": selectors.usage_over_time_by(window, "model"),
-        "source_over_time": selectors.usage_over_time_by(window, "source"),
-        "top_users": selectors.top_users(window),
-        "top_api_keys": selectors.top_api_keys(window),
-        "latency_over_time": selectors.latency_over_time(window),
-        "quotas": selectors.users_near_quota(),
-        "batches": selectors.batch_summary(),
-    })
+    return JsonResponse(
+        {
+            "window": {"start": window.start.isoformat(), "end": window.end.isoformat(), "bucket": window.bucket},
+            "totals": selectors.totals(window),
+            "over_time": selectors.usage_over_time(window),
+            "by_model": selectors.breakdown(window, "model"),
+            "by_source": selectors.breakdown(window, "source"),
+            "model_over_time": selectors.usage_over_time_by(window, "model"),
+            "source_over_time": selectors.usage_over_time_by(window, "source"),
+            "top_users": selectors.top_users(window),
+            "top_api_keys": selectors.top_api_keys(window),
+            "latency_over_time": selectors.latency_over_time(window),
+            "quotas": selectors.users_near_quota(),
+            "batches": selectors.batch_summary(),
+        }
+    )
 
 
 @staff_or_404
@@ -67,9 +70,12 @@ def usage_json(request):
 def user_json(request, user_id: int):
     user = get_object_or_404(get_user_model(), pk=user_id)
     window = _window(request)
-    return JsonResponse({"window": {"start": window.start.isoformat(), "end": window.end.isoformat(),
-                                    "bucket": window.bucket},
-                         **selectors.user_drilldown(user, window)})
+    return JsonResponse(
+        {
+            "window": {"start": window.start.isoformat(), "end": window.end.isoformat(), "bucket": window.bucket},
+            **selectors.user_drilldown(user, window),
+        }
+    )
 
 
 @staff_or_404

@@ -19,6 +19,7 @@ worker serving the request's model, is reported as an error event, never as an e
 Liveness.verdict is that rule, shared by both streams and the batch collector. Folding events
 into a whole answer is the generation service's (generation.result.Result).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,11 +46,13 @@ LIVENESS_FIELDS = ("served_model_names", "model")
 
 # ---------------------------------------------------------------- rules shared by both clients
 
+
 class Liveness:
     """Whether waiting longer for one request is pointless: timeout, its worker died, nobody serves it."""
 
-    def __init__(self, model: str | None = None, *, no_worker_grace: float = NO_WORKER_GRACE_S,
-                 timeout: float | None = None):
+    def __init__(
+        self, model: str | None = None, *, no_worker_grace: float = NO_WORKER_GRACE_S, timeout: float | None = None
+    ):
         self.model = model  # None: any live worker counts
         self.worker_id: str | None = None
         self.started = time.monotonic()
@@ -68,16 +71,19 @@ class Liveness:
             return protocol.error_event("timeout", f"no result within {self.timeout:g}s")
         if self.worker_id:
             if self.worker_id not in live:
-                return protocol.error_event("worker_lost",
-                                            f"engine worker {self.worker_id} stopped responding mid-request")
+                return protocol.error_event(
+                    "worker_lost", f"engine worker {self.worker_id} stopped responding mid-request"
+                )
             return None
         if any(self.model is None or self.model in names for names in live.values()):
             self.no_worker_since = None
             return None
         self.no_worker_since = self.no_worker_since or now
         if now - self.no_worker_since >= self.no_worker_grace:
-            return protocol.error_event("no_worker", "no engine worker is running" if self.model is None
-                                        else f"no engine worker is serving '{self.model}'")
+            return protocol.error_event(
+                "no_worker",
+                "no engine worker is running" if self.model is None else f"no engine worker is serving '{self.model}'",
+            )
         return None
 
 
@@ -113,8 +119,11 @@ def _unpack(entries) -> tuple[str | None, list[dict]]:
 
 def _live(ids: list[str], replies: list) -> LiveWorkers:
     """Live workers from their ids and an HMGET of (served_model_names, model) each; both None: no key."""
-    return {w: cast(list[str], protocol.decode(names)) if names is not None else [_text(model)]
-            for w, (names, model) in zip(ids, replies) if names is not None or model is not None}
+    return {
+        w: cast(list[str], protocol.decode(names)) if names is not None else [_text(model)]
+        for w, (names, model) in zip(ids, replies)
+        if names is not None or model is not None
+    }
 
 
 def _abort_ops(pipe, request_id: str) -> None:
@@ -136,6 +145,7 @@ def _health(live: LiveWorkers) -> dict:
 
 
 # ---------------------------------------------------------------- the sync client
+
 
 class EngineClient:
     """Blocking client (threads, Celery tasks, management commands)."""
@@ -169,9 +179,16 @@ class EngineClient:
         _abort_ops(pipe, request_id)
         pipe.execute()
 
-    def stream(self, request_id: str, *, model: str | None = None, last_id: str = "0-0",
-               timeout: float | None = None, no_worker_grace: float = NO_WORKER_GRACE_S,
-               include_control: bool = False) -> Iterator[dict]:
+    def stream(
+        self,
+        request_id: str,
+        *,
+        model: str | None = None,
+        last_id: str = "0-0",
+        timeout: float | None = None,
+        no_worker_grace: float = NO_WORKER_GRACE_S,
+        include_control: bool = False,
+    ) -> Iterator[dict]:
         """Yield the request's events until one terminal event (finish or error) has been yielded.
 
         last_id resumes after an earlier event's "entry_id" (a reconnecting browser); "0-0" replays all.
@@ -255,6 +272,7 @@ class EngineClient:
 
 # ---------------------------------------------------------------- the async client
 
+
 class AsyncEngineClient:
     """Non-blocking client (ASGI views, Channels consumers): one per event loop.
 
@@ -295,9 +313,16 @@ class AsyncEngineClient:
         _abort_ops(pipe, request_id)
         await pipe.execute()
 
-    async def stream(self, request_id: str, *, model: str | None = None, last_id: str = "0-0",
-                     timeout: float | None = None, no_worker_grace: float = NO_WORKER_GRACE_S,
-                     include_control: bool = False) -> AsyncIterator[dict]:
+    async def stream(
+        self,
+        request_id: str,
+        *,
+        model: str | None = None,
+        last_id: str = "0-0",
+        timeout: float | None = None,
+        no_worker_grace: float = NO_WORKER_GRACE_S,
+        include_control: bool = False,
+    ) -> AsyncIterator[dict]:
         """As EngineClient.stream."""
         liveness = Liveness(model, no_worker_grace=no_worker_grace, timeout=timeout)
         key = protocol.output_stream(request_id)
@@ -387,8 +412,10 @@ class StreamHub:
         try:
             while self.by_key:
                 self.wake_sent = False  # whoever subscribes after this query is built has to wake the XREAD
-                query: dict[KeyT, StreamIdT] = {key: "%d-%d" % min(sub.last_id for sub in subscriptions.values())
-                                                 for key, subscriptions in self.by_key.items()}
+                query: dict[KeyT, StreamIdT] = {
+                    key: "%d-%d" % min(sub.last_id for sub in subscriptions.values())
+                    for key, subscriptions in self.by_key.items()
+                }
                 for subscriptions in self.by_key.values():
                     for sub in subscriptions.values():
                         sub.in_query = True
@@ -418,8 +445,12 @@ class StreamHub:
 
     async def _tick_quiet(self) -> None:
         now = time.monotonic()
-        quiet = [(inbox, sub) for subscriptions in self.by_key.values() for inbox, sub in subscriptions.items()
-                 if now - sub.seen >= POLL_MS / 1000]
+        quiet = [
+            (inbox, sub)
+            for subscriptions in self.by_key.values()
+            for inbox, sub in subscriptions.items()
+            if now - sub.seen >= POLL_MS / 1000
+        ]
         if not quiet:
             return
         tick = _Tick(await self.engine.live_workers())

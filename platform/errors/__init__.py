@@ -5,13 +5,26 @@ OpenAI envelope on /v1, also what the middleware calls), chat.consumers.error_fr
 playground websocket), and the batch runner stores the /v1 envelope as a line's error.
 No Django here, so every layer (quotas, chat, batches, the generation service) may import it.
 """
+
 from __future__ import annotations
 
 # OpenAI's error "type" for each status; a subclass may name its own (insufficient_quota).
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
-         413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-         499: "invalid_request_error", 500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
 
 
 class ServiceError(Exception):
@@ -20,8 +33,16 @@ class ServiceError(Exception):
     status = 400
     code = "invalid_request"
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
-                 status: int | None = None, headers: dict[str, str] | None = None, type: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        status: int | None = None,
+        headers: dict[str, str] | None = None,
+        type: str | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.code = code or self.code
@@ -70,8 +91,12 @@ class QuotaExceeded(ServiceError):
     def __init__(self, message: str, *, code: str, retry_after: int, headers: dict[str, str], limit: str):
         self.retry_after = max(1, int(retry_after))
         self.limit = limit
-        super().__init__(message, code=code, headers={**headers, "Retry-After": str(self.retry_after)},
-                         type="insufficient_quota" if code == "insufficient_quota" else None)
+        super().__init__(
+            message,
+            code=code,
+            headers={**headers, "Retry-After": str(self.retry_after)},
+            type="insufficient_quota" if code == "insufficient_quota" else None,
+        )
 
 
 class EngineUnavailable(ServiceError):
@@ -83,9 +108,15 @@ class EngineUnavailable(ServiceError):
 
 # An engine stream's error event -> (status, the code callers see). The protocol's codes are
 # docs/protocol.md's; "no_worker" is the same refusal as EngineUnavailable up front.
-ENGINE_ERRORS = {"invalid_request": (400, "invalid_request"), "no_worker": (503, "engine_unavailable"),
-                 "worker_lost": (503, "worker_lost"), "worker_shutdown": (503, "worker_shutdown"),
-                 "expired": (503, "expired"), "timeout": (504, "timeout"), "engine_error": (500, "engine_error")}
+ENGINE_ERRORS = {
+    "invalid_request": (400, "invalid_request"),
+    "no_worker": (503, "engine_unavailable"),
+    "worker_lost": (503, "worker_lost"),
+    "worker_shutdown": (503, "worker_shutdown"),
+    "expired": (503, "expired"),
+    "timeout": (504, "timeout"),
+    "engine_error": (500, "engine_error"),
+}
 
 
 class EngineFailure(ServiceError):

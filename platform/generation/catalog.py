@@ -3,6 +3,7 @@
 Requests are routed by model name (docs/protocol.md), so every front door builds a prompt with
 the tokenizer of the model that will run it and refuses a name nobody serves.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,11 +28,13 @@ def models_from_workers(workers: list[dict]) -> dict[str, dict]:
         config = worker.get("config") or {}
         for name in worker.get("served_model_names") or [worker.get("model")]:
             if name and name not in models:
-                models[name] = {"max_model_len": config.get("max_model_len"),
-                                "model_path": config.get("model_path") or str(settings.MODEL),
-                                "created": int(worker.get("started_at", 0)),
-                                "task": config.get("task") or "generate",  # "embed": an encoder's embeddings
-                                "pooling": config.get("pooling")}  # an embedding model's sizes
+                models[name] = {
+                    "max_model_len": config.get("max_model_len"),
+                    "model_path": config.get("model_path") or str(settings.MODEL),
+                    "created": int(worker.get("started_at", 0)),
+                    "task": config.get("task") or "generate",  # "embed": an encoder's embeddings
+                    "pooling": config.get("pooling"),
+                }  # an embedding model's sizes
     return models
 
 
@@ -47,8 +50,7 @@ def known_models() -> dict[str, dict]:
         models = models_from_workers(engine.client().workers(max_age=WORKERS_MAX_AGE_S))
     except Exception:
         models = {}
-    models.setdefault(configured_model_name(), {"max_model_len": None, "model_path": str(settings.MODEL),
-                                                "created": 0})
+    models.setdefault(configured_model_name(), {"max_model_len": None, "model_path": str(settings.MODEL), "created": 0})
     return models
 
 
@@ -66,5 +68,6 @@ def resolve_model(name: str) -> dict:
         return models[name]
     if not workers and name == configured_model_name():
         raise EngineUnavailable("No engine worker is running; try again shortly.")
-    raise NotFound(f"The model '{name}' does not exist or no engine worker is serving it.", param="model",
-                   code="model_not_found")
+    raise NotFound(
+        f"The model '{name}' does not exist or no engine worker is serving it.", param="model", code="model_not_found"
+    )

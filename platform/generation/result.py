@@ -4,6 +4,7 @@ Times come from the events' Redis stream entry ids (the time the worker wrote ea
 request followed live (SSE, websocket) and one polled coarsely (a batch line) measure the same
 thing the same way.
 """
+
 from __future__ import annotations
 
 import time

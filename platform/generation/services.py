@@ -16,6 +16,7 @@ are adapters around these calls. Every metric has one definition, stored on the 
 The worker's write times are its output stream's entry ids, so a request followed token by
 token and a batch line polled once a second measure the same way.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -150,6 +151,7 @@ _large_admissions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="genera
 async def on_bookkeeping_thread(fn: Callable[..., T], /, *args, large: bool = False, **kwargs) -> T:
     """fn(*args, **kwargs) on the bookkeeping thread (large: the large-admission one), awaited: two
     thread hops, the event loop's to that thread and the result's (or exception's) back to the loop."""
+
     def run() -> T:
         close_old_connections()  # this thread never sees request_finished: honour CONN_MAX_AGE here
         return fn(*args, **kwargs)
@@ -160,20 +162,32 @@ async def on_bookkeeping_thread(fn: Callable[..., T], /, *args, large: bool = Fa
 
 # ---------------------------------------------------------------- admit, submit
 
+
 def admit(gen: Generation, *, plan=None) -> None:
     """Reserve prompt + n x max_tokens of the user's quota (QuotaExceeded / PlanViolation)."""
     plan = plan or quotas.plan_for(gen.user)
     gen.share = plan.share
-    gen.reservation = quotas.reserve(gen.user, gen.model, gen.prompt_token_count, gen.max_tokens * gen.num_choices,
-                                     gen.source, plan=plan)
+    gen.reservation = quotas.reserve(
+        gen.user, gen.model, gen.prompt_token_count, gen.max_tokens * gen.num_choices, gen.source, plan=plan
+    )
 
 
 def _engine_requests(gen: Generation) -> list[dict]:
-    return [dict(model=gen.model, prompt_token_ids=prompt, sampling_params=gen.sampling_params,
-                 priority_class=PRIORITY_CLASSES[gen.source], priority=gen.priority,
-                 user=getattr(gen.user, "pk", None), request_id=request_id, pooling_params=gen.pooling_params,
-                 tenant=getattr(gen.user, "pk", None), weight=gen.share)
-            for request_id, prompt in zip(gen.engine_request_ids, gen.prompts)]
+    return [
+        dict(
+            model=gen.model,
+            prompt_token_ids=prompt,
+            sampling_params=gen.sampling_params,
+            priority_class=PRIORITY_CLASSES[gen.source],
+            priority=gen.priority,
+            user=getattr(gen.user, "pk", None),
+            request_id=request_id,
+            pooling_params=gen.pooling_params,
+            tenant=getattr(gen.user, "pk", None),
+            weight=gen.share,
+        )
+        for request_id, prompt in zip(gen.engine_request_ids, gen.prompts)
+    ]
 
 
 def submit(gen: Generation, *, lease_id: str | None = None) -> None:
@@ -200,6 +214,7 @@ async def abort(gen: Generation) -> None:
 
 
 # ---------------------------------------------------------------- follow
+
 
 async def follow(gen: Generation, *, timeout: float | None = None) -> AsyncIterator[dict]:
     """The generation's engine events in order, each already in gen.result, ending with one
@@ -247,9 +262,11 @@ async def _events(gen: Generation, timeout: float | None):
 
 
 def _summed(total: protocol.Usage, part: dict) -> protocol.Usage:
-    return {"prompt_tokens": total["prompt_tokens"] + part.get("prompt_tokens", 0),
-            "completion_tokens": total["completion_tokens"] + part.get("completion_tokens", 0),
-            "cached_tokens": total["cached_tokens"] + part.get("cached_tokens", 0)}
+    return {
+        "prompt_tokens": total["prompt_tokens"] + part.get("prompt_tokens", 0),
+        "completion_tokens": total["completion_tokens"] + part.get("completion_tokens", 0),
+        "cached_tokens": total["cached_tokens"] + part.get("cached_tokens", 0),
+    }
 
 
 def _for_prompt(event: dict, prompt_index: int, n: int) -> dict:
@@ -303,6 +320,7 @@ def finish(gen: Generation, *, save: Save | None = None) -> bool:
     batch line; False when another follower already ended it), the usage row in the same
     transaction, then the quota settlement with what was really used. False if already ended.
     A save that raises (a database error) leaves it unfinished, so the caller may try again."""
+
     def end() -> bool:
         ended = not gen.finished and (save is None or save(gen))
         if ended and gen.user is not None:
@@ -318,10 +336,23 @@ def finish(gen: Generation, *, save: Save | None = None) -> bool:
 def record(gen: Generation) -> None:
     prompt_tokens, completion_tokens = gen.charged_tokens()
     status_code, error_code = gen.outcome
-    record_usage(user=gen.user, api_key=gen.api_key, source=gen.source, endpoint=gen.endpoint, model=gen.model,
-                 request_id=gen.request_id, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 cached_tokens=gen.result.cached_tokens, ttft_ms=gen.ttft_ms, engine_ttft_ms=gen.engine_ttft_ms,
-                 latency_ms=gen.latency_ms, status_code=status_code, error_code=error_code, end_user=gen.end_user)
+    record_usage(
+        user=gen.user,
+        api_key=gen.api_key,
+        source=gen.source,
+        endpoint=gen.endpoint,
+        model=gen.model,
+        request_id=gen.request_id,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        cached_tokens=gen.result.cached_tokens,
+        ttft_ms=gen.ttft_ms,
+        engine_ttft_ms=gen.engine_ttft_ms,
+        latency_ms=gen.latency_ms,
+        status_code=status_code,
+        error_code=error_code,
+        end_user=gen.end_user,
+    )
 
 
 def release(gen: Generation) -> None:

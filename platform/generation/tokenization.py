@@ -1,4 +1,5 @@
 """The served model's tokenizer in the web tier: chat templates and token counts for quotas."""
+
 from __future__ import annotations
 
 import json
@@ -55,8 +56,11 @@ def chat_prompt_ids(path: str, messages: list[dict], tools: list[dict] | None = 
     """
     tok = tokenizer_for(path)
     if not getattr(tok, "chat_template", None):
-        raise InvalidRequest("This model's tokenizer has no chat template; use /v1/completions with a prompt.",
-                             param="messages", code="no_chat_template")
+        raise InvalidRequest(
+            "This model's tokenizer has no chat template; use /v1/completions with a prompt.",
+            param="messages",
+            code="no_chat_template",
+        )
     messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
     template = _template_source(tok)
     extra = {}
@@ -69,8 +73,9 @@ def chat_prompt_ids(path: str, messages: list[dict], tools: list[dict] | None = 
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     except (TemplateError, TypeError) as exc:  # TypeError: a template adding a null content to a string
-        raise InvalidRequest(f"The model's chat template refused these messages: {exc}", param="messages",
-                             code="chat_template_error") from None
+        raise InvalidRequest(
+            f"The model's chat template refused these messages: {exc}", param="messages", code="chat_template_error"
+        ) from None
     # The template writes the BOS token itself; adding special tokens again would double it.
     return list(tok.encode(text, add_special_tokens=False))
 
@@ -86,9 +91,14 @@ def _with_argument_objects(message: dict, i: int) -> dict:
     """HF templates take a call's arguments as an object (they tojson it); OpenAI sends JSON text."""
     if not message.get("tool_calls"):
         return message
-    calls = [{**call, "type": "function", "function": {"name": call["function"]["name"],
-                                                       "arguments": _arguments(call, i, j)}}
-             for j, call in enumerate(message["tool_calls"])]
+    calls = [
+        {
+            **call,
+            "type": "function",
+            "function": {"name": call["function"]["name"], "arguments": _arguments(call, i, j)},
+        }
+        for j, call in enumerate(message["tool_calls"])
+    ]
     return {**message, "tool_calls": calls}
 
 
@@ -99,8 +109,9 @@ def _arguments(call: dict, i: int, j: int):
     try:
         return json.loads(arguments) if arguments.strip() else {}
     except ValueError:
-        raise InvalidRequest("A tool call's arguments must be JSON text.",
-                             param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
+        raise InvalidRequest(
+            "A tool call's arguments must be JSON text.", param=f"messages[{i}].tool_calls[{j}].function.arguments"
+        ) from None
 
 
 # Qwen2.5's wording of the Hermes convention, for templates that know nothing of tools.
@@ -192,7 +203,12 @@ def tokenizer_info(path: str) -> dict:
     """vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template."""
     tok = tokenizer_for(path)
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
-    return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-            "pad_token": tok.pad_token, "unk_token": tok.unk_token,
-            "model_max_length": tok.model_max_length if tok.model_max_length < 10**9 else None,
-            "chat_template": template}
+    return {
+        "tokenizer_class": type(tok).__name__,
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": tok.pad_token,
+        "unk_token": tok.unk_token,
+        "model_max_length": tok.model_max_length if tok.model_max_length < 10**9 else None,
+        "chat_template": template,
+    }

@@ -4,6 +4,7 @@ The /v1 views and the batch runner both build their work here, so a batch line a
 request sent to /v1/chat/completions give the same engine request and the same response body.
 No `request` objects: the views parse HTTP and pass the body, the user and the plan in.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,12 @@ from inference import protocol
 from quotas import services as quotas
 
 from . import tool_calls
-from .serializers import UNSUPPORTED_NEUTRAL, UNSUPPORTED_PARAMS
-from .serializers import ChatCompletionRequestSerializer, CompletionRequestSerializer
+from .serializers import (
+    UNSUPPORTED_NEUTRAL,
+    UNSUPPORTED_PARAMS,
+    ChatCompletionRequestSerializer,
+    CompletionRequestSerializer,
+)
 
 log = logging.getLogger("tessera.api")
 
@@ -117,8 +122,11 @@ def add_tool_sampling(params: dict, data: dict, tools: ToolUse | None) -> None:
         return
     if tools.forced:
         if "structured_outputs" in params:
-            raise InvalidRequest("A forced tool_choice cannot be combined with response_format or structured "
-                                 "outputs: both constrain the whole answer.", param="tool_choice")
+            raise InvalidRequest(
+                "A forced tool_choice cannot be combined with response_format or structured "
+                "outputs: both constrain the whole answer.",
+                param="tool_choice",
+            )
         params["structured_outputs"] = tool_calls.forced_spec(data["tools"], tools.tool_choice, tools.parallel)
     elif tools.parser != "hermes" and data.get("skip_special_tokens") is None:
         params["skip_special_tokens"] = False
@@ -126,8 +134,19 @@ def add_tool_sampling(params: dict, data: dict, tools: ToolUse | None) -> None:
 
 # ---------------------------------------------------------------- the whole build
 
-def build_call(*, kind: str, body: dict, user, source: str = "api", endpoint: str | None = None, api_key=None,
-               models: dict | None = None, plan=None, request_id: str | None = None) -> ApiCall:
+
+def build_call(
+    *,
+    kind: str,
+    body: dict,
+    user,
+    source: str = "api",
+    endpoint: str | None = None,
+    api_key=None,
+    models: dict | None = None,
+    plan=None,
+    request_id: str | None = None,
+) -> ApiCall:
     """Validate the body and build the engine request (errors.ServiceError for anything refused).
 
     models: the served models to look the model up in (a batch waits for workers); None asks the
@@ -144,15 +163,26 @@ def build_call(*, kind: str, body: dict, user, source: str = "api", endpoint: st
     check_token_ids(data, len(tokenization.tokenizer_for(path)))
     shape["tools"] = tool_use(data, path) if kind == "chat" else None
     default_cap = default_max_tokens_cap(plan, n) if plan is not None and not requested else None
-    max_tokens = context_check(max(len(p) for p in prompts), requested, info.get("max_model_len"), prompt_param,
-                               default_cap)
+    max_tokens = context_check(
+        max(len(p) for p in prompts), requested, info.get("max_model_len"), prompt_param, default_cap
+    )
     params = sampling_params(data, max_tokens, shape.get("logprobs"))
     add_tool_sampling(params, data, shape["tools"])
     check_sampling_params(params)
-    gen = Generation(source=source, endpoint=endpoint or ENDPOINTS[kind], user=user, api_key=api_key, model=model,
-                     prompts=prompts, sampling_params=params, n=n, max_tokens=max_tokens,
-                     priority=data.get("priority") or 0, end_user=data.get("user") or "",
-                     request_id=request_id or ID_PREFIXES[kind] + protocol.new_request_id())
+    gen = Generation(
+        source=source,
+        endpoint=endpoint or ENDPOINTS[kind],
+        user=user,
+        api_key=api_key,
+        model=model,
+        prompts=prompts,
+        sampling_params=params,
+        n=n,
+        max_tokens=max_tokens,
+        priority=data.get("priority") or 0,
+        end_user=data.get("user") or "",
+        request_id=request_id or ID_PREFIXES[kind] + protocol.new_request_id(),
+    )
     return ApiCall(kind=kind, gen=gen, **shape)
 
 
@@ -169,6 +199,7 @@ def admit(call: ApiCall, plan) -> None:
 
 # ---------------------------------------------------------------- prompts
 
+
 @lru_cache(maxsize=8)
 def longest_token_chars(path: str) -> int:
     """The most characters one token of this tokenizer can stand for: its longest vocabulary piece
@@ -182,15 +213,21 @@ def check_prompt_chars(data: dict, kind: str, path: str, max_model_len: int | No
     of C characters is at least C / longest_token_chars tokens."""
     if max_model_len is None:
         return
-    texts = ([m.get("content") for m in data["messages"]] if kind == "chat"
-             else [p for p in data["prompt"] if isinstance(p, str)])
+    texts = (
+        [m.get("content") for m in data["messages"]]
+        if kind == "chat"
+        else [p for p in data["prompt"] if isinstance(p, str)]
+    )
     chars = sum(len(t) for t in texts if isinstance(t, str)) if kind == "chat" else max(map(len, texts), default=0)
     at_least = -(-chars // longest_token_chars(path))
     if at_least >= max_model_len:
         param = "messages" if kind == "chat" else "prompt"
-        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                             f"{param} has {chars} characters, at least {at_least} tokens. Please reduce the length.",
-                             param=param, code="context_length_exceeded")
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{param} has {chars} characters, at least {at_least} tokens. Please reduce the length.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def chat_prompt(data: dict, path: str, shape: dict) -> tuple[list[list[int]], int | None, str]:
@@ -210,8 +247,11 @@ def check_tool_turns(messages: list[dict]) -> None:
     for i, message in enumerate(messages):
         called.update(call["id"] for call in message.get("tool_calls") or [])
         if message["role"] == "tool" and message["tool_call_id"] not in called:
-            raise InvalidRequest("A tool message must answer a tool call of an earlier assistant message: no call "
-                                 f"has the id {message['tool_call_id']!r}.", param=f"messages[{i}].tool_call_id")
+            raise InvalidRequest(
+                "A tool message must answer a tool call of an earlier assistant message: no call "
+                f"has the id {message['tool_call_id']!r}.",
+                param=f"messages[{i}].tool_call_id",
+            )
 
 
 def prompt_message(message: dict) -> dict:
@@ -237,8 +277,9 @@ def completion_prompt(data: dict, path: str, shape: dict) -> tuple[list[list[int
     prompts = [list(p) if isinstance(p, list) else tokenization.text_prompt_ids(path, p) for p in texts]
     shape["logprobs"], shape["echo"] = data.get("logprobs"), data.get("echo", False)
     if shape["echo"]:
-        shape["prompt_texts"] = [p if isinstance(p, str) else tokenization.decode(path, ids)
-                                 for p, ids in zip(texts, prompts)]
+        shape["prompt_texts"] = [
+            p if isinstance(p, str) else tokenization.decode(path, ids) for p, ids in zip(texts, prompts)
+        ]
     # The engine always generates at least one token; with max_tokens 0 the answer leaves it out.
     shape["echo_only"] = data.get("max_tokens") == 0
     requested = 1 if shape["echo_only"] else data.get("max_tokens")
@@ -246,6 +287,7 @@ def completion_prompt(data: dict, path: str, shape: dict) -> tuple[list[list[int
 
 
 # ---------------------------------------------------------------- validation
+
 
 def validate(serializer_cls, body: dict) -> dict:
     serializer = serializer_cls(data=body)
@@ -277,13 +319,18 @@ def check_json_types(field, value, path: str = "") -> None:
             if isinstance(value, dict) and name in value:
                 check_json_types(sub, value[name], f"{path}.{name}" if path else name)
     elif isinstance(field, serializers.DictField):
-        for key, item in (value.items() if isinstance(value, dict) else []):
+        for key, item in value.items() if isinstance(value, dict) else []:
             check_json_types(field.child, item, f"{path}.{key}")
     else:
         for kind, types, name in JSON_TYPES:
-            if isinstance(field, kind) and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
-                raise InvalidRequest(f"Invalid type for '{path}': expected {name}, got {type(value).__name__} "
-                                     f"{json.dumps(value)[:40]}.", param=path, code="invalid_type")
+            if isinstance(field, kind) and (
+                not isinstance(value, types) or (bool not in types and isinstance(value, bool))
+            ):
+                raise InvalidRequest(
+                    f"Invalid type for '{path}': expected {name}, got {type(value).__name__} {json.dumps(value)[:40]}.",
+                    param=path,
+                    code="invalid_type",
+                )
 
 
 def check_known_params(body: dict, fields) -> None:
@@ -314,11 +361,27 @@ def _first_error(errors, prefix="") -> tuple[str, str]:
         return _first_error(value, path)
     return prefix or "body", str(errors)
 
+
 # ---------------------------------------------------------------- the engine request
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                   "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
 
 
@@ -350,8 +413,11 @@ def structured_outputs(data: dict) -> dict | None:
     if not given:
         return None
     source, value = given[0], data[given[0]]
-    spec = response_format_spec(value) if source == "response_format" else (
-        value if source == "structured_outputs" else {GUIDED_KINDS[source]: value})
+    spec = (
+        response_format_spec(value)
+        if source == "response_format"
+        else (value if source == "structured_outputs" else {GUIDED_KINDS[source]: value})
+    )
     check_structured_outputs(spec, source)
     return spec
 
@@ -379,12 +445,19 @@ def check_sampling_params(params: dict) -> None:
         SamplingParams(**params)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        param = message.split(" ", 1)[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
+        param = (
+            message.split(" ", 1)[0].removeprefix("SamplingParams.") if message.startswith("SamplingParams.") else None
+        )
         raise InvalidRequest(message, param=param) from None
 
 
-def context_check(longest: int, requested_max: int | None, max_model_len: int | None, prompt_param: str,
-                  default_cap: int | None = None) -> int:
+def context_check(
+    longest: int,
+    requested_max: int | None,
+    max_model_len: int | None,
+    prompt_param: str,
+    default_cap: int | None = None,
+) -> int:
     """The max_tokens to use; 400 when prompt + completion cannot fit the model's context (each prompt's).
 
     Without max_tokens a request may use the rest of the context, but no more than default_cap
@@ -394,10 +467,13 @@ def context_check(longest: int, requested_max: int | None, max_model_len: int | 
         return requested_max or min(16, default_cap or 16)
     if longest >= max_model_len or (requested_max and longest + requested_max > max_model_len):
         asked = longest + (requested_max or 0)
-        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, you "
-                             f"requested {asked} tokens ({longest} in the {prompt_param}, "
-                             f"{requested_max or 0} in the completion). Please reduce the length.",
-                             param=prompt_param, code="context_length_exceeded")
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {asked} tokens ({longest} in the {prompt_param}, "
+            f"{requested_max or 0} in the completion). Please reduce the length.",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     return requested_max or min(max_model_len - longest, default_cap or max_model_len)
 
 
@@ -409,23 +485,29 @@ def default_max_tokens_cap(plan, n: int) -> int | None:
 def check_token_ids(data: dict, vocab_size: int) -> None:
     """Token ids (and top_k) beyond the served tokenizer's vocabulary are a 400 naming the field."""
     if (data.get("top_k") or 0) > vocab_size:
-        raise InvalidRequest(f"top_k must be at most the vocabulary size ({vocab_size}), or -1 for all tokens.",
-                             param="top_k")
+        raise InvalidRequest(
+            f"top_k must be at most the vocabulary size ({vocab_size}), or -1 for all tokens.", param="top_k"
+        )
     for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
         outside = [t for t in (data.get(name) or []) if t >= vocab_size]
         if outside:
-            raise InvalidRequest(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}",
-                                 param=name)
+            raise InvalidRequest(
+                f"{name} has token ids outside the vocabulary [0, {vocab_size}): {outside[:5]}", param=name
+            )
 
 
 def check_prompt_token_ids(prompts: list, vocab_size: int) -> None:
     """A token prompt must stay inside the vocabulary (echo decodes it here; the engine would refuse it)."""
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, list) and max(prompt) >= vocab_size:
-            raise InvalidRequest(f"The prompt has token ids outside the vocabulary [0, {vocab_size}).",
-                                 param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
+            raise InvalidRequest(
+                f"The prompt has token ids outside the vocabulary [0, {vocab_size}).",
+                param="prompt" if len(prompts) == 1 else f"prompt[{i}]",
+            )
+
 
 # ---------------------------------------------------------------- vLLM's tokenizer routes
+
 
 def tokenizer_model(name: str | None, models: dict) -> tuple[str, int | None]:
     """(tokenizer path, max_model_len) of a served model; the configured model when none is named.
@@ -437,8 +519,9 @@ def tokenizer_model(name: str | None, models: dict) -> tuple[str, int | None]:
         return models[name].get("model_path") or str(settings.MODEL), models[name].get("max_model_len")
     if name == catalog.configured_model_name():
         return str(settings.MODEL), None
-    raise NotFound(f"The model '{name}' does not exist or no engine worker is serving it.", param="model",
-                   code="model_not_found")
+    raise NotFound(
+        f"The model '{name}' does not exist or no engine worker is serving it.", param="model", code="model_not_found"
+    )
 
 
 def tokenize_body(data: dict, path: str, max_model_len: int | None) -> dict:
@@ -450,8 +533,7 @@ def detokenize_body(data: dict, path: str) -> dict:
     vocab = len(tokenization.tokenizer_for(path))
     bad = next((i for i, t in enumerate(data["tokens"]) if t >= vocab), None)
     if bad is not None:
-        raise InvalidRequest(f"token id {data['tokens'][bad]} is outside the vocabulary (size {vocab}).",
-                             param=f"tokens[{bad}]")
+        raise InvalidRequest(
+            f"token id {data['tokens'][bad]} is outside the vocabulary (size {vocab}).", param=f"tokens[{bad}]"
+        )
     return {"prompt": tokenization.decode(path, data["tokens"])}
-
-

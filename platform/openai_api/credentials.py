@@ -1,10 +1,12 @@
 """Who a /v1 request is: its API key's row, the key's user and their plan, cached in each web process.
 
-Looking them up took two ORM queries, about half of an admission (docs/architecture.md). Every save or delete of an ApiKey, a User, a Plan or a UserPlan empties this process's
-cache at once and, once it commits, moves a counter in Redis that every lookup reads (one GET), so
-a revoked key, a deactivated user or a changed plan is refused or applied by every web process on
-its next request. Only accepted keys are cached: a refused one is looked up again every time.
+Looking them up took two ORM queries, about half of an admission (docs/architecture.md). Every save or
+delete of an ApiKey, a User, a Plan or a UserPlan empties this process's cache at once and, once it
+commits, moves a counter in Redis that every lookup reads (one GET), so a revoked key, a deactivated
+user or a changed plan is refused or applied by every web process on its next request. Only accepted
+keys are cached: a refused one is looked up again every time.
 """
+
 from __future__ import annotations
 
 from django.contrib.auth import get_user_model

@@ -4,6 +4,7 @@ and the finished Result -> OpenAI's embedding list.
 The view and the batch runner both build here, so a batch line and the same request sent to
 /v1/embeddings give the same engine requests and the same body. No `request` objects.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -51,17 +52,30 @@ def build_call(*, body: dict, user, source: str = "api", api_key=None, models: d
     pooling_params = {"dimensions": data["dimensions"]} if data.get("dimensions") is not None else {}
     check_dimensions(data.get("dimensions"), info.get("pooling") or {})
     prompts = input_ids(data["input"], info["model_path"], info.get("max_model_len"))
-    gen = Generation(source=source, endpoint=ENDPOINT, user=user, api_key=api_key, model=model, prompts=prompts,
-                     sampling_params={}, pooling_params=pooling_params, max_tokens=0,
-                     end_user=data.get("user") or "", request_id=ID_PREFIX + protocol.new_request_id())
+    gen = Generation(
+        source=source,
+        endpoint=ENDPOINT,
+        user=user,
+        api_key=api_key,
+        model=model,
+        prompts=prompts,
+        sampling_params={},
+        pooling_params=pooling_params,
+        max_tokens=0,
+        end_user=data.get("user") or "",
+        request_id=ID_PREFIX + protocol.new_request_id(),
+    )
     return EmbeddingCall(gen=gen, encoding_format=data["encoding_format"])
 
 
 def check_embedding_model(model: str, info: dict) -> None:
     if info.get("task") != protocol.EMBED_TASK:
-        raise InvalidRequest(f"The model '{model}' does not support embeddings: it generates text. "
-                             "Use /v1/chat/completions or /v1/completions, or an embedding model.",
-                             param="model", code="model_not_supported")
+        raise InvalidRequest(
+            f"The model '{model}' does not support embeddings: it generates text. "
+            "Use /v1/chat/completions or /v1/completions, or an embedding model.",
+            param="model",
+            code="model_not_supported",
+        )
 
 
 def check_dimensions(dimensions: int | None, pooling: dict) -> None:
@@ -70,13 +84,17 @@ def check_dimensions(dimensions: int | None, pooling: dict) -> None:
     if dimensions is None or dimensions == size:
         return
     if allowed is None:
-        raise InvalidRequest(f"This model does not support 'dimensions': its embeddings have {size} dimensions "
-                             "and it was not trained for shorter ones.", param="dimensions",
-                             code="unsupported_parameter")
+        raise InvalidRequest(
+            f"This model does not support 'dimensions': its embeddings have {size} dimensions "
+            "and it was not trained for shorter ones.",
+            param="dimensions",
+            code="unsupported_parameter",
+        )
     if (size and dimensions > size) or (allowed and dimensions not in allowed):
         sizes = ", ".join(map(str, allowed)) if allowed else f"1 to {size}"
-        raise InvalidRequest(f"Invalid value for 'dimensions': this model gives {sizes}; got {dimensions}.",
-                             param="dimensions")
+        raise InvalidRequest(
+            f"Invalid value for 'dimensions': this model gives {sizes}; got {dimensions}.", param="dimensions"
+        )
 
 
 def input_ids(inputs: list, path: str, max_model_len: int | None) -> list[list[int]]:
@@ -94,9 +112,12 @@ def input_ids(inputs: list, path: str, max_model_len: int | None) -> list[list[i
             if max(ids) >= vocab:
                 raise InvalidRequest(f"The input has token ids outside the vocabulary [0, {vocab}).", param=param)
         if max_model_len is not None and len(ids) > max_model_len:
-            raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens, however you "
-                                 f"requested {len(ids)} tokens in the input. Please reduce the length.",
-                                 param=param, code="context_length_exceeded")
+            raise InvalidRequest(
+                f"This model's maximum context length is {max_model_len} tokens, however you "
+                f"requested {len(ids)} tokens in the input. Please reduce the length.",
+                param=param,
+                code="context_length_exceeded",
+            )
         prompts.append(ids)
     return prompts
 
@@ -107,22 +128,32 @@ def check_chars(text: str, path: str, max_model_len: int | None, param: str) -> 
         return
     at_least = -(-len(text) // calls.longest_token_chars(path))
     if at_least > max_model_len:
-        raise InvalidRequest(f"This model's maximum context length is {max_model_len} tokens. However, the input "
-                             f"has {len(text)} characters, at least {at_least} tokens. Please reduce the length.",
-                             param=param, code="context_length_exceeded")
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, the input "
+            f"has {len(text)} characters, at least {at_least} tokens. Please reduce the length.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def response_body(call: EmbeddingCall, result: Result) -> dict:
     """OpenAI's embedding list: one entry per input, in input order, and the prompt tokens used."""
     missing = [i for i in range(len(call.gen.prompts)) if i not in result.embeddings]
     if missing:
-        raise ServiceError(f"The engine finished without the embedding of input {missing[0]}.", status=500,
-                           code="engine_error")
-    data = [{"object": "embedding", "index": i, "embedding": vector(result.embeddings[i], call.encoding_format)}
-            for i in range(len(call.gen.prompts))]
+        raise ServiceError(
+            f"The engine finished without the embedding of input {missing[0]}.", status=500, code="engine_error"
+        )
+    data = [
+        {"object": "embedding", "index": i, "embedding": vector(result.embeddings[i], call.encoding_format)}
+        for i in range(len(call.gen.prompts))
+    ]
     prompt_tokens = result.prompt_tokens if result.prompt_tokens is not None else call.gen.prompt_tokens
-    return {"object": "list", "data": data, "model": call.model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": call.model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
 
 
 def vector(event: dict, encoding_format: str):

@@ -1,4 +1,5 @@
 """Request and response shapes of /v1/embeddings (OpenAI's createEmbedding)."""
+
 from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema_field
@@ -10,10 +11,16 @@ MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 ENCODING_FORMATS = ["float", "base64"]
 
 
-@extend_schema_field({"oneOf": [{"type": "string", "minLength": 1}, TOKEN_IDS,
-                                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
-                                 "maxItems": MAX_INPUTS},
-                                {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": MAX_INPUTS}]})
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string", "minLength": 1},
+            TOKEN_IDS,
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_INPUTS},
+            {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": MAX_INPUTS},
+        ]
+    }
+)
 class EmbeddingInputField(serializers.Field):
     """input: a string, a list of token ids, or several: a list of strings or of token-id lists.
 
@@ -26,8 +33,10 @@ class EmbeddingInputField(serializers.Field):
             if len(data) > MAX_INPUTS:
                 raise serializers.ValidationError(f"at most {MAX_INPUTS} inputs per request")
             return data
-        raise serializers.ValidationError("must be a non-empty string, a list of token ids, or a list of "
-                                          "non-empty strings or of token-id lists (not both)")
+        raise serializers.ValidationError(
+            "must be a non-empty string, a list of token ids, or a list of "
+            "non-empty strings or of token-id lists (not both)"
+        )
 
     def to_representation(self, value):
         return value
@@ -36,17 +45,22 @@ class EmbeddingInputField(serializers.Field):
 def _is_input(data) -> bool:
     if isinstance(data, str):
         return bool(data)
-    return (isinstance(data, list) and bool(data)
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data))
+    return (
+        isinstance(data, list)
+        and bool(data)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data)
+    )
 
 
 class EmbeddingRequestSerializer(RequestSerializer):
     model = serializers.CharField()
     input = EmbeddingInputField()
-    encoding_format = serializers.ChoiceField(choices=ENCODING_FORMATS, default="float",
-                                              help_text="base64: each embedding's float32 little-endian bytes")
-    dimensions = serializers.IntegerField(min_value=1, required=False,
-                                          help_text="only for models trained for truncated embeddings")
+    encoding_format = serializers.ChoiceField(
+        choices=ENCODING_FORMATS, default="float", help_text="base64: each embedding's float32 little-endian bytes"
+    )
+    dimensions = serializers.IntegerField(
+        min_value=1, required=False, help_text="only for models trained for truncated embeddings"
+    )
     user = serializers.CharField(required=False, allow_blank=True)
 
 

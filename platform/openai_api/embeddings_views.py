@@ -4,6 +4,7 @@ Admission is views.start's path (one hop to the bookkeeping thread: authenticate
 submit); the engine's events are followed and finished once by views' generation events, like
 every other /v1 answer.
 """
+
 from __future__ import annotations
 
 from django.http import JsonResponse
@@ -20,13 +21,17 @@ from .views import ERRORS, LARGE_BODY_BYTES, AsyncAPIView, authenticate, parse_j
 
 
 class EmbeddingsView(AsyncAPIView):
-    @extend_schema(operation_id="createEmbedding", request=EmbeddingRequestSerializer,
-                   responses={200: EmbeddingListSerializer, **ERRORS},
-                   description="Embeddings of an encoder model an engine worker serves (task 'embed').")
+    @extend_schema(
+        operation_id="createEmbedding",
+        request=EmbeddingRequestSerializer,
+        responses={200: EmbeddingListSerializer, **ERRORS},
+        description="Embeddings of an encoder model an engine worker serves (task 'embed').",
+    )
     async def post(self, request):
         try:
-            call = await on_bookkeeping_thread(admit, request, engine.aclient().lease(),
-                                               large=len(request.body) > LARGE_BODY_BYTES)
+            call = await on_bookkeeping_thread(
+                admit, request, engine.aclient().lease(), large=len(request.body) > LARGE_BODY_BYTES
+            )
         except ServiceError as error:
             return views._with_headers(error_response(error), error.headers)
         try:

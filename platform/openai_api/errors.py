@@ -1,4 +1,5 @@
 """The /v1 rendering of errors.ServiceError: OpenAI's envelope {"error": {"message", "type", "param", "code"}}."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,11 @@ def drf_exception_handler(exc, context):
     if response is None:
         log.exception("unhandled API error", exc_info=exc)
         return _drf_response(envelope("The server had an error while processing your request.", "server_error"), 500)
-    return _drf_response(_drf_envelope(exc, response.data, response.status_code), response.status_code,
-                         {k: v for k, v in response.items()})
+    return _drf_response(
+        _drf_envelope(exc, response.data, response.status_code),
+        response.status_code,
+        {k: v for k, v in response.items()},
+    )
 
 
 def _drf_response(body, status, headers=None):
@@ -65,8 +69,12 @@ def _drf_envelope(exc, data, status) -> dict:
     if isinstance(exc, drf_exceptions.ValidationError) and isinstance(data, dict) and data:
         param, problems = next(iter(data.items()))
         message = problems[0] if isinstance(problems, list) and problems else problems
-        return envelope(f"{param}: {message}" if param != "non_field_errors" else str(message),
-                        TYPES[400], None if param == "non_field_errors" else param, "invalid_value")
+        return envelope(
+            f"{param}: {message}" if param != "non_field_errors" else str(message),
+            TYPES[400],
+            None if param == "non_field_errors" else param,
+            "invalid_value",
+        )
     if isinstance(exc, drf_exceptions.AuthenticationFailed) or isinstance(exc, drf_exceptions.NotAuthenticated):
         code = "invalid_api_key"
     detail = data.get("detail") if isinstance(data, dict) else data

@@ -2,6 +2,7 @@
 
 `call` is an openai_api.calls.ApiCall, `result` a generation.result.Result.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,12 @@ def sse(payload: dict) -> bytes:
 def usage_body(usage: dict | None) -> dict:
     usage = usage or {}
     prompt, completion = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(usage.get("cached_tokens", 0))},
+    }
 
 
 def _bytes(token: str) -> list[int]:
@@ -25,10 +30,19 @@ def _bytes(token: str) -> list[int]:
 
 
 def chat_logprobs(entries: list[dict]) -> dict:
-    return {"content": [{
-        "token": e["token"], "logprob": e["logprob"], "bytes": _bytes(e["token"]),
-        "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])} for t in e["top"]],
-    } for e in entries]}
+    return {
+        "content": [
+            {
+                "token": e["token"],
+                "logprob": e["logprob"],
+                "bytes": _bytes(e["token"]),
+                "top_logprobs": [
+                    {"token": t["token"], "logprob": t["logprob"], "bytes": _bytes(t["token"])} for t in e["top"]
+                ],
+            }
+            for e in entries
+        ]
+    }
 
 
 def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
@@ -38,10 +52,14 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict:
         tokens.append(e["token"])
         offset += len(e["token"])
     # An echoed prompt's first token has no logprob: OpenAI writes null for it and its top_logprobs.
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top"]}
-                             for e in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [
+            None if e["logprob"] is None else {t["token"]: t["logprob"] for t in e["top"]} for e in entries
+        ],
+        "text_offset": offsets,
+    }
 
 
 def _head(call, object_name: str) -> dict:
@@ -50,18 +68,26 @@ def _head(call, object_name: str) -> dict:
 
 # ---------------------------------------------------------------- whole responses
 
+
 def response_body(call, result) -> dict:
     return (chat_response if call.kind == "chat" else completion_response)(call, result)
 
 
 def chat_response(call, result) -> dict:
-    choices = [{
-        "index": c.index,
-        **chat_message(call, c.text, c.finish_reason),
-        "logprobs": chat_logprobs(c.logprobs) if call.logprobs is not None else None,
-    } for c in result.choices]
-    return {**_head(call, "chat.completion"), "choices": choices, "usage": usage_body(result.usage),
-            "system_fingerprint": None}
+    choices = [
+        {
+            "index": c.index,
+            **chat_message(call, c.text, c.finish_reason),
+            "logprobs": chat_logprobs(c.logprobs) if call.logprobs is not None else None,
+        }
+        for c in result.choices
+    ]
+    return {
+        **_head(call, "chat.completion"),
+        "choices": choices,
+        "usage": usage_body(result.usage),
+        "system_fingerprint": None,
+    }
 
 
 def chat_message(call, text: str, finish_reason: str | None) -> dict:
@@ -81,11 +107,14 @@ def completion_response(call, result) -> dict:
         prompt = c.index // call.n  # a batched request's choice p * n + i belongs to prompt p
         prompt_entries = result.prompt_logprobs.get(prompt, []) if call.echo else []
         text, entries = _generated(call, c.text, c.logprobs)
-        choices.append({
-            "index": c.index, "text": (call.prompt_texts[prompt] if call.echo else "") + text,
-            "logprobs": completion_logprobs(prompt_entries + entries) if call.logprobs is not None else None,
-            "finish_reason": c.finish_reason,
-        })
+        choices.append(
+            {
+                "index": c.index,
+                "text": (call.prompt_texts[prompt] if call.echo else "") + text,
+                "logprobs": completion_logprobs(prompt_entries + entries) if call.logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+            }
+        )
     usage = usage_body(completion_usage(call, result.usage))
     return {**_head(call, "text_completion"), "choices": choices, "usage": usage, "system_fingerprint": None}
 
@@ -103,6 +132,7 @@ def completion_usage(call, usage: dict | None) -> dict | None:
 
 # ---------------------------------------------------------------- streamed chunks
 
+
 class ChunkWriter:
     """Turns engine events into the endpoint's SSE chunks, keeping per-choice state (role sent, offsets)."""
 
@@ -114,8 +144,11 @@ class ChunkWriter:
         self.tool_streams = {} if call.tools is None else {i: call.tools.stream() for i in range(call.n)}
 
     def _chunk(self, choices: list[dict], usage=None) -> bytes:
-        body = {**_head(self.call, "chat.completion.chunk" if self.chat else "text_completion"), "choices": choices,
-                "system_fingerprint": None}
+        body = {
+            **_head(self.call, "chat.completion.chunk" if self.chat else "text_completion"),
+            "choices": choices,
+            "system_fingerprint": None,
+        }
         if self.call.include_usage:
             body["usage"] = usage
         return sse(body)
@@ -130,8 +163,18 @@ class ChunkWriter:
         chunks = []
         for index in range(self.call.n):
             self.role_sent.add(index)
-            chunks.append(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]))
+            chunks.append(
+                self._chunk(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
         return chunks
 
     def delta(self, event: dict) -> list[bytes]:
@@ -157,8 +200,9 @@ class ChunkWriter:
             deltas += stream.end()
         out = [self._delta_chunk(index, delta) for delta in deltas]
         if logprobs:
-            out.append(self._chunk([{"index": index, "delta": {}, "logprobs": chat_logprobs(logprobs),
-                                     "finish_reason": None}]))
+            out.append(
+                self._chunk([{"index": index, "delta": {}, "logprobs": chat_logprobs(logprobs), "finish_reason": None}])
+            )
         if finish:
             del self.tool_streams[index]
             out.append(self._finish_chunk(index, self.call.tools.finish_reason(finish, bool(stream.tool_calls))))
@@ -182,13 +226,28 @@ class ChunkWriter:
 
     def _content_chunk(self, index: int, text: str, logprobs) -> bytes:
         if self.chat:
-            return self._chunk([{"index": index, "delta": {"content": text},
-                                 "logprobs": chat_logprobs(logprobs) if logprobs else None, "finish_reason": None}])
+            return self._chunk(
+                [
+                    {
+                        "index": index,
+                        "delta": {"content": text},
+                        "logprobs": chat_logprobs(logprobs) if logprobs else None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
         offset = self.offsets.get(index, 0)
         self.offsets[index] = offset + len(text)
-        return self._chunk([{"index": index, "text": text,
-                             "logprobs": completion_logprobs(logprobs, offset) if logprobs else None,
-                             "finish_reason": None}])
+        return self._chunk(
+            [
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": completion_logprobs(logprobs, offset) if logprobs else None,
+                    "finish_reason": None,
+                }
+            ]
+        )
 
     def _finish_chunk(self, index: int, reason: str) -> bytes:
         if self.chat:
@@ -200,8 +259,11 @@ class ChunkWriter:
         out = []
         for index, reason in enumerate(event.get("finish_reasons") or []):
             if index not in finished and reason:
-                out += (self._tool_deltas(index, "", None, reason) if index in self.tool_streams
-                        else [self._finish_chunk(index, reason)])
+                out += (
+                    self._tool_deltas(index, "", None, reason)
+                    if index in self.tool_streams
+                    else [self._finish_chunk(index, reason)]
+                )
         if self.call.include_usage:
             usage = event.get("usage") if self.chat else completion_usage(self.call, event.get("usage"))
             out.append(self._chunk([], usage=usage_body(usage)))

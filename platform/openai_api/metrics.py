@@ -6,6 +6,7 @@ counters are kept in Redis per replica (label replica), so one replica's scrape 
 (docs/metrics.md: scrape one replica, or dedupe). Other apps add lines by appending a callable to
 EXTRA_COLLECTORS (each returns a list of lines).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,7 @@ from collections.abc import Callable
 
 from django.urls import Resolver404, resolve
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
-                                    SummaryMetricFamily)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from common import connections, http_guards
@@ -38,12 +38,18 @@ REPLICA = os.environ.get("TESSERA_REPLICA") or socket.gethostname()
 # The heartbeat's names -> vLLM's (the names vLLM 0.x's Grafana dashboard reads) and vLLM's help texts.
 VLLM_HISTOGRAMS = {
     "time_to_first_token_seconds": ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds."),
-    "time_per_output_token_seconds": ("vllm:time_per_output_token_seconds",
-                                      "Histogram of time per output token in seconds."),
-    "e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",
-                                    "Histogram of end to end request latency in seconds."),
-    "request_queue_time_seconds": ("vllm:request_queue_time_seconds",
-                                   "Histogram of time spent in WAITING phase for request."),
+    "time_per_output_token_seconds": (
+        "vllm:time_per_output_token_seconds",
+        "Histogram of time per output token in seconds.",
+    ),
+    "e2e_request_latency_seconds": (
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of end to end request latency in seconds.",
+    ),
+    "request_queue_time_seconds": (
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+    ),
 }
 VLLM_GAUGES = {
     "num_running": ("vllm:num_requests_running", "Number of requests in model execution batches."),
@@ -120,13 +126,18 @@ class HeartbeatCollector:
         yield from self._tessera_families()
 
     def _vllm_families(self):
-        histograms = {key: HistogramMetricFamily(name, doc, labels=VLLM_LABELS)
-                      for key, (name, doc) in VLLM_HISTOGRAMS.items()}
+        histograms = {
+            key: HistogramMetricFamily(name, doc, labels=VLLM_LABELS) for key, (name, doc) in VLLM_HISTOGRAMS.items()
+        }
         gauges = {key: GaugeMetricFamily(name, doc, labels=VLLM_LABELS) for key, (name, doc) in VLLM_GAUGES.items()}
-        counters = {key: CounterMetricFamily(name, doc, labels=VLLM_LABELS)
-                    for key, (name, doc) in VLLM_COUNTERS.items()}
-        success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
-                                      labels=[*VLLM_LABELS, "finished_reason"])
+        counters = {
+            key: CounterMetricFamily(name, doc, labels=VLLM_LABELS) for key, (name, doc) in VLLM_COUNTERS.items()
+        }
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*VLLM_LABELS, "finished_reason"],
+        )
         for worker in self.workers:
             labels = [worker.get("model", ""), worker["worker_id"]]
             stats = worker.get("stats") or {}
@@ -146,8 +157,9 @@ class HeartbeatCollector:
         yield success
 
     def _tessera_families(self):
-        up = GaugeMetricFamily("tessera_engine_up", "1 for every engine worker with a fresh heartbeat.",
-                               labels=["worker", "model"])
+        up = GaugeMetricFamily(
+            "tessera_engine_up", "1 for every engine worker with a fresh heartbeat.", labels=["worker", "model"]
+        )
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for worker in self.workers:
             labels = [worker["worker_id"], worker.get("model", "")]
@@ -156,13 +168,17 @@ class HeartbeatCollector:
                 if _is_number(value):
                     name = _metric_name(key)
                     if name not in families:
-                        kind = (CounterMetricFamily if name.endswith("_total") and name not in GAUGES_NAMED_TOTAL
-                                else GaugeMetricFamily)
+                        kind = (
+                            CounterMetricFamily
+                            if name.endswith("_total") and name not in GAUGES_NAMED_TOTAL
+                            else GaugeMetricFamily
+                        )
                         families[name] = kind(name, f"The heartbeat's {key}.", labels=["worker", "model"])
                     families[name].add_metric(labels, value)
         yield up
-        yield GaugeMetricFamily("tessera_engine_workers", "Engine workers with a fresh heartbeat.",
-                                value=len(self.workers))
+        yield GaugeMetricFamily(
+            "tessera_engine_workers", "Engine workers with a fresh heartbeat.", value=len(self.workers)
+        )
         yield from (families[name] for name in sorted(families))
         yield from self._tenant_share_families()
 
@@ -170,8 +186,11 @@ class HeartbeatCollector:
         """Each worker's top tenants by share of the last minute's service, the rest as tenant "others":
         at most six series per worker, however many users there are."""
         labels = ["worker", "model", "tenant"]
-        share = GaugeMetricFamily("tessera_engine_tenant_share", "A tenant's share of the last minute's served "
-                                  "tokens (prompt x1 + output x2).", labels=labels)
+        share = GaugeMetricFamily(
+            "tessera_engine_tenant_share",
+            "A tenant's share of the last minute's served tokens (prompt x1 + output x2).",
+            labels=labels,
+        )
         weight = GaugeMetricFamily("tessera_engine_tenant_weight", "A tenant's fair share weight.", labels=labels)
         for worker in self.workers:
             shares = (worker.get("stats") or {}).get("tenant_shares") or {}
@@ -197,11 +216,16 @@ class HttpCollector:
 
     def collect(self):
         requests, seconds = self._read()
-        total = CounterMetricFamily("tessera_http_requests", "/v1 HTTP requests by route, method and status.",
-                                    labels=["route", "method", "status", "replica"])
-        answered = SummaryMetricFamily("tessera_http_request_seconds",
-                                       "Time spent answering /v1 requests (to the first byte for streams).",
-                                       labels=["route", "method", "replica"])
+        total = CounterMetricFamily(
+            "tessera_http_requests",
+            "/v1 HTTP requests by route, method and status.",
+            labels=["route", "method", "status", "replica"],
+        )
+        answered = SummaryMetricFamily(
+            "tessera_http_request_seconds",
+            "Time spent answering /v1 requests (to the first byte for streams).",
+            labels=["route", "method", "replica"],
+        )
         counts_by_route: dict[tuple[str, str, str], int] = {}
         for (replica, route, method, status), count in sorted(requests.items()):
             total.add_metric([route, method, status, replica], count)
@@ -217,8 +241,7 @@ class HttpCollector:
         requests = {tuple(k.decode().split("|")): int(v) for k, v in raw_requests.items()}
         seconds = {tuple(k.decode().split("|")): float(v) for k, v in raw_seconds.items()}
         # fields without a replica are from before it was counted: left out, never mislabelled
-        return ({k: v for k, v in requests.items() if len(k) == 4},
-                {k: v for k, v in seconds.items() if len(k) == 3})
+        return ({k: v for k, v in requests.items() if len(k) == 4}, {k: v for k, v in seconds.items() if len(k) == 3})
 
 
 def render() -> str:

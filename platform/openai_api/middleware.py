@@ -6,6 +6,7 @@ it: unknown routes and crashes get the envelope too, a Redis outage is a 503, an
 are counted by route, method and status for /metrics (a failed count is logged, never raised).
 Async-capable, so the streaming views stay on the event loop.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +62,9 @@ class OpenAIErrorMiddleware:
             return response
         seconds = time.perf_counter() - started
         if response.streaming and response.is_async:  # the count's Redis round trip must not delay the first token
-            response.streaming_content = counted_at_end(response.streaming_content, request, response.status_code,
-                                                        seconds)
+            response.streaming_content = counted_at_end(
+                response.streaming_content, request, response.status_code, seconds
+            )
         else:
             await metrics.acount_request(request, response.status_code, seconds)
         return response
@@ -89,8 +91,12 @@ class OpenAIErrorMiddleware:
             return None
         if isinstance(exception, redis.RedisError):
             log.warning("Redis unavailable on %s: %s", request.path, exception)
-            return error_json(503, "A backing service (Redis) is unavailable; try again shortly.",
-                              "redis_unavailable", "service_unavailable")
+            return error_json(
+                503,
+                "A backing service (Redis) is unavailable; try again shortly.",
+                "redis_unavailable",
+                "service_unavailable",
+            )
         if isinstance(exception, RequestDataTooBig):
             return status_envelope(413, request.method, request.path)
         if isinstance(exception, (SuspiciousOperation, BadRequest)):
@@ -122,11 +128,13 @@ def options_response(request):
 
 def status_envelope(status: int, method: str, path: str, reason: str = "") -> JsonResponse:
     """The envelope for a bare status (Django's own 404/405/413/500, the ASGI handler's 400/413)."""
-    known = {400: ("The request could not be read (its URL or headers are not valid).", "bad_request"),
-             404: (f"Unknown request URL: {method} {path}.", "unknown_url"),
-             405: (f"Method {method} is not allowed on {path}.", "method_not_allowed"),
-             413: ("The request body is too large.", "request_too_large"),
-             500: (SERVER_ERROR, None)}
+    known = {
+        400: ("The request could not be read (its URL or headers are not valid).", "bad_request"),
+        404: (f"Unknown request URL: {method} {path}.", "unknown_url"),
+        405: (f"Method {method} is not allowed on {path}.", "method_not_allowed"),
+        413: ("The request body is too large.", "request_too_large"),
+        500: (SERVER_ERROR, None),
+    }
     message, code = known.get(status, (reason or f"HTTP {status}", None))
     # OpenAI answers an unknown URL or method as an invalid request, not a missing object.
     return error_json(status, message, code, "invalid_request_error" if status in (404, 405) else None)

@@ -4,6 +4,7 @@ A row keeps the response object as the client saw it and the conversation that l
 Responses input items, so a follow-up with previous_response_id needs this one row, not a walk
 back through the chain. Rows are per user: another user's id is a 404, never a 403.
 """
+
 import secrets
 
 from django.conf import settings

@@ -7,6 +7,7 @@ validates, tokenizes and builds the engine request exactly as /v1/chat/completio
 structured outputs, the tool-call parsers, quotas and usage are the same code. Errors it raises
 name the chat field; responses_param() renames them to the Responses field the client sent.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,14 +33,41 @@ UNSUPPORTED_PARTS = {"input_image": "image input", "input_file": "file input", "
 UNSUPPORTED_ITEMS = {
     "reasoning": "reasoning items are not supported: the served models do not reason",
     "item_reference": "item references are not supported; use previous_response_id",
-    **{kind: "built-in tools are not supported, only function tools" for kind in (
-        "web_search_call", "file_search_call", "computer_call", "computer_call_output", "image_generation_call",
-        "code_interpreter_call", "local_shell_call", "local_shell_call_output", "mcp_call", "mcp_list_tools",
-        "mcp_approval_request", "mcp_approval_response", "custom_tool_call", "custom_tool_call_output")},
+    **{
+        kind: "built-in tools are not supported, only function tools"
+        for kind in (
+            "web_search_call",
+            "file_search_call",
+            "computer_call",
+            "computer_call_output",
+            "image_generation_call",
+            "code_interpreter_call",
+            "local_shell_call",
+            "local_shell_call_output",
+            "mcp_call",
+            "mcp_list_tools",
+            "mcp_approval_request",
+            "mcp_approval_response",
+            "custom_tool_call",
+            "custom_tool_call_output",
+        )
+    },
 }
-BUILT_IN_TOOLS = {"web_search", "web_search_preview", "web_search_preview_2025_03_11", "file_search",
-                  "computer_use_preview", "computer_use", "code_interpreter", "image_generation", "mcp", "local_shell",
-                  "custom", "shell", "apply_patch"}
+BUILT_IN_TOOLS = {
+    "web_search",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "computer_use_preview",
+    "computer_use",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "custom",
+    "shell",
+    "apply_patch",
+}
 
 
 @dataclass
@@ -77,8 +105,15 @@ def build(*, body: dict, user, api_key=None, plan=None) -> ResponseCall:
     conversation = history + new_items
     chat_body = chat_request(data, conversation)
     try:
-        call = calls.build_call(kind="chat", body=chat_body, user=user, api_key=api_key, plan=plan, endpoint=ENDPOINT,
-                                request_id=new_response_id())
+        call = calls.build_call(
+            kind="chat",
+            body=chat_body,
+            user=user,
+            api_key=api_key,
+            plan=plan,
+            endpoint=ENDPOINT,
+            request_id=new_response_id(),
+        )
     except ServiceError as exc:
         exc.param = responses_param(exc.param)
         raise
@@ -97,12 +132,16 @@ def previous_conversation(user, response_id: str | None) -> list[dict]:
         return []
     previous = stored_response(user=user, response_id=response_id)
     if previous is None:
-        raise NotFound(f"Previous response with id '{response_id}' not found.", param="previous_response_id",
-                       code="previous_response_not_found")
+        raise NotFound(
+            f"Previous response with id '{response_id}' not found.",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     return previous.conversation + previous.body.get("output", [])
 
 
 # ---------------------------------------------------------------- input items
+
 
 def new_item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
@@ -118,8 +157,10 @@ def input_items(value, *, answered: set[str]) -> list[dict]:
         if items[-1]["type"] == "function_call":
             answered.add(items[-1]["call_id"])
         elif items[-1]["type"] == "function_call_output" and items[-1]["call_id"] not in answered:
-            raise InvalidRequest(f"No tool call found for function call output with call_id "
-                                 f"'{items[-1]['call_id']}'.", param=f"input[{i}].call_id")
+            raise InvalidRequest(
+                f"No tool call found for function call output with call_id '{items[-1]['call_id']}'.",
+                param=f"input[{i}].call_id",
+            )
     return items
 
 
@@ -138,11 +179,17 @@ def input_item(item, param: str) -> dict:
     if kind == "function_call_output":
         return function_call_output_input(item, param)
     if kind in UNSUPPORTED_ITEMS:
-        raise InvalidRequest(f"Input items of type '{kind}' are not supported: {UNSUPPORTED_ITEMS[kind]}.",
-                             param=f"{param}.type", code="unsupported_parameter")
+        raise InvalidRequest(
+            f"Input items of type '{kind}' are not supported: {UNSUPPORTED_ITEMS[kind]}.",
+            param=f"{param}.type",
+            code="unsupported_parameter",
+        )
     given = json.dumps(item.get("type"))[:40]
-    raise InvalidRequest(f"Invalid value for '{param}.type': {given} is not an input item type (message, "
-                         "function_call, function_call_output).", param=f"{param}.type")
+    raise InvalidRequest(
+        f"Invalid value for '{param}.type': {given} is not an input item type (message, "
+        "function_call, function_call_output).",
+        param=f"{param}.type",
+    )
 
 
 def message_item(role: str, content: list[dict], item_id: str | None = None) -> dict:
@@ -152,60 +199,87 @@ def message_item(role: str, content: list[dict], item_id: str | None = None) -> 
 def message_input(item: dict, param: str) -> dict:
     role = item.get("role")
     if role not in MESSAGE_ROLES:
-        raise InvalidRequest(f"Invalid value for '{param}.role': must be one of {', '.join(MESSAGE_ROLES)}.",
-                             param=f"{param}.role")
+        raise InvalidRequest(
+            f"Invalid value for '{param}.role': must be one of {', '.join(MESSAGE_ROLES)}.", param=f"{param}.role"
+        )
     content = item.get("content")
     if isinstance(content, str):
-        return message_item(role, [{"type": "output_text" if role == "assistant" else "input_text", "text": content}],
-                            _given_id(item))
+        return message_item(
+            role, [{"type": "output_text" if role == "assistant" else "input_text", "text": content}], _given_id(item)
+        )
     if not isinstance(content, list):
-        raise InvalidRequest(f"Invalid value for '{param}.content': must be a string or a list of content parts.",
-                             param=f"{param}.content")
-    return message_item(role, [content_part(part, f"{param}.content[{j}]") for j, part in enumerate(content)],
-                        _given_id(item))
+        raise InvalidRequest(
+            f"Invalid value for '{param}.content': must be a string or a list of content parts.",
+            param=f"{param}.content",
+        )
+    return message_item(
+        role, [content_part(part, f"{param}.content[{j}]") for j, part in enumerate(content)], _given_id(item)
+    )
 
 
 def content_part(part, param: str) -> dict:
     kind = _kind(part)
     if kind in UNSUPPORTED_PARTS:
-        raise InvalidRequest(f"Content parts of type '{kind}' are not supported: {UNSUPPORTED_PARTS[kind]} needs a "
-                             "multimodal model.", param=f"{param}.type", code="unsupported_parameter")
+        raise InvalidRequest(
+            f"Content parts of type '{kind}' are not supported: {UNSUPPORTED_PARTS[kind]} needs a multimodal model.",
+            param=f"{param}.type",
+            code="unsupported_parameter",
+        )
     if kind == "refusal" and isinstance(part.get("refusal"), str):
         return {"type": "output_text", "text": part["refusal"]}
     if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-        raise InvalidRequest(f"Invalid value for '{param}': a content part is {{\"type\": \"input_text\" or "
-                             "\"output_text\", \"text\": string}.", param=param)
+        raise InvalidRequest(
+            f'Invalid value for \'{param}\': a content part is {{"type": "input_text" or '
+            '"output_text", "text": string}.',
+            param=param,
+        )
     return {"type": kind, "text": part["text"]}
 
 
 def function_call_input(item: dict, param: str) -> dict:
     for name in ("call_id", "name", "arguments"):
         if not isinstance(item.get(name), str) or (name != "arguments" and not item[name]):
-            raise InvalidRequest(f"Invalid value for '{param}.{name}': must be a non-empty string.",
-                                 param=f"{param}.{name}")
+            raise InvalidRequest(
+                f"Invalid value for '{param}.{name}': must be a non-empty string.", param=f"{param}.{name}"
+            )
     try:
         arguments = json.loads(item["arguments"]) if item["arguments"].strip() else {}
     except ValueError:
         arguments = None
     if not isinstance(arguments, dict):
-        raise InvalidRequest(f"Invalid value for '{param}.arguments': must be a JSON object, as text.",
-                             param=f"{param}.arguments")
-    return {"type": "function_call", "id": _given_id(item) or new_item_id("fc"), "call_id": item["call_id"],
-            "name": item["name"], "arguments": item["arguments"], "status": "completed"}
+        raise InvalidRequest(
+            f"Invalid value for '{param}.arguments': must be a JSON object, as text.", param=f"{param}.arguments"
+        )
+    return {
+        "type": "function_call",
+        "id": _given_id(item) or new_item_id("fc"),
+        "call_id": item["call_id"],
+        "name": item["name"],
+        "arguments": item["arguments"],
+        "status": "completed",
+    }
 
 
 def function_call_output_input(item: dict, param: str) -> dict:
     if not isinstance(item.get("call_id"), str) or not item["call_id"]:
-        raise InvalidRequest(f"Invalid value for '{param}.call_id': must be a non-empty string.",
-                             param=f"{param}.call_id")
+        raise InvalidRequest(
+            f"Invalid value for '{param}.call_id': must be a non-empty string.", param=f"{param}.call_id"
+        )
     output = item.get("output")
     if isinstance(output, list):  # a list of input_text parts
         output = "\n".join(content_part(part, f"{param}.output[{j}]")["text"] for j, part in enumerate(output))
     if not isinstance(output, str):
-        raise InvalidRequest(f"Invalid value for '{param}.output': must be a string or a list of input_text parts.",
-                             param=f"{param}.output")
-    return {"type": "function_call_output", "id": _given_id(item) or new_item_id("fco"), "call_id": item["call_id"],
-            "output": output, "status": "completed"}
+        raise InvalidRequest(
+            f"Invalid value for '{param}.output': must be a string or a list of input_text parts.",
+            param=f"{param}.output",
+        )
+    return {
+        "type": "function_call_output",
+        "id": _given_id(item) or new_item_id("fco"),
+        "call_id": item["call_id"],
+        "output": output,
+        "status": "completed",
+    }
 
 
 def _kind(value, default: str | None = None) -> str | None:
@@ -222,10 +296,14 @@ def _given_id(item: dict) -> str | None:
 
 # ---------------------------------------------------------------- the chat request
 
+
 def chat_request(data: dict, conversation: list[dict]) -> dict:
     """The /v1/chat/completions body that generates this response."""
-    body = {"model": data["model"], "messages": chat_messages(data.get("instructions"), conversation),
-            "stream": data.get("stream", False)}
+    body = {
+        "model": data["model"],
+        "messages": chat_messages(data.get("instructions"), conversation),
+        "stream": data.get("stream", False),
+    }
     for name in ("temperature", "top_p", "user", "seed"):
         if data.get(name) is not None:
             body[name] = data[name]
@@ -249,8 +327,11 @@ def chat_messages(instructions: str | None, conversation: list[dict]) -> list[di
         if item["type"] == "message":
             messages.append({"role": item["role"], "content": "\n".join(part["text"] for part in item["content"])})
         elif item["type"] == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             if not (messages and messages[-1]["role"] == "assistant"):
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(call)
@@ -270,8 +351,11 @@ def chat_tool(tool: dict, param: str) -> dict:
     """A Responses function tool ({"type", "name", "parameters"...}) as a chat tool; built-in tools are a 400."""
     kind = _kind(tool)
     if kind in BUILT_IN_TOOLS:
-        raise InvalidRequest(f"Tools of type '{kind}' are not supported: only function tools, whose calls the "
-                             "client runs.", param=f"{param}.type", code="unsupported_parameter")
+        raise InvalidRequest(
+            f"Tools of type '{kind}' are not supported: only function tools, whose calls the client runs.",
+            param=f"{param}.type",
+            code="unsupported_parameter",
+        )
     if kind != "function":
         given = json.dumps(tool.get("type"))[:40]
         raise InvalidRequest(f"Invalid value for '{param}.type': {given} is not a tool type.", param=f"{param}.type")
@@ -281,8 +365,11 @@ def chat_tool(tool: dict, param: str) -> dict:
 
 def chat_tool_choice(choice):
     if _kind(choice) in BUILT_IN_TOOLS:
-        raise InvalidRequest(f"tool_choice of type '{choice['type']}' is not supported: only function tools.",
-                             param="tool_choice", code="unsupported_parameter")
+        raise InvalidRequest(
+            f"tool_choice of type '{choice['type']}' is not supported: only function tools.",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice  # "none" / "auto" / "required", or something validate_tools refuses with the right param

@@ -4,6 +4,7 @@ The request serializer validates every body (types strict, through calls.validat
 OpenAPI schema shows; the items of `input` and `tools` are checked item by item in
 openai_api.responses, which names the exact field of a bad one (`input[2].type`).
 """
+
 from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema_field
@@ -23,12 +24,14 @@ UNSUPPORTED_FIELDS = {
 }
 NEUTRAL_VALUES = {"reasoning": [{}], "include": [[]], "background": [False], "top_logprobs": [0]}
 
-ITEM = {"type": "object", "additionalProperties": True,
-        "description": "a message ({role, content}), function_call or function_call_output item"}
+ITEM = {
+    "type": "object",
+    "additionalProperties": True,
+    "description": "a message ({role, content}), function_call or function_call_output item",
+}
 
 
-@extend_schema_field({"oneOf": [{"type": "string", "minLength": 1},
-                                {"type": "array", "items": ITEM, "minItems": 1}]})
+@extend_schema_field({"oneOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": ITEM, "minItems": 1}]})
 class InputField(serializers.JSONField):
     """input: a string (one user message) or a list of items (checked in openai_api.responses)."""
 
@@ -44,10 +47,18 @@ class InputField(serializers.JSONField):
         raise serializers.ValidationError("must be a string or a list of input items")
 
 
-@extend_schema_field({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
-                                {"type": "object", "required": ["type", "name"],
-                                 "properties": {"type": {"type": "string", "enum": ["function"]},
-                                                "name": {"type": "string"}}}]})
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "name"],
+                "properties": {"type": {"type": "string", "enum": ["function"]}, "name": {"type": "string"}},
+            },
+        ]
+    }
+)
 class ResponsesToolChoiceField(serializers.Field):
     """tool_choice: "none" | "auto" | "required" | {"type": "function", "name": ...} (checked in responses.py)."""
 
@@ -74,39 +85,61 @@ class TextFormatSerializer(JSONSchemaFormatSerializer):
 
 class TextConfigSerializer(serializers.Serializer):
     format = TextFormatSerializer(required=False, allow_null=True)
-    verbosity = serializers.ChoiceField(choices=["medium"], required=False, allow_null=True,
-                                        help_text="only medium (the model's own)")
+    verbosity = serializers.ChoiceField(
+        choices=["medium"], required=False, allow_null=True, help_text="only medium (the model's own)"
+    )
 
 
 class ResponseCreateRequestSerializer(RequestSerializer):
     model = serializers.CharField()
     input = InputField(help_text="a string, or a list of message, function_call and function_call_output items")
-    instructions = serializers.CharField(required=False, allow_null=True, allow_blank=True, trim_whitespace=False,
-                                         help_text="a system message before the input (not carried over by "
-                                                   "previous_response_id)")
+    instructions = serializers.CharField(
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        trim_whitespace=False,
+        help_text="a system message before the input (not carried over by previous_response_id)",
+    )
     max_output_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     temperature = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=2)
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=1)
-    tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True, max_length=128,
-                                  help_text='function tools: [{"type": "function", "name", "description", '
-                                            '"parameters"}]')
+    tools = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        allow_null=True,
+        max_length=128,
+        help_text='function tools: [{"type": "function", "name", "description", "parameters"}]',
+    )
     tool_choice = ResponsesToolChoiceField(required=False, allow_null=True)
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True, default=True)
     text = TextConfigSerializer(required=False, allow_null=True)
     stream = serializers.BooleanField(required=False, default=False)
-    store = serializers.BooleanField(required=False, allow_null=True, default=True,
-                                     help_text="keep the response for retrieval and previous_response_id")
+    store = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        default=True,
+        help_text="keep the response for retrieval and previous_response_id",
+    )
     previous_response_id = serializers.CharField(required=False, allow_null=True, max_length=64)
-    metadata = serializers.DictField(child=serializers.CharField(max_length=512, allow_blank=True), required=False,
-                                     allow_null=True, help_text="returned as given")
+    metadata = serializers.DictField(
+        child=serializers.CharField(max_length=512, allow_blank=True),
+        required=False,
+        allow_null=True,
+        help_text="returned as given",
+    )
     user = serializers.CharField(required=False, allow_blank=True, allow_null=True, max_length=256)
-    truncation = serializers.ChoiceField(choices=["disabled"], required=False, allow_null=True,
-                                         help_text="only disabled: a conversation longer than the context is a 400")
+    truncation = serializers.ChoiceField(
+        choices=["disabled"],
+        required=False,
+        allow_null=True,
+        help_text="only disabled: a conversation longer than the context is a 400",
+    )
     # the same engine extras as chat completions
-    seed = serializers.IntegerField(required=False, allow_null=True, min_value=-2**63, max_value=2**64 - 1)
+    seed = serializers.IntegerField(required=False, allow_null=True, min_value=-(2**63), max_value=2**64 - 1)
 
 
 # ---------------------------------------------------------------- responses (documentation)
+
 
 class ResponseUsageSerializer(serializers.Serializer):
     input_tokens = serializers.IntegerField()

@@ -1,4 +1,5 @@
 """Stored responses, per user: the selector and the services behind retrieval, delete and previous_response_id."""
+
 from __future__ import annotations
 
 from .models import StoredResponse
@@ -10,8 +11,9 @@ def stored_response(*, user, response_id: str) -> StoredResponse | None:
 
 
 def store_response(*, user, body: dict, conversation: list[dict]) -> StoredResponse:
-    return StoredResponse.objects.create(public_id=body["id"], user=user, model=body["model"], body=body,
-                                         conversation=conversation)
+    return StoredResponse.objects.create(
+        public_id=body["id"], user=user, model=body["model"], body=body, conversation=conversation
+    )
 
 
 def delete_response(*, user, response_id: str) -> bool:

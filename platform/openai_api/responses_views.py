@@ -6,6 +6,7 @@ submit, through views.start); the generation is followed and finished by the gen
 A stored response is saved by finish(save=...), in the usage row's transaction and before the
 last event or the JSON answer goes out, so a client that retrieves it right after has it.
 """
+
 from __future__ import annotations
 
 from django.conf import settings
@@ -20,24 +21,35 @@ from inference.protocol import TERMINAL_EVENTS
 
 from . import responses, responses_format, responses_store
 from .errors import error_response
-from .responses_serializers import (InputItemListSerializer, ResponseCreateRequestSerializer,
-                                    ResponseDeletedSerializer, ResponseObjectSerializer)
+from .responses_serializers import (
+    InputItemListSerializer,
+    ResponseCreateRequestSerializer,
+    ResponseDeletedSerializer,
+    ResponseObjectSerializer,
+)
 from .views import ERRORS, LARGE_BODY_BYTES, AsyncAPIView, authenticate, parse_json, start
 
-STREAM_NOTE = ("With stream=true the response is text/event-stream: `event: <type>` / `data: {event}` pairs, "
-               "response.created, response.in_progress, the output items' events, then response.completed "
-               "(response.incomplete when cut by max_output_tokens; an engine failure is an `error` event "
-               "and response.failed).")
+STREAM_NOTE = (
+    "With stream=true the response is text/event-stream: `event: <type>` / `data: {event}` pairs, "
+    "response.created, response.in_progress, the output items' events, then response.completed "
+    "(response.incomplete when cut by max_output_tokens; an engine failure is an `error` event "
+    "and response.failed)."
+)
 RESPONSE_ID = OpenApiParameter("response_id", str, OpenApiParameter.PATH)
 
 
 class ResponsesView(AsyncAPIView):
-    @extend_schema(operation_id="createResponse", request=ResponseCreateRequestSerializer,
-                   responses={200: ResponseObjectSerializer, **ERRORS}, description=STREAM_NOTE)
+    @extend_schema(
+        operation_id="createResponse",
+        request=ResponseCreateRequestSerializer,
+        responses={200: ResponseObjectSerializer, **ERRORS},
+        description=STREAM_NOTE,
+    )
     async def post(self, request):
         try:
-            rc = await on_bookkeeping_thread(admit, request, engine.aclient().lease(),
-                                             large=len(request.body) > LARGE_BODY_BYTES)
+            rc = await on_bookkeeping_thread(
+                admit, request, engine.aclient().lease(), large=len(request.body) > LARGE_BODY_BYTES
+            )
         except ServiceError as error:
             return error_response(error)
         try:
@@ -49,13 +61,19 @@ class ResponsesView(AsyncAPIView):
 
 
 class ResponseDetailView(AsyncAPIView):
-    @extend_schema(operation_id="getResponse", parameters=[RESPONSE_ID],
-                   responses={200: ResponseObjectSerializer, 401: ERRORS[401], 404: ERRORS[404]})
+    @extend_schema(
+        operation_id="getResponse",
+        parameters=[RESPONSE_ID],
+        responses={200: ResponseObjectSerializer, 401: ERRORS[401], 404: ERRORS[404]},
+    )
     async def get(self, request, response_id: str):
         return await _stored(request, response_id, lambda stored: stored.body)
 
-    @extend_schema(operation_id="deleteResponse", parameters=[RESPONSE_ID],
-                   responses={200: ResponseDeletedSerializer, 401: ERRORS[401], 404: ERRORS[404]})
+    @extend_schema(
+        operation_id="deleteResponse",
+        parameters=[RESPONSE_ID],
+        responses={200: ResponseDeletedSerializer, 401: ERRORS[401], 404: ERRORS[404]},
+    )
     async def delete(self, request, response_id: str):
         try:
             await on_bookkeeping_thread(delete, request, response_id)
@@ -65,14 +83,18 @@ class ResponseDetailView(AsyncAPIView):
 
 
 class ResponseInputItemsView(AsyncAPIView):
-    @extend_schema(operation_id="listInputItems", parameters=[RESPONSE_ID],
-                   responses={200: InputItemListSerializer, 401: ERRORS[401], 404: ERRORS[404]},
-                   description="The input items of a stored response (the earlier conversation's too), newest first.")
+    @extend_schema(
+        operation_id="listInputItems",
+        parameters=[RESPONSE_ID],
+        responses={200: InputItemListSerializer, 401: ERRORS[401], 404: ERRORS[404]},
+        description="The input items of a stored response (the earlier conversation's too), newest first.",
+    )
     async def get(self, request, response_id: str):
         return await _stored(request, response_id, input_item_list)
 
 
 # ---------------------------------------------------------------- bookkeeping-thread work
+
 
 def admit(request, lease_id: str) -> responses.ResponseCall:
     key, plan = authenticate(request)
@@ -101,8 +123,13 @@ def _not_found(response_id: str) -> NotFound:
 
 def input_item_list(found) -> dict:
     items = list(reversed(found.conversation))
-    return {"object": "list", "data": items, "first_id": items[0]["id"] if items else None,
-            "last_id": items[-1]["id"] if items else None, "has_more": False}
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": False,
+    }
 
 
 async def _stored(request, response_id: str, render):
@@ -115,6 +142,7 @@ async def _stored(request, response_id: str, render):
 
 # ---------------------------------------------------------------- following the generation
 
+
 def _with_headers(response, headers: dict):
     for name, value in headers.items():
         response[name] = value
@@ -123,6 +151,7 @@ def _with_headers(response, headers: dict):
 
 async def _finish(rc: responses.ResponseCall, body: dict | None) -> None:
     """The usage row, the quota settlement and (store, with a body) the stored response, once."""
+
     def save(gen) -> bool:
         if body is not None and rc.store and gen.user is not None:
             responses_store.store_response(user=gen.user, body=body, conversation=rc.conversation)

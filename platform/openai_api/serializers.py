@@ -3,6 +3,7 @@
 The request serializers validate every body (so the OpenAPI schema generated from them is the
 validation that really runs); the response serializers document what the views return.
 """
+
 from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema_field
@@ -10,7 +11,7 @@ from rest_framework import serializers
 from rest_framework.utils.serializer_helpers import BindingDict
 
 ROLES = ["system", "developer", "user", "assistant", "tool"]
-SEED_RANGE = (-2**63, 2**64 - 1)  # what the engine's torch.Generator takes: 64 bits
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what the engine's torch.Generator takes: 64 bits
 TOP_K_MAX = 1_000_000  # documented bound; the request's model also bounds it by its vocabulary
 
 # Known OpenAI request fields we cannot honour: a 400 naming them (a silently ignored one would
@@ -19,8 +20,10 @@ UNSUPPORTED_PARAMS = {
     "functions": "the legacy functions parameter is not supported; use tools",
     "function_call": "the legacy function_call parameter is not supported; use tool_choice",
     "audio": "audio output is not supported",
-    "modalities": "only text output is supported", "prediction": "predicted outputs are not supported",
-    "web_search_options": "web search is not supported", "reasoning_effort": "this model does not reason",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model does not reason",
     "verbosity": "verbosity is not supported",
 }
 # a value that asks for nothing: modalities ["text"]
@@ -47,9 +50,16 @@ MAX_PROMPTS = 256  # prompts in one batched /v1/completions request
 TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
 
 
-@extend_schema_field({"oneOf": [{"type": "string"}, TOKEN_IDS,
-                                {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                                {"type": "array", "items": TOKEN_IDS, "minItems": 1}]})
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string"},
+            TOKEN_IDS,
+            {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            {"type": "array", "items": TOKEN_IDS, "minItems": 1},
+        ]
+    }
+)
 class PromptField(serializers.Field):
     """prompt: a string, a list of token ids, or a batch: a list of strings or of token-id lists.
 
@@ -62,8 +72,10 @@ class PromptField(serializers.Field):
             if len(data) > MAX_PROMPTS:
                 raise serializers.ValidationError(f"at most {MAX_PROMPTS} prompts per request")
             return data
-        raise serializers.ValidationError("must be a non-empty string, a list of token ids, or a list of "
-                                          "non-empty strings or of token-id lists (not both)")
+        raise serializers.ValidationError(
+            "must be a non-empty string, a list of token ids, or a list of "
+            "non-empty strings or of token-id lists (not both)"
+        )
 
     def to_representation(self, value):
         return value
@@ -72,12 +84,18 @@ class PromptField(serializers.Field):
 def _is_prompt(data) -> bool:
     if isinstance(data, str):
         return bool(data)
-    return (isinstance(data, list) and bool(data)
-            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data))
+    return (
+        isinstance(data, list)
+        and bool(data)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data)
+    )
 
 
-TEXT_PART = {"type": "object", "required": ["type", "text"],
-             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+TEXT_PART = {
+    "type": "object",
+    "required": ["type", "text"],
+    "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}},
+}
 
 
 @extend_schema_field({"oneOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}], "nullable": True})
@@ -113,8 +131,12 @@ class MessageSerializer(serializers.Serializer):
     content = ContentField(required=False, allow_null=True)
     name = serializers.CharField(required=False)
     tool_call_id = serializers.CharField(required=False, help_text="required for role tool")
-    tool_calls = ToolCallSerializer(many=True, required=False, allow_null=True,
-                                    help_text="an assistant turn's calls, sent back with the tools' results")
+    tool_calls = ToolCallSerializer(
+        many=True,
+        required=False,
+        allow_null=True,
+        help_text="an assistant turn's calls, sent back with the tools' results",
+    )
 
     def validate(self, data):
         if data.get("tool_calls") and data["role"] != "assistant":
@@ -173,8 +195,12 @@ class SamplingSerializer(RequestSerializer):
     """Fields shared by both endpoints (OpenAI's plus vLLM's extras)."""
 
     model = serializers.CharField()
-    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1,
-                                          help_text="default: the rest of the context on chat, 16 on completions")
+    max_tokens = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=1,
+        help_text="default: the rest of the context on chat, 16 on completions",
+    )
     temperature = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=2)
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=1)
     n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=16)
@@ -184,38 +210,65 @@ class SamplingSerializer(RequestSerializer):
     seed = serializers.IntegerField(required=False, allow_null=True, min_value=SEED_RANGE[0], max_value=SEED_RANGE[1])
     presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2, max_value=2)
     frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2, max_value=2)
-    user = serializers.CharField(required=False, allow_blank=True, allow_null=True, max_length=256,
-                                 help_text="recorded on the request's usage row")
-    logit_bias = serializers.DictField(child=serializers.FloatField(min_value=-100, max_value=100), required=False,
-                                       allow_null=True, help_text="token id -> bias added to its logit, in [-100, 100]")
+    user = serializers.CharField(
+        required=False,
+        allow_blank=True,
+        allow_null=True,
+        max_length=256,
+        help_text="recorded on the request's usage row",
+    )
+    logit_bias = serializers.DictField(
+        child=serializers.FloatField(min_value=-100, max_value=100),
+        required=False,
+        allow_null=True,
+        help_text="token id -> bias added to its logit, in [-100, 100]",
+    )
     # vLLM's extra sampling parameters
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=-1, max_value=TOP_K_MAX,
-                                     help_text="-1 or 0: off; at most the vocabulary size")
+    top_k = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=-1,
+        max_value=TOP_K_MAX,
+        help_text="-1 or 0: off; at most the vocabulary size",
+    )
     min_p = serializers.FloatField(required=False, allow_null=True, min_value=0, max_value=1)
     repetition_penalty = serializers.FloatField(required=False, allow_null=True, min_value=0.01)
     min_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     ignore_eos = serializers.BooleanField(required=False, default=False)
     stop_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False, allow_null=True)
-    allowed_token_ids = serializers.ListField(child=serializers.IntegerField(min_value=0), required=False,
-                                              allow_null=True, allow_empty=False,
-                                              help_text="only these tokens may be generated")
-    bad_words = serializers.ListField(child=serializers.CharField(), required=False, allow_null=True,
-                                      help_text="words that are never completed")
+    allowed_token_ids = serializers.ListField(
+        child=serializers.IntegerField(min_value=0),
+        required=False,
+        allow_null=True,
+        allow_empty=False,
+        help_text="only these tokens may be generated",
+    )
+    bad_words = serializers.ListField(
+        child=serializers.CharField(), required=False, allow_null=True, help_text="words that are never completed"
+    )
     skip_special_tokens = serializers.BooleanField(required=False, default=True)
     include_stop_str_in_output = serializers.BooleanField(required=False, default=False)
-    priority = serializers.IntegerField(required=False, default=0, min_value=0, max_value=999,
-                                        help_text="order inside the API priority class (lower runs first)")
+    priority = serializers.IntegerField(
+        required=False,
+        default=0,
+        min_value=0,
+        max_value=999,
+        help_text="order inside the API priority class (lower runs first)",
+    )
     # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs / guided_* (at most one)
     response_format = ResponseFormatSerializer(required=False, allow_null=True)
-    structured_outputs = serializers.DictField(required=False, allow_null=True,
-                                               help_text="vLLM's: one of json, json_object, regex, choice, grammar")
+    structured_outputs = serializers.DictField(
+        required=False, allow_null=True, help_text="vLLM's: one of json, json_object, regex, choice, grammar"
+    )
     guided_json = serializers.JSONField(required=False, allow_null=True, help_text="a JSON schema the output follows")
     # trim_whitespace=False: DRF strips strings by default, and a leading space is part of a pattern
     guided_regex = serializers.CharField(required=False, allow_null=True, trim_whitespace=False)
-    guided_choice = serializers.ListField(child=serializers.CharField(trim_whitespace=False), required=False,
-                                          allow_null=True, allow_empty=False)
-    guided_grammar = serializers.CharField(required=False, allow_null=True, trim_whitespace=False,
-                                           help_text="EBNF (xgrammar's dialect)")
+    guided_choice = serializers.ListField(
+        child=serializers.CharField(trim_whitespace=False), required=False, allow_null=True, allow_empty=False
+    )
+    guided_grammar = serializers.CharField(
+        required=False, allow_null=True, trim_whitespace=False, help_text="EBNF (xgrammar's dialect)"
+    )
 
     def validate_stream_options(self, value):
         if value is not None and self.initial_data.get("stream") is not True:
@@ -228,11 +281,21 @@ class SamplingSerializer(RequestSerializer):
         return value and {int(key): bias for key, bias in value.items()}
 
 
-@extend_schema_field({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
-                                {"type": "object", "required": ["type", "function"],
-                                 "properties": {"type": {"type": "string", "enum": ["function"]},
-                                                "function": {"type": "object", "required": ["name"],
-                                                             "properties": {"name": {"type": "string"}}}}}]})
+@extend_schema_field(
+    {
+        "oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {
+                "type": "object",
+                "required": ["type", "function"],
+                "properties": {
+                    "type": {"type": "string", "enum": ["function"]},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                },
+            },
+        ]
+    }
+)
 class ToolChoiceField(serializers.Field):
     """tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
     (checked against the tools by tool_calls.validate_tools)."""
@@ -249,20 +312,33 @@ class ChatCompletionRequestSerializer(SamplingSerializer):
     max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     logprobs = serializers.BooleanField(required=False, default=False)
     top_logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=20)
-    tools = serializers.ListField(child=serializers.DictField(), required=False, allow_null=True, max_length=128,
-                                  help_text='[{"type": "function", "function": {"name", "description", "parameters"}}]')
-    tool_choice = ToolChoiceField(required=False, allow_null=True,
-                                  help_text="none, auto (the default with tools), required, or a named function")
+    tools = serializers.ListField(
+        child=serializers.DictField(),
+        required=False,
+        allow_null=True,
+        max_length=128,
+        help_text='[{"type": "function", "function": {"name", "description", "parameters"}}]',
+    )
+    tool_choice = ToolChoiceField(
+        required=False, allow_null=True, help_text="none, auto (the default with tools), required, or a named function"
+    )
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True, default=True)
 
 
 class CompletionRequestSerializer(SamplingSerializer):
-    prompt = PromptField(help_text="a string or a list of token ids; a list of either is a batch (one choice per "
-                                   "prompt per n, indexed prompt * n + i)")
+    prompt = PromptField(
+        help_text="a string or a list of token ids; a list of either is a batch (one choice per "
+        "prompt per n, indexed prompt * n + i)"
+    )
     # 0 is allowed with echo: the prompt's own logprobs, nothing generated (lm-eval's loglikelihood)
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=0)
-    logprobs = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=5,
-                                        help_text="with echo, also the prompt tokens' logprobs")
+    logprobs = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=0,
+        max_value=5,
+        help_text="with echo, also the prompt tokens' logprobs",
+    )
     echo = serializers.BooleanField(required=False, default=False, help_text="prepend the prompt to each choice")
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     suffix = serializers.CharField(required=False, allow_null=True)
@@ -299,6 +375,7 @@ class DetokenizeRequestSerializer(RequestSerializer):
 
 
 # ---------------------------------------------------------------- responses (documentation)
+
 
 class ErrorDetailSerializer(serializers.Serializer):
     message = serializers.CharField()

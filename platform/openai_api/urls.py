@@ -9,8 +9,11 @@ urlpatterns = [
     path("v1/embeddings", embeddings_views.EmbeddingsView.as_view(), name="v1-embeddings"),
     path("v1/responses", responses_views.ResponsesView.as_view(), name="v1-responses"),
     path("v1/responses/<str:response_id>", responses_views.ResponseDetailView.as_view(), name="v1-response"),
-    path("v1/responses/<str:response_id>/input_items", responses_views.ResponseInputItemsView.as_view(),
-         name="v1-response-input-items"),
+    path(
+        "v1/responses/<str:response_id>/input_items",
+        responses_views.ResponseInputItemsView.as_view(),
+        name="v1-response-input-items",
+    ),
     path("v1/models", views.ModelListView.as_view(), name="v1-models"),
     path("v1/models/<path:model>", views.ModelDetailView.as_view(), name="v1-model"),
     path("v1/openapi.json", SpectacularJSONAPIView.as_view(), name="v1-openapi"),

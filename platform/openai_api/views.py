@@ -6,6 +6,7 @@ APIView subclasses only so drf-spectacular documents them from the same serializ
 validate requests; they are dispatched as plain async Django views (DRF has no async support,
 and SSE streams must stay on the event loop).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,19 +30,38 @@ from generation.services import on_bookkeeping_thread
 
 from . import calls, credentials, formatting, metrics
 from .errors import error_response, sse_error
-from .serializers import (ChatCompletionRequestSerializer, ChatCompletionSerializer, CompletionRequestSerializer,
-                          CompletionSerializer, DetokenizeRequestSerializer, DetokenizeSerializer, ErrorSerializer,
-                          HealthSerializer, ModelListSerializer, ModelSerializer, TokenizeRequestSerializer,
-                          TokenizerInfoSerializer, TokenizeSerializer)
+from .serializers import (
+    ChatCompletionRequestSerializer,
+    ChatCompletionSerializer,
+    CompletionRequestSerializer,
+    CompletionSerializer,
+    DetokenizeRequestSerializer,
+    DetokenizeSerializer,
+    ErrorSerializer,
+    HealthSerializer,
+    ModelListSerializer,
+    ModelSerializer,
+    TokenizeRequestSerializer,
+    TokenizerInfoSerializer,
+    TokenizeSerializer,
+)
 
 log = logging.getLogger("tessera.api")
 
-ERRORS = {status: OpenApiResponse(ErrorSerializer, description=why) for status, why in {
-    400: "invalid parameter (error.param names it), malformed JSON, prompt longer than the context",
-    401: "missing or invalid API key", 404: "unknown model", 429: "quota or rate limit (Retry-After set)",
-    503: "no engine worker alive"}.items()}
-STREAM_NOTE = ("With stream=true the response is text/event-stream: `data: {chunk}` lines ending with "
-               "`data: [DONE]`; stream_options.include_usage adds a final chunk with empty choices and usage.")
+ERRORS = {
+    status: OpenApiResponse(ErrorSerializer, description=why)
+    for status, why in {
+        400: "invalid parameter (error.param names it), malformed JSON, prompt longer than the context",
+        401: "missing or invalid API key",
+        404: "unknown model",
+        429: "quota or rate limit (Retry-After set)",
+        503: "no engine worker alive",
+    }.items()
+}
+STREAM_NOTE = (
+    "With stream=true the response is text/event-stream: `data: {chunk}` lines ending with "
+    "`data: [DONE]`; stream_options.include_usage adds a final chunk with empty choices and usage."
+)
 
 
 class AsyncAPIView(APIView):
@@ -56,8 +76,13 @@ class AsyncAPIView(APIView):
         async def view(request, *args, **kwargs):
             handler = getattr(cls(**initkwargs), request.method.lower(), None)
             if handler is None:
-                return error_response(ServiceError(f"Method {request.method} is not allowed on {request.path}.",
-                                                   status=405, code="method_not_allowed"))
+                return error_response(
+                    ServiceError(
+                        f"Method {request.method} is not allowed on {request.path}.",
+                        status=405,
+                        code="method_not_allowed",
+                    )
+                )
             return await handler(request, *args, **kwargs)
 
         markcoroutinefunction(view)
@@ -66,15 +91,23 @@ class AsyncAPIView(APIView):
 
 
 class ChatCompletionsView(AsyncAPIView):
-    @extend_schema(operation_id="createChatCompletion", request=ChatCompletionRequestSerializer,
-                   responses={200: ChatCompletionSerializer, **ERRORS}, description=STREAM_NOTE)
+    @extend_schema(
+        operation_id="createChatCompletion",
+        request=ChatCompletionRequestSerializer,
+        responses={200: ChatCompletionSerializer, **ERRORS},
+        description=STREAM_NOTE,
+    )
     async def post(self, request):
         return await generate(request, "chat")
 
 
 class CompletionsView(AsyncAPIView):
-    @extend_schema(operation_id="createCompletion", request=CompletionRequestSerializer,
-                   responses={200: CompletionSerializer, **ERRORS}, description=STREAM_NOTE)
+    @extend_schema(
+        operation_id="createCompletion",
+        request=CompletionRequestSerializer,
+        responses={200: CompletionSerializer, **ERRORS},
+        description=STREAM_NOTE,
+    )
     async def post(self, request):
         return await generate(request, "completions")
 
@@ -88,8 +121,13 @@ async def _authenticated(request) -> ServiceError | None:
 
 
 def model_card(name: str, info: dict) -> dict:
-    return {"id": name, "object": "model", "created": info.get("created") or 0, "owned_by": "tessera",
-            "max_model_len": info.get("max_model_len")}
+    return {
+        "id": name,
+        "object": "model",
+        "created": info.get("created") or 0,
+        "owned_by": "tessera",
+        "max_model_len": info.get("max_model_len"),
+    }
 
 
 class ModelListView(AsyncAPIView):
@@ -108,28 +146,40 @@ class ModelDetailView(AsyncAPIView):
             return error_response(error)
         models = await catalog.served_models()
         if model not in models:
-            return error_response(NotFound(f"The model '{model}' does not exist.", param="model",
-                                           code="model_not_found"))
+            return error_response(
+                NotFound(f"The model '{model}' does not exist.", param="model", code="model_not_found")
+            )
         return JsonResponse(model_card(model, models[model]))
 
 
 class TokenizeView(AsyncAPIView):
-    @extend_schema(operation_id="tokenize", request=TokenizeRequestSerializer,
-                   responses={200: TokenizeSerializer, **ERRORS}, description="vLLM's /tokenize.")
+    @extend_schema(
+        operation_id="tokenize",
+        request=TokenizeRequestSerializer,
+        responses={200: TokenizeSerializer, **ERRORS},
+        description="vLLM's /tokenize.",
+    )
     async def post(self, request):
         return await tokenizer_route(request, "tokenize")
 
 
 class DetokenizeView(AsyncAPIView):
-    @extend_schema(operation_id="detokenize", request=DetokenizeRequestSerializer,
-                   responses={200: DetokenizeSerializer, **ERRORS}, description="vLLM's /detokenize.")
+    @extend_schema(
+        operation_id="detokenize",
+        request=DetokenizeRequestSerializer,
+        responses={200: DetokenizeSerializer, **ERRORS},
+        description="vLLM's /detokenize.",
+    )
     async def post(self, request):
         return await tokenizer_route(request, "detokenize")
 
 
 class TokenizerInfoView(AsyncAPIView):
-    @extend_schema(operation_id="tokenizerInfo", responses={200: TokenizerInfoSerializer, 401: ERRORS[401]},
-                   description="vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template.")
+    @extend_schema(
+        operation_id="tokenizerInfo",
+        responses={200: TokenizerInfoSerializer, 401: ERRORS[401]},
+        description="vLLM's /tokenizer_info: the tokenizer's class, special tokens and chat template.",
+    )
     async def get(self, request):
         return await tokenizer_route(request, "tokenizer_info")
 
@@ -137,21 +187,31 @@ class TokenizerInfoView(AsyncAPIView):
 class HealthView(AsyncAPIView):
     authentication_classes = []
 
-    @extend_schema(operation_id="health", responses={200: HealthSerializer, 503: HealthSerializer},
-                   description="200 while at least one engine worker has a fresh heartbeat, else 503.")
+    @extend_schema(
+        operation_id="health",
+        responses={200: HealthSerializer, 503: HealthSerializer},
+        description="200 while at least one engine worker has a fresh heartbeat, else 503.",
+    )
     async def get(self, request):
         warm_up_in_background()  # load balancers and the live tests ping this first
         state = await engine.aclient().health()
-        body = {"status": "ok" if state["ok"] else "unavailable", "engine": state["ok"],
-                "redis": state["redis"], "workers": state["workers"]}
+        body = {
+            "status": "ok" if state["ok"] else "unavailable",
+            "engine": state["ok"],
+            "redis": state["redis"],
+            "workers": state["workers"],
+        }
         return JsonResponse(body, status=200 if state["ok"] else 503)
 
 
 class MetricsView(AsyncAPIView):
     authentication_classes = []
 
-    @extend_schema(operation_id="metrics", responses={(200, "text/plain"): str},
-                   description="Prometheus text format: engine gauges per worker and HTTP counters.")
+    @extend_schema(
+        operation_id="metrics",
+        responses={(200, "text/plain"): str},
+        description="Prometheus text format: engine gauges per worker and HTTP counters.",
+    )
     async def get(self, request):
         text = await sync_to_async(metrics.render, thread_sensitive=False)()
         return HttpResponse(text, content_type="text/plain; version=0.0.4; charset=utf-8")
@@ -159,12 +219,14 @@ class MetricsView(AsyncAPIView):
 
 # ---------------------------------------------------------------- a generation over HTTP
 
+
 def authenticate(request):
     """The request's API key and its user's plan (401 without a valid key)."""
     raw = bearer_token(request.headers.get("Authorization"))
     if raw is None:
-        raise AuthenticationFailed("You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.",
-                                   code="missing_api_key")
+        raise AuthenticationFailed(
+            "You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.", code="missing_api_key"
+        )
     known = credentials.caller(raw)
     if known is None:
         raise AuthenticationFailed("Incorrect API key provided.")
@@ -213,8 +275,9 @@ LARGE_BODY_BYTES = 64 * 1024  # about 16k tokens of text: tokenizing it takes te
 async def generate(request, kind: str):
     """POST /v1/chat/completions and /v1/completions."""
     try:
-        call = await on_bookkeeping_thread(admit, request, kind, engine.aclient().lease(),
-                                           large=len(request.body) > LARGE_BODY_BYTES)
+        call = await on_bookkeeping_thread(
+            admit, request, kind, engine.aclient().lease(), large=len(request.body) > LARGE_BODY_BYTES
+        )
     except ServiceError as error:
         return _with_headers(error_response(error), error.headers)
     events = _events(call.gen)
@@ -303,6 +366,7 @@ def _chunks(writer: formatting.ChunkWriter, event: dict, finished: set[int]) -> 
 
 # ---------------------------------------------------------------- vLLM's tokenizer routes
 
+
 async def tokenizer_route(request, route: str):
     """POST /tokenize, POST /detokenize, GET /tokenizer_info (vLLM's; lm-eval probes them)."""
     try:
@@ -312,9 +376,11 @@ async def tokenizer_route(request, route: str):
             serializer = TokenizeRequestSerializer if route == "tokenize" else DetokenizeRequestSerializer
             data = calls.validate(serializer, parse_json(request))
         path, max_model_len = calls.tokenizer_model(data.get("model"), await catalog.served_models())
-        work = {"tokenize": lambda: calls.tokenize_body(data, path, max_model_len),
-                "detokenize": lambda: calls.detokenize_body(data, path),
-                "tokenizer_info": lambda: tokenization.tokenizer_info(path)}[route]
+        work = {
+            "tokenize": lambda: calls.tokenize_body(data, path, max_model_len),
+            "detokenize": lambda: calls.detokenize_body(data, path),
+            "tokenizer_info": lambda: tokenization.tokenizer_info(path),
+        }[route]
         return JsonResponse(await sync_to_async(work, thread_sensitive=False)())
     except ServiceError as error:
         return error_response(error)

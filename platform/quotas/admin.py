@@ -5,8 +5,15 @@ from .models import Plan, UserPlan
 
 @admin.register(Plan)
 class PlanAdmin(admin.ModelAdmin):
-    list_display = ["name", "tokens_per_day", "tokens_per_month", "requests_per_minute",
-                    "concurrent_requests", "max_tokens_per_request", "share"]
+    list_display = [
+        "name",
+        "tokens_per_day",
+        "tokens_per_month",
+        "requests_per_minute",
+        "concurrent_requests",
+        "max_tokens_per_request",
+        "share",
+    ]
     search_fields = ["name"]
 
 

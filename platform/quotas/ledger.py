@@ -10,6 +10,7 @@ Background sources (batches) count in their own rpm/conc sets ({p}:{uid}:rpm:bat
 running batch never takes the user's interactive slots; tokens are one budget for every source.
 No Django imports: the multi-process tests drive this module directly.
 """
+
 from __future__ import annotations
 
 import calendar
@@ -155,7 +156,7 @@ def seconds_until_next_day(now: datetime) -> int:
 
 def seconds_until_next_month(now: datetime) -> int:
     days = calendar.monthrange(now.year, now.month)[1]
-    first_next = (now.replace(day=1, hour=0, minute=0, second=0, microsecond=0) + timedelta(days=days))
+    first_next = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0) + timedelta(days=days)
     return max(1, int((first_next - now).total_seconds()))
 
 
@@ -179,11 +180,24 @@ class QuotaLedger:
         now = now or datetime.now(timezone.utc)
         base = f"{self.prefix}:{user_id}"
         slots = ":batch" if source in BACKGROUND_SOURCES else ""
-        return {"rpm": f"{base}:rpm{slots}", "conc": f"{base}:conc{slots}",
-                "day": f"{base}:d:{now:%Y%m%d}", "month": f"{base}:m:{now:%Y%m}"}
+        return {
+            "rpm": f"{base}:rpm{slots}",
+            "conc": f"{base}:conc{slots}",
+            "day": f"{base}:d:{now:%Y%m%d}",
+            "month": f"{base}:m:{now:%Y%m}",
+        }
 
-    def reserve(self, user_id: int, limits: PlanLimits, tokens: int, *, model: str = "", source: str = "",
-                prompt_tokens: int = 0, max_tokens: int = 0) -> Reservation | Refusal:
+    def reserve(
+        self,
+        user_id: int,
+        limits: PlanLimits,
+        tokens: int,
+        *,
+        model: str = "",
+        source: str = "",
+        prompt_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> Reservation | Refusal:
         """Admit one request and reserve `tokens`, or say which limit refused it and when to retry."""
         self.retry_unsettled()  # slots of requests that ended during an outage come back first
         now = datetime.now(timezone.utc)
@@ -192,20 +206,46 @@ class QuotaLedger:
         res_key = f"{self.prefix}:res:{rid}"
         result = self._reserve(
             keys=[keys["rpm"], keys["conc"], keys["day"], keys["month"], res_key],
-            args=[rid, _limit_arg(limits.requests_per_minute), _limit_arg(limits.concurrent_requests),
-                  _limit_arg(limits.tokens_per_day), _limit_arg(limits.tokens_per_month), int(tokens),
-                  self.lease_ms, seconds_until_next_day(now), seconds_until_next_month(now),
-                  DAY_TTL_S, MONTH_TTL_S, RESERVATION_TTL_S],
+            args=[
+                rid,
+                _limit_arg(limits.requests_per_minute),
+                _limit_arg(limits.concurrent_requests),
+                _limit_arg(limits.tokens_per_day),
+                _limit_arg(limits.tokens_per_month),
+                int(tokens),
+                self.lease_ms,
+                seconds_until_next_day(now),
+                seconds_until_next_month(now),
+                DAY_TTL_S,
+                MONTH_TTL_S,
+                RESERVATION_TTL_S,
+            ],
         )
         status = _text(result[0])
         if status != "ok":
             return Refusal(limit=_text(result[1]), retry_after_s=max(1, -(-int(result[2]) // 1000)))
-        usage = Usage(requests_last_minute=int(result[1]), concurrent=int(result[2]), tokens_today=int(result[3]),
-                      tokens_this_month=int(result[4]), requests_reset_s=max(0.0, int(result[5]) / 1000))
-        return Reservation(id=rid, user_id=user_id, model=model, source=source, prompt_tokens=prompt_tokens,
-                           max_tokens=max_tokens, reserved_tokens=int(tokens), rpm_key=keys["rpm"],
-                           conc_key=keys["conc"], day_key=keys["day"], month_key=keys["month"], res_key=res_key,
-                           usage=usage)
+        usage = Usage(
+            requests_last_minute=int(result[1]),
+            concurrent=int(result[2]),
+            tokens_today=int(result[3]),
+            tokens_this_month=int(result[4]),
+            requests_reset_s=max(0.0, int(result[5]) / 1000),
+        )
+        return Reservation(
+            id=rid,
+            user_id=user_id,
+            model=model,
+            source=source,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            reserved_tokens=int(tokens),
+            rpm_key=keys["rpm"],
+            conc_key=keys["conc"],
+            day_key=keys["day"],
+            month_key=keys["month"],
+            res_key=res_key,
+            usage=usage,
+        )
 
     def settle(self, reservation: Reservation, actual_tokens: int) -> bool:
         """Charge the actual tokens instead of the reserved ones and free the slot; False if already settled.
@@ -257,8 +297,13 @@ class QuotaLedger:
         pipe.zrangebyscore(keys["rpm"], now_ms - 60000, "+inf", start=0, num=1, withscores=True)
         rpm, conc, day, month, oldest = pipe.execute()
         reset = max(0.0, (oldest[0][1] + 60000 - now_ms) / 1000) if oldest else 0.0
-        return Usage(requests_last_minute=int(rpm), concurrent=int(conc), tokens_today=int(day or 0),
-                     tokens_this_month=int(month or 0), requests_reset_s=reset)
+        return Usage(
+            requests_last_minute=int(rpm),
+            concurrent=int(conc),
+            tokens_today=int(day or 0),
+            tokens_this_month=int(month or 0),
+            requests_reset_s=reset,
+        )
 
     def is_settled(self, reservation: Reservation) -> bool:
         return _text(self.redis.hget(reservation.res_key, "settled")) == "1"

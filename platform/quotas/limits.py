@@ -1,10 +1,16 @@
 """Plain-data view of a plan, shared by the Django layer and the Redis ledger (no Django imports)."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-LIMIT_FIELDS = ("tokens_per_day", "tokens_per_month", "requests_per_minute",
-                "concurrent_requests", "max_tokens_per_request")
+LIMIT_FIELDS = (
+    "tokens_per_day",
+    "tokens_per_month",
+    "requests_per_minute",
+    "concurrent_requests",
+    "max_tokens_per_request",
+)
 
 
 @dataclass(frozen=True)
@@ -23,8 +29,12 @@ class PlanLimits:
     @classmethod
     def from_mapping(cls, data: dict) -> "PlanLimits":
         values = {k: data.get(k) for k in LIMIT_FIELDS}
-        return cls(name=data.get("name", "default"), allowed_models=tuple(data.get("allowed_models") or ()),
-                   share=float(data.get("share", 1.0)), **values)
+        return cls(
+            name=data.get("name", "default"),
+            allowed_models=tuple(data.get("allowed_models") or ()),
+            share=float(data.get("share", 1.0)),
+            **values,
+        )
 
     def allows_model(self, model: str) -> bool:
         return not self.allowed_models or model in self.allowed_models

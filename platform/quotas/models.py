@@ -1,4 +1,5 @@
 """Plans (limits) and the per-user override; live counters live in Redis, not here."""
+
 import math
 
 from django.conf import settings

@@ -1,4 +1,5 @@
 """Reads: a user's plan, live usage and remaining quota, and the x-ratelimit-* headers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,10 +32,16 @@ def plan_for(user) -> PlanLimits:
     if assigned is None:
         return PlanLimits.from_mapping(getattr(settings, "QUOTA_DEFAULT_PLAN", {}))
     plan = assigned.plan
-    return PlanLimits(name=plan.name, tokens_per_day=plan.tokens_per_day, tokens_per_month=plan.tokens_per_month,
-                      requests_per_minute=plan.requests_per_minute, concurrent_requests=plan.concurrent_requests,
-                      max_tokens_per_request=plan.max_tokens_per_request,
-                      allowed_models=tuple(plan.allowed_models or ()), share=plan.share)
+    return PlanLimits(
+        name=plan.name,
+        tokens_per_day=plan.tokens_per_day,
+        tokens_per_month=plan.tokens_per_month,
+        requests_per_minute=plan.requests_per_minute,
+        concurrent_requests=plan.concurrent_requests,
+        max_tokens_per_request=plan.max_tokens_per_request,
+        allowed_models=tuple(plan.allowed_models or ()),
+        share=plan.share,
+    )
 
 
 @dataclass(frozen=True)

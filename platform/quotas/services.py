@@ -5,6 +5,7 @@ when the work ends for any reason (finished, aborted, stream cut). settle() is i
 Redis was away for is applied as soon as Redis answers again (before this process's next admission),
 and a reservation that is never settled still frees its concurrency slot when its lease expires.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,21 +28,24 @@ REFUSAL_MESSAGES = {
     "requests_per_minute": "Rate limit reached: {limit} requests per minute. Try again in {retry}s.",
     "concurrent_requests": "Too many concurrent requests: at most {limit} at a time. Try again in {retry}s.",
     "tokens_per_day": "Daily token quota exhausted ({limit} tokens per day, this request needs {tokens}). "
-                      "It resets in {retry}s.",
+    "It resets in {retry}s.",
     "tokens_per_month": "Monthly token quota exhausted ({limit} tokens per month, this request needs "
-                        "{tokens}). It resets in {retry}s.",
+    "{tokens}). It resets in {retry}s.",
 }
 
 
 def check_plan(plan: PlanLimits, model: str, max_tokens: int) -> None:
     """Refuse requests the plan can never admit (not retryable, so not a 429)."""
     if not plan.allows_model(model):
-        raise PlanViolation(f"Your plan does not include the model '{model}'.", code="model_not_allowed",
-                            param="model", status=403)
+        raise PlanViolation(
+            f"Your plan does not include the model '{model}'.", code="model_not_allowed", param="model", status=403
+        )
     if plan.max_tokens_per_request is not None and max_tokens > plan.max_tokens_per_request:
-        raise PlanViolation(f"max_tokens is {max_tokens}, but your plan allows at most "
-                            f"{plan.max_tokens_per_request} per request.", code="max_tokens_exceeded",
-                            param="max_tokens")
+        raise PlanViolation(
+            f"max_tokens is {max_tokens}, but your plan allows at most {plan.max_tokens_per_request} per request.",
+            code="max_tokens_exceeded",
+            param="max_tokens",
+        )
 
 
 def reserve(user, model: str, prompt_tokens: int, max_tokens: int, source: str, plan=None) -> Reservation:
@@ -55,14 +59,20 @@ def reserve(user, model: str, prompt_tokens: int, max_tokens: int, source: str, 
     if source in BACKGROUND_SOURCES:
         plan = dataclasses.replace(plan, requests_per_minute=None, concurrent_requests=None)
     tokens = int(prompt_tokens) + int(max_tokens)
-    outcome = get_ledger().reserve(user.pk, plan, tokens, model=model, source=source,
-                                   prompt_tokens=int(prompt_tokens), max_tokens=int(max_tokens))
+    outcome = get_ledger().reserve(
+        user.pk, plan, tokens, model=model, source=source, prompt_tokens=int(prompt_tokens), max_tokens=int(max_tokens)
+    )
     if isinstance(outcome, Reservation):
         return outcome
     limit_value = getattr(plan, outcome.limit)
     message = REFUSAL_MESSAGES[outcome.limit].format(limit=limit_value, retry=outcome.retry_after_s, tokens=tokens)
-    raise QuotaExceeded(message, code=REFUSAL_CODES[outcome.limit], retry_after=outcome.retry_after_s,
-                        headers=headers_for(quota_status(user, plan)), limit=outcome.limit)
+    raise QuotaExceeded(
+        message,
+        code=REFUSAL_CODES[outcome.limit],
+        retry_after=outcome.retry_after_s,
+        headers=headers_for(quota_status(user, plan)),
+        limit=outcome.limit,
+    )
 
 
 def settle(reservation: Reservation, prompt_tokens: int, completion_tokens: int) -> bool:
@@ -73,4 +83,3 @@ def settle(reservation: Reservation, prompt_tokens: int, completion_tokens: int)
 def renew(reservation: Reservation) -> bool:
     """Extend the concurrency lease of a long-running request (call every ~30 s while streaming)."""
     return get_ledger().renew(reservation)
-

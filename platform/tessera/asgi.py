@@ -1,4 +1,5 @@
 """ASGI entry point: HTTP through Django, websockets through Channels."""
+
 import os
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
-from openai_api.middleware import status_envelope  # noqa: E402  (needs the apps loaded)
 from common import http_guards  # noqa: E402
+from openai_api.middleware import status_envelope  # noqa: E402  (needs the apps loaded)
 
 
 class APIHandler(ASGIHandler):
@@ -61,9 +62,10 @@ api_asgi_app = APIHandler()
 async def http_app(scope, receive, send):
     await (api_asgi_app if http_guards.is_machine_path(scope["path"]) else django_asgi_app)(scope, receive, send)
 
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
-from channels.auth import AuthMiddlewareStack  # noqa: E402
 
 from tessera.routing import websocket_urlpatterns  # noqa: E402
 

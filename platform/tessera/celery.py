@@ -1,4 +1,5 @@
 """The Celery app: `celery -A tessera worker` with platform/ on sys.path (the Makefile sets it)."""
+
 import os
 import sys
 from pathlib import Path

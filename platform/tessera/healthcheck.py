@@ -6,6 +6,7 @@ Exit status 0 = healthy. Both checks are cheap and need no Django start-up:
 - engine: this worker's heartbeat key exists in Redis (ENGINE_WORKER_ID; any live worker when
   unset). The heartbeat expires a few seconds after the worker stops stepping.
 """
+
 from __future__ import annotations
 
 import os

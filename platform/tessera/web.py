@@ -7,6 +7,7 @@ Chosen over daphne by CPU time per streamed token (README, "Serving over HTTP");
 still runs daphne. `make run`, compose and the Dockerfile all start this module, so the server's
 settings live here once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,19 @@ KEEP_ALIVE_S = 75
 
 def config(*, host: str, port: int, fd: int | None, proxy_headers: bool) -> uvicorn.Config:
     return uvicorn.Config(
-        ASGI_APP, host=host, port=port, fd=fd, loop="uvloop", http="httptools", ws="websockets",
+        ASGI_APP,
+        host=host,
+        port=port,
+        fd=fd,
+        loop="uvloop",
+        http="httptools",
+        ws="websockets",
         lifespan="off",  # Django's ASGI handler does not speak the lifespan protocol
         # As daphne: X-Forwarded-* is believed only when asked for (behind compose's proxy), then from any peer.
-        proxy_headers=proxy_headers, forwarded_allow_ips="*" if proxy_headers else None,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
+        proxy_headers=proxy_headers,
+        forwarded_allow_ips="*" if proxy_headers else None,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
 
 

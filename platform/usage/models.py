@@ -5,6 +5,7 @@ arrival at Tessera (the HTTP request, the websocket frame, the batch line's subm
 first token, as its client sees it (the dashboard charts this one); engine_ttft_ms runs from the
 engine worker's acceptance of the request to its first token (docs/protocol.md, finish metrics).
 """
+
 from django.conf import settings
 from django.db import models
 
@@ -16,8 +17,9 @@ class UsageRecord(models.Model):
         BATCH = "batch"
 
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="usage_records")
-    api_key = models.ForeignKey("accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL,
-                                related_name="usage_records")
+    api_key = models.ForeignKey(
+        "accounts.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+    )
     source = models.CharField(max_length=16, choices=Source.choices)
     endpoint = models.CharField(max_length=64, blank=True)
     model = models.CharField(max_length=200, blank=True)
@@ -26,8 +28,9 @@ class UsageRecord(models.Model):
     completion_tokens = models.PositiveIntegerField(default=0)
     cached_tokens = models.PositiveIntegerField(default=0)
     ttft_ms = models.FloatField(null=True, blank=True, help_text="time to first token from the request's arrival (ms)")
-    engine_ttft_ms = models.FloatField(null=True, blank=True,
-                                       help_text="time to first token from the engine worker's acceptance (ms)")
+    engine_ttft_ms = models.FloatField(
+        null=True, blank=True, help_text="time to first token from the engine worker's acceptance (ms)"
+    )
     latency_ms = models.FloatField(null=True, blank=True)
     status_code = models.PositiveSmallIntegerField(default=200)
     error_code = models.CharField(max_length=64, blank=True)

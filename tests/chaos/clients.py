@@ -1,6 +1,7 @@
 """Clients for the chaos scenarios: SSE streams through the official openai client and a playground
 websocket through aiohttp (logged in with the session cookie, as a browser is), each in its own
 thread, recording how it ended and when."""
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,13 @@ def sse_stream(base_url: str, api_key: str, model: str, max_tokens: int) -> Outc
     def run():
         try:
             chunks = openai_client(base_url, api_key).chat.completions.create(
-                model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens,
-                temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+                model=model,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=max_tokens,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             for chunk in chunks:
                 if chunk.choices and chunk.choices[0].delta.content:
                     outcome.started.set()
@@ -68,8 +74,13 @@ def ws_chat(base_url: str, username: str, password: str, max_tokens: int) -> Out
             await log_in(session, base_url, username, password)
             async with session.ws_connect(base_url.replace("http", "ws", 1) + "/ws/chat/", origin=base_url) as ws:
                 await ws.receive_json(timeout=30)  # ready
-                await ws.send_json({"type": "send", "content": PROMPT,
-                                    "settings": {"params": {"max_tokens": max_tokens, "temperature": 0}}})
+                await ws.send_json(
+                    {
+                        "type": "send",
+                        "content": PROMPT,
+                        "settings": {"params": {"max_tokens": max_tokens, "temperature": 0}},
+                    }
+                )
                 async for message in ws:
                     frame = json.loads(message.data)
                     if frame["type"] == "delta" and frame.get("text"):
@@ -96,13 +107,15 @@ async def log_in(session: aiohttp.ClientSession, base_url: str, username: str, p
         response.raise_for_status()
     csrf = next(c.value for c in session.cookie_jar if c.key == "csrftoken")
     form = {"username": username, "password": password, "csrfmiddlewaretoken": csrf}
-    async with session.post(base_url + "/accounts/login/", data=form,
-                            headers={"Referer": base_url + "/accounts/login/"}) as response:
+    async with session.post(
+        base_url + "/accounts/login/", data=form, headers={"Referer": base_url + "/accounts/login/"}
+    ) as response:
         response.raise_for_status()
     assert any(c.key == "sessionid" for c in session.cookie_jar), "the log-in did not take"
 
 
 # ---------------------------------------------------------------- load: many /v1 requests from one event loop
+
 
 @dataclass
 class StreamResult:
@@ -155,8 +168,14 @@ class StreamResult:
 
 def completion_body(model: str, prompt: str, max_tokens: int, stream: bool) -> dict:
     """Greedy, exactly max_tokens tokens (ignore_eos), each chunk carrying its tokens (logprobs=0)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "logprobs": 0}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return body
@@ -164,9 +183,12 @@ def completion_body(model: str, prompt: str, max_tokens: int, stream: bool) -> d
 
 def load_client(base_url: str, api_key: str, connections: int) -> httpx.AsyncClient:
     """One pool with a connection for each concurrent request (no request waits for another's)."""
-    return httpx.AsyncClient(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
-                             timeout=httpx.Timeout(300, connect=120, pool=None),
-                             limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+    return httpx.AsyncClient(
+        base_url=base_url,
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=httpx.Timeout(300, connect=120, pool=None),
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+    )
 
 
 async def completion_stream(http, body: dict) -> StreamResult:
@@ -194,7 +216,7 @@ def _stream_line(result: StreamResult, line: str) -> None:
     if not line.startswith("data: "):
         result.error = result.error or f"not an SSE data line: {line[:200]!r}"
         return
-    data = line[len("data: "):]
+    data = line[len("data: ") :]
     if data == "[DONE]":
         result.done = True
         return

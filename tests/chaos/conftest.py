@@ -3,6 +3,7 @@
 Each scenario records what it measured with the `chaos_report` fixture; at the end of the run the
 table is printed and written to var/chaos-report.md (the README's "Reliability" table is copied from it).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

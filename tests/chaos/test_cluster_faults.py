@@ -3,6 +3,7 @@ PostgreSQL and Redis on one of them, a tiny model in the two engine workers): pa
 the host's namespace), latency and loss (tc netem where the kernel has it, else loss alone from
 nftables), and a PostgreSQL restart. One cluster serves the module's scenarios in turn.
 Needs root (ip netns); only this machine's own namespaces are touched."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,14 +24,27 @@ from deploy import cluster as netns
 from inference import protocol as redis_keys
 from tests.chaos.clients import completion_body, completion_streams, quantile, sse_stream
 
-pytestmark = [pytest.mark.chaos, pytest.mark.slow,
-              pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")]
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+]
 
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "block_size": 16, "max_num_seqs": 128,
-               "max_num_batched_tokens": 2048, "max_model_len": 1024, "num_kv_blocks": 1024, "seed": 0}
-UNLIMITED_PLAN = ("from django.contrib.auth import get_user_model; from quotas.models import Plan, UserPlan; "
-                  "UserPlan.objects.create(user=get_user_model().objects.get(username='admin'), "
-                  "plan=Plan.objects.create(name='chaos'))")  # blank limits: unlimited
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "device": "cpu",
+    "block_size": 16,
+    "max_num_seqs": 128,
+    "max_num_batched_tokens": 2048,
+    "max_model_len": 1024,
+    "num_kv_blocks": 1024,
+    "seed": 0,
+}
+UNLIMITED_PLAN = (
+    "from django.contrib.auth import get_user_model; from quotas.models import Plan, UserPlan; "
+    "UserPlan.objects.create(user=get_user_model().objects.get(username='admin'), "
+    "plan=Plan.objects.create(name='chaos'))"
+)  # blank limits: unlimited
 PROMPT = "The tiles of the old house"
 
 
@@ -88,9 +102,14 @@ def test_engine_host_partitioned_from_redis_for_10s(cluster, model, chaos_report
     bodies = [completion_body(model, PROMPT, 400, stream=True) for _ in range(8)]
     with ThreadPoolExecutor(1) as pool:
         load = pool.submit(lambda: asyncio.run(completion_streams(cluster.web_urls[0], cluster.api_key, bodies)))
-        wait_for(lambda: any(json.loads(raw or b"{}").get("num_running", 0)
-                             for raw in [redis_client(cluster).hget(redis_keys.heartbeat_key("engine-1"), "stats")]),
-                 60, "engine-1 running requests")
+        wait_for(
+            lambda: any(
+                json.loads(raw or b"{}").get("num_running", 0)
+                for raw in [redis_client(cluster).hget(redis_keys.heartbeat_key("engine-1"), "stats")]
+            ),
+            60,
+            "engine-1 running requests",
+        )
         netns.partition("engine-1")
         cut_at = time.monotonic()
         try:
@@ -102,15 +121,18 @@ def test_engine_host_partitioned_from_redis_for_10s(cluster, model, chaos_report
         healed_at = time.monotonic()
         results, _ = load.result(timeout=300)
     [engine_1] = [c for c in cluster.supervisor.children if c.name == "engine-1"]
-    back_at = wait_for(lambda: cluster.supervisor.tend() is None and "engine-1" in live_workers(cluster), 120,
-                       "engine-1 rejoining")  # tend(): restarted as make run / compose would, if it died
+    back_at = wait_for(
+        lambda: cluster.supervisor.tend() is None and "engine-1" in live_workers(cluster), 120, "engine-1 rejoining"
+    )  # tend(): restarted as make run / compose would, if it died
     finished = [r for r in results if not r.problems(400)]
     errored = [r for r in results if r.error.startswith("error event")]
-    chaos_report("the partitioned worker's streams ended with an error event, the others finished; none hung; "
-                 "engine-2 served meanwhile; engine-1 rejoined after the heal",
-                 f"{len(finished)} finished, {len(errored)} error events of {len(results)}; heartbeat gone "
-                 f"{lost_at - cut_at:.1f} s after the cut; rejoined {back_at - healed_at:.1f} s after the heal "
-                 f"({'restarted' if engine_1.restarts else 'the same process'})")
+    chaos_report(
+        "the partitioned worker's streams ended with an error event, the others finished; none hung; "
+        "engine-2 served meanwhile; engine-1 rejoined after the heal",
+        f"{len(finished)} finished, {len(errored)} error events of {len(results)}; heartbeat gone "
+        f"{lost_at - cut_at:.1f} s after the cut; rejoined {back_at - healed_at:.1f} s after the heal "
+        f"({'restarted' if engine_1.restarts else 'the same process'})",
+    )
     assert during
     assert len(finished) + len(errored) == len(results), [r.problems(400) for r in results]
     assert errored, "engine-1 held some of the streams"
@@ -130,9 +152,13 @@ def test_latency_and_loss_on_the_web_to_redis_link_under_100_streams(cluster, mo
     errored = [r for r in results if r.error.startswith("error event")]
     wrong_text = [r for r in whole if r.text != reference]
     ttfts = [r.ttft for r in whole if r.ttft is not None]
-    chaos_report("every stream whole (the greedy text, token for token) or ended with an error event",
-                 f"{applied}: {len(whole)} whole, {len(errored)} error events of 100 in {wall:.1f} s; TTFT p50 "
-                 f"{quantile(ttfts, 0.5):.2f} s, p99 {quantile(ttfts, 0.99):.2f} s" if ttfts else "no stream whole")
+    chaos_report(
+        "every stream whole (the greedy text, token for token) or ended with an error event",
+        f"{applied}: {len(whole)} whole, {len(errored)} error events of 100 in {wall:.1f} s; TTFT p50 "
+        f"{quantile(ttfts, 0.5):.2f} s, p99 {quantile(ttfts, 0.99):.2f} s"
+        if ttfts
+        else "no stream whole",
+    )
     assert len(whole) + len(errored) == 100, [r.problems(max_tokens) for r in results if r not in whole][:5]
     assert not wrong_text, (wrong_text[0].text, reference)
 
@@ -149,12 +175,15 @@ def test_postgresql_restarted_under_load(cluster, model, chaos_report):
     bodies = [completion_body(model, PROMPT, 64, stream=i % 2 == 0) for i in range(40)]
 
     async def load():
-        async with httpx.AsyncClient(headers=auth(cluster), timeout=300,
-                                     limits=httpx.Limits(max_connections=len(bodies))) as http:
+        async with httpx.AsyncClient(
+            headers=auth(cluster), timeout=300, limits=httpx.Limits(max_connections=len(bodies))
+        ) as http:
+
             async def one(i, body):
                 await asyncio.sleep(i * 0.1)  # spread over the restart
                 response = await http.post(cluster.web_urls[i % 2] + "/v1/completions", json=body)
                 return response.status_code, response.text
+
             return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
 
     with ThreadPoolExecutor(1) as pool:
@@ -170,9 +199,11 @@ def test_postgresql_restarted_under_load(cluster, model, chaos_report):
     while usage_rows(cluster) - before < ok and time.monotonic() < settled_by:
         time.sleep(0.2)
     recorded = usage_rows(cluster) - before
-    chaos_report("no 500; every answered request has its usage row",
-                 f"PostgreSQL back {up_at - stopped_at:.1f} s after the stop; {ok} of {len(bodies)} answered 200, "
-                 f"others {sorted(s for s in statuses if s != 200)}; {recorded} usage rows for {ok} answers")
+    chaos_report(
+        "no 500; every answered request has its usage row",
+        f"PostgreSQL back {up_at - stopped_at:.1f} s after the stop; {ok} of {len(bodies)} answered 200, "
+        f"others {sorted(s for s in statuses if s != 200)}; {recorded} usage rows for {ok} answers",
+    )
     assert 500 not in statuses
     assert recorded >= ok
 
@@ -212,9 +243,11 @@ def test_web_host_partitioned_mid_stream(cluster, model, chaos_report):
     finally:
         netns.heal("web")
     assert stream.done.wait(120)
-    chaos_report("the engine aborted the orphaned request; the client's stream ended",
-                 f"aborted {ended_at - cut_at:.1f} s after the partition (lease {redis_keys.LEASE_TTL_S:g} s); "
-                 f"client saw {stream.ended!r}")
+    chaos_report(
+        "the engine aborted the orphaned request; the client's stream ended",
+        f"aborted {ended_at - cut_at:.1f} s after the partition (lease {redis_keys.LEASE_TTL_S:g} s); "
+        f"client saw {stream.ended!r}",
+    )
     assert terminal.get("finish_reasons") == ["abort"], terminal
     wait_for(lambda: greedy_reference(cluster, model, 4) is not None, 120, "the web host serving again")
 

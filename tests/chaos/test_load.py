@@ -5,6 +5,7 @@ quota's admission under 100 parallel requests spread over four web processes.
 Correctness only is asserted (no 5xx, no lost, duplicated or misrouted token, exact admission
 counts); TTFT and wall times are printed and recorded, never compared with a threshold: the
 machine may be busy with other work."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,12 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 MAX_TOKENS = 16
 # Every stream of a scenario fits the engine at once or in two waves; prompts are short.
 ENGINE_ARGS = {"num_kv_blocks": 2048, "max_model_len": 128, "max_num_seqs": 256, "device": "cpu"}
-UNLIMITED_PLAN = {"QUOTA_CONCURRENT_REQUESTS": "100000", "QUOTA_REQUESTS_PER_MINUTE": "1000000",
-                  "QUOTA_TOKENS_PER_DAY": "10000000000", "QUOTA_TOKENS_PER_MONTH": "100000000000"}
+UNLIMITED_PLAN = {
+    "QUOTA_CONCURRENT_REQUESTS": "100000",
+    "QUOTA_REQUESTS_PER_MINUTE": "1000000",
+    "QUOTA_TOKENS_PER_DAY": "10000000000",
+    "QUOTA_TOKENS_PER_MONTH": "100000000000",
+}
 PROMPTS = [f"Story {i}: the tiles of the old house were" for i in range(10)]
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
 
@@ -50,8 +55,9 @@ def raise_open_files_limit() -> None:
 @contextmanager
 def running_stack(model_dir: str, work: Path, web_processes: int, **extra: str):
     raise_open_files_limit()
-    env = make_run_env(model_dir, work / "var", WEB_PROCESSES=str(web_processes),
-                       ENGINE_ARGS=json.dumps(ENGINE_ARGS), **extra)
+    env = make_run_env(
+        model_dir, work / "var", WEB_PROCESSES=str(web_processes), ENGINE_ARGS=json.dumps(ENGINE_ARGS), **extra
+    )
     stack = RunStack.start(env, work / "make-run.log")
     try:
         yield stack
@@ -80,12 +86,14 @@ def two_webs(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")  # the module's last two scenarios; closed when the module ends
 def four_webs(tiny_model_dir, tmp_path_factory):
     # The concurrency case freezes the engine for a few seconds: its heartbeat must outlive that.
-    with running_stack(tiny_model_dir, tmp_path_factory.mktemp("quota-4web"), 4, ENGINE_HEARTBEAT_TTL="60",
-                       **UNLIMITED_PLAN) as stack:
+    with running_stack(
+        tiny_model_dir, tmp_path_factory.mktemp("quota-4web"), 4, ENGINE_HEARTBEAT_TTL="60", **UNLIMITED_PLAN
+    ) as stack:
         yield stack
 
 
 # ---------------------------------------------------------------- helpers
+
 
 def web_pids(stack: RunStack) -> list[int]:
     return stack.pids(WEB_PROCESS)
@@ -171,8 +179,11 @@ def streams_scenario(stack: RunStack, n: int) -> dict:
     # Greedy on a model without near-ties: every stream of a prompt is that prompt's reference, token for
     # token, and its deltas add up to the reference's text, so no token was lost, repeated or delivered
     # to another stream under load.
-    wrong = [(i, (r.text, r.tokens), expected[p]) for i, (r, p) in enumerate(zip(results, prompts))
-             if (r.text, r.tokens) != expected[p]]
+    wrong = [
+        (i, (r.text, r.tokens), expected[p])
+        for i, (r, p) in enumerate(zip(results, prompts))
+        if (r.text, r.tokens) != expected[p]
+    ]
     assert not wrong, wrong[:5]
     request_ids = [next(iter(r.ids)) for r in results]
     assert len(set(request_ids)) == n
@@ -183,29 +194,44 @@ def streams_scenario(stack: RunStack, n: int) -> dict:
 
     ttfts = [r.ttft for r in results]
     served = served_by(stack, mark)
-    figures = {"n": n, "wall": wall, "ttft_p50": quantile(ttfts, 0.5), "ttft_p99": quantile(ttfts, 0.99),
-               "ttft_max": max(ttfts), "last_end": max(r.ended_at - r.sent_at for r in results),
-               "statuses": statuses, "served": served, "tokens": sum(len(r.tokens) for r in results)}
-    print(f"\n{n} streams: {dict(statuses)}; wall {wall:.1f} s; TTFT p50 {figures['ttft_p50']:.2f} s, "
-          f"p99 {figures['ttft_p99']:.2f} s, max {figures['ttft_max']:.2f} s; {figures['tokens']} tokens; "
-          f"served by {dict(served)}; load average {os.getloadavg()[0]:.1f}")
+    figures = {
+        "n": n,
+        "wall": wall,
+        "ttft_p50": quantile(ttfts, 0.5),
+        "ttft_p99": quantile(ttfts, 0.99),
+        "ttft_max": max(ttfts),
+        "last_end": max(r.ended_at - r.sent_at for r in results),
+        "statuses": statuses,
+        "served": served,
+        "tokens": sum(len(r.tokens) for r in results),
+    }
+    print(
+        f"\n{n} streams: {dict(statuses)}; wall {wall:.1f} s; TTFT p50 {figures['ttft_p50']:.2f} s, "
+        f"p99 {figures['ttft_p99']:.2f} s, max {figures['ttft_max']:.2f} s; {figures['tokens']} tokens; "
+        f"served by {dict(served)}; load average {os.getloadavg()[0]:.1f}"
+    )
     return figures
 
 
 def _figures_text(f: dict) -> str:
     served = ", ".join(f"{name} {count}" for name, count in sorted(f["served"].items()))
-    return (f"{f['statuses'][200]} x 200, 0 x 5xx; TTFT p50 {f['ttft_p50']:.2f} s, p99 {f['ttft_p99']:.2f} s; "
-            f"all {f['n']} done in {f['wall']:.1f} s ({served}); load average {os.getloadavg()[0]:.1f}")
+    return (
+        f"{f['statuses'][200]} x 200, 0 x 5xx; TTFT p50 {f['ttft_p50']:.2f} s, p99 {f['ttft_p99']:.2f} s; "
+        f"all {f['n']} done in {f['wall']:.1f} s ({served}); load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 # ---------------------------------------------------------------- the scenarios
 
+
 def test_100_concurrent_streams_through_one_web_process(one_web, chaos_report):
     """load: 100 concurrent SSE streams (16 tokens each) through one web process"""
     figures = streams_scenario(one_web, 100)
-    chaos_report("every stream 200 and whole: 16 tokens streamed as usage says, text_offset without a gap or "
-                 "repeat, text and tokens those of the same prompt asked alone; one usage row each; no slot held",
-                 _figures_text(figures))
+    chaos_report(
+        "every stream 200 and whole: 16 tokens streamed as usage says, text_offset without a gap or "
+        "repeat, text and tokens those of the same prompt asked alone; one usage row each; no slot held",
+        _figures_text(figures),
+    )
 
 
 def test_500_concurrent_streams_through_two_web_processes(two_webs, chaos_report):
@@ -214,8 +240,10 @@ def test_500_concurrent_streams_through_two_web_processes(two_webs, chaos_report
     figures = streams_scenario(two_webs, 500)
     # The kernel spread the connections over both processes (their access logs).
     assert set(figures["served"]) == {"web", "web-2"}, figures["served"]
-    chaos_report("every stream 200 and whole (as with one web process); both web processes served streams",
-                 _figures_text(figures))
+    chaos_report(
+        "every stream 200 and whole (as with one web process); both web processes served streams",
+        _figures_text(figures),
+    )
 
 
 PARALLEL = 100
@@ -241,20 +269,31 @@ for name, limits in json.loads({json.dumps(json.dumps(plans))}).items():
 print("USERS=" + json.dumps(out))
 """
     env = environ(web_pids(stack)[0])
-    done = subprocess.run([sys.executable, str(REPO / "manage.py"), "shell", "-c", script], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "manage.py"), "shell", "-c", script],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(re.search(r"^USERS=(.*)$", done.stdout, re.MULTILINE).group(1))
 
 
 def is_envelope(answer: Answer, code: str) -> bool:
     error = answer.body.get("error")
-    return (isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
-            and error["code"] == code and int(answer.headers.get("retry-after", "0")) >= 1)
+    return (
+        isinstance(error, dict)
+        and {"message", "type", "param", "code"} <= set(error)
+        and error["code"] == code
+        and int(answer.headers.get("retry-after", "0")) >= 1
+    )
 
 
-async def parallel_posts(stack: RunStack, api_key: str, body: dict, n: int = PARALLEL,
-                         while_running=None) -> tuple[list[Answer], float]:
+async def parallel_posts(
+    stack: RunStack, api_key: str, body: dict, n: int = PARALLEL, while_running=None
+) -> tuple[list[Answer], float]:
     """n copies of body at once, a connection each; while_running(tasks) is awaited meanwhile."""
     started = time.monotonic()
     async with load_client(stack.base_url, api_key, n) as http:
@@ -276,17 +315,21 @@ def test_quota_admission_is_exact_across_four_web_processes(four_webs, chaos_rep
     body = completion_body(model, QUOTA_PROMPT, QUOTA_MAX_TOKENS, stream=False)
     # The size of one request as the ledger reserves it (prompt + max_tokens) and settles it (with
     # ignore_eos the real usage is the same): asked once, by the admin, whose plan is not tight.
-    probe = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=60,
-                       headers={"Authorization": f"Bearer {admin_key}"})
+    probe = httpx.post(
+        stack.base_url + "/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {admin_key}"}
+    )
     assert probe.status_code == 200, probe.text
     size = probe.json()["usage"]["total_tokens"]
     assert probe.json()["usage"]["completion_tokens"] == QUOTA_MAX_TOKENS
     token_budget = TOKEN_REQUESTS * size + size // 2  # room for exactly TOKEN_REQUESTS, not one more
-    users = create_users(stack, {
-        "rpm": {"requests_per_minute": RPM_LIMIT},
-        "conc": {"concurrent_requests": CONCURRENCY_LIMIT},
-        "tokens": {"tokens_per_day": token_budget},
-    })
+    users = create_users(
+        stack,
+        {
+            "rpm": {"requests_per_minute": RPM_LIMIT},
+            "conc": {"concurrent_requests": CONCURRENCY_LIMIT},
+            "tokens": {"tokens_per_day": token_budget},
+        },
+    )
     r = stack_redis(stack)
     mark = stack.mark()
 
@@ -315,8 +358,9 @@ def test_quota_admission_is_exact_across_four_web_processes(four_webs, chaos_rep
         finally:
             os.kill(engine, signal.SIGCONT)
 
-    answers, conc_wall = asyncio.run(parallel_posts(stack, users["conc"]["api_key"], body,
-                                                    while_running=freeze_until_refused))
+    answers, conc_wall = asyncio.run(
+        parallel_posts(stack, users["conc"]["api_key"], body, while_running=freeze_until_refused)
+    )
     conc = Counter(a.status for a in answers)
     assert seen_held == [(PARALLEL - CONCURRENCY_LIMIT, CONCURRENCY_LIMIT)], seen_held
     assert conc == {200: CONCURRENCY_LIMIT, 429: PARALLEL - CONCURRENCY_LIMIT}, conc
@@ -333,22 +377,30 @@ def test_quota_admission_is_exact_across_four_web_processes(four_webs, chaos_rep
 
     # Every answer was recorded: the admitted ones with their tokens, the refusals as 429 rows.
     with closing(database(stack)) as db:
-        recorded = {name: Counter(db.execute("SELECT status_code FROM usage_usagerecord WHERE user_id = ?",
-                                             (user["id"],)).fetchall()) for name, user in users.items()}
+        recorded = {
+            name: Counter(
+                db.execute("SELECT status_code FROM usage_usagerecord WHERE user_id = ?", (user["id"],)).fetchall()
+            )
+            for name, user in users.items()
+        }
     expected = {"rpm": RPM_LIMIT, "conc": CONCURRENCY_LIMIT, "tokens": TOKEN_REQUESTS}
     assert recorded == {name: {(200,): ok, (429,): PARALLEL - ok} for name, ok in expected.items()}, recorded
     assert not (held := held_slots(stack)), ("concurrency slots still held", held)
     served = served_by(stack, mark)
     assert len(served) >= 2, served  # the admissions really were spread over processes
-    print(f"\nquota over 4 web processes: requests/minute {dict(rpm)} in {rpm_wall:.1f} s; concurrency "
-          f"{dict(conc)} in {conc_wall:.1f} s; tokens/day ({token_budget} tokens, {size} a request) {dict(tokens)} in "
-          f"{tokens_wall:.1f} s; served by {dict(served)}")
-    chaos_report(f"exact admission: requests/minute {RPM_LIMIT} -> {RPM_LIMIT} admitted; concurrency "
-                 f"{CONCURRENCY_LIMIT} (engine frozen) -> {CONCURRENCY_LIMIT}; tokens/day for {TOKEN_REQUESTS} "
-                 f"requests -> {TOKEN_REQUESTS}; every 429 in the envelope with Retry-After; usage rows exact",
-                 f"{rpm[200]}+{conc[200]}+{tokens[200]} x 200, {rpm[429]}+{conc[429]}+{tokens[429]} x 429, 0 x 5xx; "
-                 f"{rpm_wall:.1f} / {conc_wall:.1f} / {tokens_wall:.1f} s per 100; served by "
-                 + ", ".join(f"{name} {count}" for name, count in sorted(served.items())))
+    print(
+        f"\nquota over 4 web processes: requests/minute {dict(rpm)} in {rpm_wall:.1f} s; concurrency "
+        f"{dict(conc)} in {conc_wall:.1f} s; tokens/day ({token_budget} tokens, {size} a request) {dict(tokens)} in "
+        f"{tokens_wall:.1f} s; served by {dict(served)}"
+    )
+    chaos_report(
+        f"exact admission: requests/minute {RPM_LIMIT} -> {RPM_LIMIT} admitted; concurrency "
+        f"{CONCURRENCY_LIMIT} (engine frozen) -> {CONCURRENCY_LIMIT}; tokens/day for {TOKEN_REQUESTS} "
+        f"requests -> {TOKEN_REQUESTS}; every 429 in the envelope with Retry-After; usage rows exact",
+        f"{rpm[200]}+{conc[200]}+{tokens[200]} x 200, {rpm[429]}+{conc[429]}+{tokens[429]} x 429, 0 x 5xx; "
+        f"{rpm_wall:.1f} / {conc_wall:.1f} / {tokens_wall:.1f} s per 100; served by "
+        + ", ".join(f"{name} {count}" for name, count in sorted(served.items())),
+    )
 
 
 def listening_inode(port: int) -> str:
@@ -370,7 +422,7 @@ def socket_inodes(pid: int) -> set[str]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     return inodes
 
 
@@ -406,10 +458,11 @@ def test_a_killed_web_process_comes_back_on_the_same_socket(four_webs, chaos_rep
     assert listening_inode(int(stack.env["PORT"])) == inode  # still the one socket, nothing bound anew
     again = asyncio.run(models(100))
     assert Counter(a.status for a in again) == {200: 100}
-    chaos_report(f"the supervisor restarted {name} on the launcher's socket (same inode); the other three "
-                 "answered meanwhile",
-                 f"50 / 50 answered during the restart; {name} answering again {back_at - killed_at:.1f} s after "
-                 "the kill; 100 / 100 after")
+    chaos_report(
+        f"the supervisor restarted {name} on the launcher's socket (same inode); the other three answered meanwhile",
+        f"50 / 50 answered during the restart; {name} answering again {back_at - killed_at:.1f} s after "
+        "the kill; 100 / 100 after",
+    )
 
 
 async def http_get(http, path: str) -> Answer:

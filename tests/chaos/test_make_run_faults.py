@@ -2,6 +2,7 @@
 killed with SIGKILL and its supervisor must bring it back while clients get clear errors, never a
 hang, and nothing accepted is lost. One stack serves the module's scenarios in turn, so each also
 shows that the stack survived the ones before it."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ import openai
 import pytest
 import redis
 
-from tests.chaos.clients import openai_client, sse_stream, ws_chat
 from inference import protocol as redis_keys
+from tests.chaos.clients import openai_client, sse_stream, ws_chat
 from tests.platform.run_stack import WEB_PROCESS, RunStack, make_run_env
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -26,12 +27,19 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 N_SSE = 3
 CONCURRENCY = N_SSE + 1  # the plan's concurrent-request limit: exactly the streams of the engine scenario
 ENGINE_ARGS = {"num_kv_blocks": 512, "max_model_len": 1024, "max_num_seqs": 16, "device": "cpu"}
-ENV = {"ENGINE_ARGS": json.dumps(ENGINE_ARGS), "CELERY_CONCURRENCY": "2",
-       "QUOTA_CONCURRENT_REQUESTS": str(CONCURRENCY), "QUOTA_REQUESTS_PER_MINUTE": "100000",
-       "QUOTA_TOKENS_PER_DAY": "100000000", "QUOTA_TOKENS_PER_MONTH": "1000000000",
-       # A dead Celery worker's batch lease lapses in seconds, and the watchdog looks every second.
-       "BATCH_LEASE_SECONDS": "4", "BATCH_WATCHDOG_INTERVAL": "1", "BATCH_MAX_IN_FLIGHT": "4",
-       "BATCH_PROGRESS_INTERVAL": "0.2"}
+ENV = {
+    "ENGINE_ARGS": json.dumps(ENGINE_ARGS),
+    "CELERY_CONCURRENCY": "2",
+    "QUOTA_CONCURRENT_REQUESTS": str(CONCURRENCY),
+    "QUOTA_REQUESTS_PER_MINUTE": "100000",
+    "QUOTA_TOKENS_PER_DAY": "100000000",
+    "QUOTA_TOKENS_PER_MONTH": "1000000000",
+    # A dead Celery worker's batch lease lapses in seconds, and the watchdog looks every second.
+    "BATCH_LEASE_SECONDS": "4",
+    "BATCH_WATCHDOG_INTERVAL": "1",
+    "BATCH_MAX_IN_FLIGHT": "4",
+    "BATCH_PROGRESS_INTERVAL": "0.2",
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +65,9 @@ def serving_again(stack, login, timeout: float = 180) -> float:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            client.chat.completions.create(model=login["model"], max_tokens=2,
-                                           messages=[{"role": "user", "content": "Hello"}])
+            client.chat.completions.create(
+                model=login["model"], max_tokens=2, messages=[{"role": "user", "content": "Hello"}]
+            )
             return time.monotonic()
         except openai.APIError:
             assert time.monotonic() < deadline, stack.output()[-4000:]
@@ -89,8 +98,11 @@ def test_engine_worker_kill_with_streams_in_flight(stack, login, chaos_report):
     r = redis.Redis.from_url(stack.redis_url())
     deadline = time.monotonic() + 30
     while held := {key: r.zrange(key, 0, -1) for key in r.scan_iter(match="*:conc") if r.zcard(key)}:
-        assert time.monotonic() < deadline, ("reservations still held", held, [
-            r.hgetall(f"quota:res:{rid.decode()}") for rids in held.values() for rid in rids])
+        assert time.monotonic() < deadline, (
+            "reservations still held",
+            held,
+            [r.hgetall(f"quota:res:{rid.decode()}") for rids in held.values() for rid in rids],
+        )
         time.sleep(0.1)
     released_at = time.monotonic()
 
@@ -100,25 +112,47 @@ def test_engine_worker_kill_with_streams_in_flight(stack, login, chaos_report):
     # The whole concurrency limit is free again for new requests.
     client = openai_client(stack.base_url, login["api_key"])
     with ThreadPoolExecutor(CONCURRENCY) as pool:
-        replies = list(pool.map(lambda _: client.chat.completions.create(
-            model=login["model"], max_tokens=32, messages=[{"role": "user", "content": "Hi"}],
-            extra_body={"ignore_eos": True}), range(CONCURRENCY)))
+        replies = list(
+            pool.map(
+                lambda _: client.chat.completions.create(
+                    model=login["model"],
+                    max_tokens=32,
+                    messages=[{"role": "user", "content": "Hi"}],
+                    extra_body={"ignore_eos": True},
+                ),
+                range(CONCURRENCY),
+            )
+        )
     assert [r.usage.completion_tokens for r in replies] == [32] * CONCURRENCY
-    chaos_report("every SSE and websocket client got an error event; the supervisor restarted the engine; "
-                 f"all {CONCURRENCY} concurrency slots free again",
-                 f"error events {min(waits):.2f}-{max(waits):.2f} s after the kill; reservations released after "
-                 f"{released_at - killed_at:.1f} s; serving again after {back_at - killed_at:.1f} s")
+    chaos_report(
+        "every SSE and websocket client got an error event; the supervisor restarted the engine; "
+        f"all {CONCURRENCY} concurrency slots free again",
+        f"error events {min(waits):.2f}-{max(waits):.2f} s after the kill; reservations released after "
+        f"{released_at - killed_at:.1f} s; serving again after {back_at - killed_at:.1f} s",
+    )
 
 
 def test_celery_worker_kill_mid_batch(stack, login, chaos_report):
     """Celery worker `kill -9` mid-batch (32 lines)"""
     client = openai_client(stack.base_url, login["api_key"])
-    lines = [{"custom_id": f"chaos-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": login["model"], "max_tokens": 48, "temperature": 0, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": f"Item {i}: tell me about number {i}."}]}}
-             for i in range(32)]
-    upload = client.files.create(file=("chaos.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
-                                 purpose="batch")
+    lines = [
+        {
+            "custom_id": f"chaos-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": login["model"],
+                "max_tokens": 48,
+                "temperature": 0,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Item {i}: tell me about number {i}."}],
+            },
+        }
+        for i in range(32)
+    ]
+    upload = client.files.create(
+        file=("chaos.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch"
+    )
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
     deadline = time.monotonic() + 180
     while client.batches.retrieve(batch.id).request_counts.completed < 4:
@@ -141,9 +175,11 @@ def test_celery_worker_kill_mid_batch(stack, login, chaos_report):
     rows = [json.loads(line) for line in client.files.content(final.output_file_id).text.splitlines()]
     assert Counter(row["custom_id"] for row in rows) == Counter(line["custom_id"] for line in lines)
     assert all(row["response"]["status_code"] == 200 for row in rows)
-    chaos_report("the supervisor restarted the worker; every custom_id exactly once, request_counts exact",
-                 f"{at_kill.request_counts.completed}/32 done at the kill; 32/32 completed, 0 failed, "
-                 f"{done_at - killed_at:.1f} s after the kill")
+    chaos_report(
+        "the supervisor restarted the worker; every custom_id exactly once, request_counts exact",
+        f"{at_kill.request_counts.completed}/32 done at the kill; 32/32 completed, 0 failed, "
+        f"{done_at - killed_at:.1f} s after the kill",
+    )
 
 
 def test_redis_kill_under_load(stack, login, chaos_report):
@@ -152,13 +188,20 @@ def test_redis_kill_under_load(stack, login, chaos_report):
     stop = threading.Event()
 
     def load():
-        with httpx.Client(base_url=stack.base_url, timeout=20,
-                          headers={"Authorization": f"Bearer {login['api_key']}"}) as http:
+        with httpx.Client(
+            base_url=stack.base_url, timeout=20, headers={"Authorization": f"Bearer {login['api_key']}"}
+        ) as http:
             while not stop.is_set():
                 started = time.monotonic()
                 try:
-                    response = http.post("/v1/chat/completions", json={
-                        "model": login["model"], "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+                    response = http.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": login["model"],
+                            "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "Hi"}],
+                        },
+                    )
                     status, envelope = response.status_code, _is_envelope(response)
                 except httpx.TimeoutException:
                     status, envelope = 0, False
@@ -204,10 +247,12 @@ def test_redis_kill_under_load(stack, login, chaos_report):
     while held := {key: r.zrange(key, 0, -1) for key in r.scan_iter(match="*:conc") if r.zcard(key)}:
         assert time.monotonic() < deadline, ("reservations still held after the outage", held)
         time.sleep(0.1)
-    chaos_report("the web tier answered 503 in the envelope (no 500, no hang) and recovered without a restart; "
-                 "the supervisor restarted Redis",
-                 f"{statuses[503]} x 503, {statuses[429]} x 429, {statuses[200]} x 200, 0 x 500; slowest answer "
-                 f"{max(r[3] for r in after):.2f} s; serving again {recovered_at - killed_at:.1f} s after the kill")
+    chaos_report(
+        "the web tier answered 503 in the envelope (no 500, no hang) and recovered without a restart; "
+        "the supervisor restarted Redis",
+        f"{statuses[503]} x 503, {statuses[429]} x 429, {statuses[200]} x 200, 0 x 500; slowest answer "
+        f"{max(r[3] for r in after):.2f} s; serving again {recovered_at - killed_at:.1f} s after the kill",
+    )
 
 
 def _is_envelope(response: httpx.Response) -> bool:
@@ -249,11 +294,20 @@ def test_web_kill_mid_stream(stack, login, chaos_report):
     stack.wait_for(r"^web restarted \(restart \d+\)$", timeout=60, since=mark)
     back_at = serving_again(stack, login)
     aborted = terminal is not None and terminal.get("finish_reasons") == ["abort"]
-    chaos_report("the supervisor restarted the web" + ("; the engine aborted the orphaned request" if aborted else
-                 "; the engine did NOT abort the orphaned request (it runs to max_tokens)"),
-                 f"web serving again {back_at - killed_at:.1f} s after the kill; "
-                 + (f"aborted within {ended_at - killed_at:.2f} s" if aborted else
-                    f"{entries_at_deadline} output entries {deadline - killed_at:.0f} s after the kill, still running"))
+    chaos_report(
+        "the supervisor restarted the web"
+        + (
+            "; the engine aborted the orphaned request"
+            if aborted
+            else "; the engine did NOT abort the orphaned request (it runs to max_tokens)"
+        ),
+        f"web serving again {back_at - killed_at:.1f} s after the kill; "
+        + (
+            f"aborted within {ended_at - killed_at:.2f} s"
+            if aborted
+            else f"{entries_at_deadline} output entries {deadline - killed_at:.0f} s after the kill, still running"
+        ),
+    )
     assert aborted, (terminal, entries_at_deadline, _worker_stats(r))
 
 

@@ -2,6 +2,7 @@
 gives a process is one compose.yaml's services (or the Dockerfile's ENV) set, every command is compose's
 entry point, and every address is a veth address of its own subnet, never loopback. Bringing the
 cluster up takes root and minutes: `make cluster ARGS=--smoke` and `make chaos` do that."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -9,9 +10,9 @@ import re
 from pathlib import Path
 
 import yaml
+from test_compose import check_entry_point
 
 from deploy import cluster
-from test_compose import check_entry_point
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
@@ -30,15 +31,25 @@ def compose_env(service: str) -> set[str]:
 
 
 def a_cluster(tmp_path) -> cluster.Cluster:
-    return cluster.Cluster(work_dir=tmp_path, model="/models/m.gguf", redis_url="redis://:pw@10.36.0.10:6379/0",
-                           database_url="postgres://tessera:pw@10.36.0.10:5432/tessera")
+    return cluster.Cluster(
+        work_dir=tmp_path,
+        model="/models/m.gguf",
+        redis_url="redis://:pw@10.36.0.10:6379/0",
+        database_url="postgres://tessera:pw@10.36.0.10:5432/tessera",
+    )
 
 
 def test_every_variable_the_cluster_sets_is_configured_by_compose(tmp_path):
     c = a_cluster(tmp_path)
     configured = dockerfile_env() | PROCESS_BASICS
-    service_of = {"web-1": "web", "web-2": "web", "engine-1": "engine", "engine-2": "engine",
-                  "worker": "worker", "beat": "beat"}
+    service_of = {
+        "web-1": "web",
+        "web-2": "web",
+        "engine-1": "engine",
+        "engine-2": "engine",
+        "worker": "worker",
+        "beat": "beat",
+    }
     for name, (_host, _argv, extra) in c.service_commands().items():
         allowed = configured | compose_env(service_of[name])
         env = {**c.app_env(), **extra}

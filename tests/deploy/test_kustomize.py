@@ -1,6 +1,7 @@
 """deploy/base (Kubernetes, kustomize): it renders, every object is valid for Kubernetes' own schemas
 (offline, kubernetes-validate), every variable the settings read is set for every app container, and
 the probes, disruption budgets and KEDA autoscaling point at what the project really provides."""
+
 from __future__ import annotations
 
 import ast
@@ -12,9 +13,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from test_compose import check_entry_point
 
 from inference import protocol
-from test_compose import check_entry_point
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "base"
@@ -23,12 +24,39 @@ APP_WORKLOADS = ("tessera-web", "tessera-engine", "tessera-worker", "tessera-bea
 # KEDA's ScaledObject (keda.sh/v1alpha1) is a custom resource, so Kubernetes' schemas do not cover it;
 # its fields are checked against KEDA's documentation (keda.sh/docs/latest/reference/scaledobject-spec,
 # .../scalers/redis-streams) instead.
-KEDA_SPEC_FIELDS = {"scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
-                    "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced", "triggers"}
-KEDA_REDIS_STREAMS_FIELDS = {"address", "addressFromEnv", "host", "hostFromEnv", "port", "portFromEnv",
-                             "username", "usernameFromEnv", "password", "passwordFromEnv", "stream",
-                             "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
-                             "activationLagCount", "databaseIndex", "enableTLS", "unsafeSsl"}
+KEDA_SPEC_FIELDS = {
+    "scaleTargetRef",
+    "pollingInterval",
+    "cooldownPeriod",
+    "initialCooldownPeriod",
+    "idleReplicaCount",
+    "minReplicaCount",
+    "maxReplicaCount",
+    "fallback",
+    "advanced",
+    "triggers",
+}
+KEDA_REDIS_STREAMS_FIELDS = {
+    "address",
+    "addressFromEnv",
+    "host",
+    "hostFromEnv",
+    "port",
+    "portFromEnv",
+    "username",
+    "usernameFromEnv",
+    "password",
+    "passwordFromEnv",
+    "stream",
+    "consumerGroup",
+    "pendingEntriesCount",
+    "streamLength",
+    "lagCount",
+    "activationLagCount",
+    "databaseIndex",
+    "enableTLS",
+    "unsafeSsl",
+}
 
 
 def render() -> list[dict]:
@@ -85,13 +113,15 @@ def test_the_base_renders_every_tier(objects):
     assert set(APP_WORKLOADS) == set(workloads(objects))
     assert {"tessera-config"} == set(by_kind(objects, "ConfigMap"))
     assert {"tessera-secrets"} == set(by_kind(objects, "Secret"))
-    assert by_kind(objects, "Service")["tessera-web"]["spec"]["selector"] == \
-        pod_template_labels(workloads(objects)["tessera-web"])
+    assert by_kind(objects, "Service")["tessera-web"]["spec"]["selector"] == pod_template_labels(
+        workloads(objects)["tessera-web"]
+    )
 
 
 def pod_template_labels(workload: dict) -> dict:
-    return {k: v for k, v in workload["spec"]["template"]["metadata"]["labels"].items()
-            if k == "app.kubernetes.io/name"}
+    return {
+        k: v for k, v in workload["spec"]["template"]["metadata"]["labels"].items() if k == "app.kubernetes.io/name"
+    }
 
 
 def test_every_kubernetes_object_validates_against_the_kubernetes_schemas(objects):

@@ -1,4 +1,5 @@
 """Engine tests' shared fixtures: the tiny model as our engine and as HF transformers, one of each per module."""
+
 import pytest
 import torch
 

@@ -3,12 +3,13 @@
 Also under the conditions where bookkeeping bugs hide: a pool so small that requests wait and
 get preempted, a tiny token budget (chunked prefill), prefix-cache hits and n > 1 forks.
 """
+
 import random
 
 import pytest
+from tiny_models import hf_greedy
 
 from inference import LLM, SamplingParams
-from tiny_models import hf_greedy
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2"]
 
@@ -92,10 +93,14 @@ def test_n_forks_equal_separate_seeded_requests(model_factory):
     prompt = prompts_of_lengths([21], seed=6)[0]  # 21 tokens: the last block is shared and partial
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, block_size=16)
     sampled = dict(temperature=0.9, top_p=0.95, max_tokens=20, ignore_eos=True)
-    forked = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(n=3, seed=7, **sampled),
-                          use_tqdm=False)[0]
-    separate = llm.generate(prompt_token_ids=[prompt] * 3, use_tqdm=False,
-                            sampling_params=[SamplingParams(seed=7 + i, **sampled) for i in range(3)])
+    forked = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=SamplingParams(n=3, seed=7, **sampled), use_tqdm=False
+    )[0]
+    separate = llm.generate(
+        prompt_token_ids=[prompt] * 3,
+        use_tqdm=False,
+        sampling_params=[SamplingParams(seed=7 + i, **sampled) for i in range(3)],
+    )
     assert [o.index for o in forked.outputs] == [0, 1, 2]
     assert [o.token_ids for o in forked.outputs] == [s.outputs[0].token_ids for s in separate]
     assert len({tuple(o.token_ids) for o in forked.outputs}) > 1  # really different samples
@@ -107,7 +112,9 @@ def test_n_greedy_forks_copy_on_write(model_factory):
     prompt = prompts_of_lengths([21], seed=8)[0]
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, block_size=16)
     engine = llm.llm_engine
-    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
+    engine.add_request(
+        "r", {"prompt_token_ids": prompt}, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
+    )
     engine.step()  # prefill, then the fork: both sequences hold the prompt's two blocks
     seqs = engine.requests["r"].group
     assert len(seqs) == 2
@@ -147,11 +154,14 @@ def test_low_priority_request_is_preempted_and_still_exact(model_factory):
     assert [outputs["low"], outputs["high0"], outputs["high1"], outputs["high2"]] == expected
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"prompt_token_ids": []}, "empty"),
-    ({"prompt_token_ids": [5] * 600}, "max_model_len"),
-    ({"prompt_token_ids": [10**6]}, "out of range"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"prompt_token_ids": []}, "empty"),
+        ({"prompt_token_ids": [5] * 600}, "max_model_len"),
+        ({"prompt_token_ids": [10**6]}, "out of range"),
+    ],
+)
 def test_bad_prompts_raise_and_leave_the_batch_alone(tiny_model_dir, bad, message):
     llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512)
     with pytest.raises(ValueError, match=message):
@@ -161,10 +171,15 @@ def test_bad_prompts_raise_and_leave_the_batch_alone(tiny_model_dir, bad, messag
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"),
-    (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-5), "top_k"),
+    ],
+)
 def test_bad_sampling_values_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -182,4 +197,5 @@ def test_text_prompts_and_eos(tiny_model_dir):
     assert out.prompt_token_ids == tok.encode("The assert statement")
     assert out.outputs[0].finish_reason in ("stop", "length")
     assert out.outputs[0].text == tok.decode(
-        [t for t in out.outputs[0].token_ids if t not in tok.all_special_ids], skip_special_tokens=True)
+        [t for t in out.outputs[0].token_ids if t not in tok.all_special_ids], skip_special_tokens=True
+    )

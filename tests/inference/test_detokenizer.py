@@ -1,12 +1,13 @@
 """Incremental detokenization with a real byte-level BPE tokenizer (the tiny models' tokenizer)."""
+
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import shared_tokenizer
 
 from inference.detokenizer import IncrementalDetokenizer
-from tiny_models import shared_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,9 @@ def prompt_ids(tok) -> list[int]:
 
 def stream(tok, ids, stop=(), include=False, prompt=None, skip_special=True):
     """Feed ids one at a time; returns (detokenizer, text after each token, stop string or None)."""
-    detok = IncrementalDetokenizer(tok, prompt if prompt is not None else prompt_ids(tok),
-                                   skip_special, list(stop), include)
+    detok = IncrementalDetokenizer(
+        tok, prompt if prompt is not None else prompt_ids(tok), skip_special, list(stop), include
+    )
     texts, stopped = [], None
     for token in ids:
         stopped = detok.add_token(token)
@@ -165,8 +167,11 @@ def test_finished_visible_text_releases_the_held_back_tail(tok):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(st.text(alphabet="ab é日🎉.", min_size=1, max_size=20), st.text(alphabet="ab é日🎉.", min_size=1, max_size=3),
-       st.booleans())
+@given(
+    st.text(alphabet="ab é日🎉.", min_size=1, max_size=20),
+    st.text(alphabet="ab é日🎉.", min_size=1, max_size=3),
+    st.booleans(),
+)
 def test_streaming_with_a_stop_string_matches_the_offline_answer(text, stop, include):
     tok = shared_tokenizer()
     ids = encode(tok, text)

@@ -1,4 +1,5 @@
 """An engine worker serving an encoder model over the real Redis protocol: one embedding event, then finish."""
+
 from __future__ import annotations
 
 import pytest

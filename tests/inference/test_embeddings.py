@@ -3,6 +3,7 @@
 The reference is sentence-transformers itself, on the PyPI model `make install` brings
 (all-MiniLM-L6-v2: mean pooling, normalised) and on tiny random BERT folders of each pooling mode.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,12 @@ import torch.nn.functional as F
 from inference import LLM, PoolingParams, SamplingParams
 from tests.tiny_models import make_tiny_bert
 
-TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.",
-         "A longer text about how the engine batches several prompts of different lengths into one step " * 3,
-         "x"]
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "A longer text about how the engine batches several prompts of different lengths into one step " * 3,
+    "x",
+]
 ENGINE = dict(dtype="float32", device="cpu", max_num_seqs=16, max_num_batched_tokens=512, seed=0)
 
 
@@ -51,10 +55,12 @@ def minilm():
 @pytest.fixture(scope="module")
 def tiny_bert_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-bert")
-    return {"mean": make_tiny_bert(root / "mean", "mean", normalize=True),
-            "cls": make_tiny_bert(root / "cls", "cls", normalize=False, seed=1),
-            "max": make_tiny_bert(root / "max", "max", normalize=True, seed=2),
-            "matryoshka": make_tiny_bert(root / "matryoshka", "mean", seed=3, matryoshka_dimensions=[64, 32, 16])}
+    return {
+        "mean": make_tiny_bert(root / "mean", "mean", normalize=True),
+        "cls": make_tiny_bert(root / "cls", "cls", normalize=False, seed=1),
+        "max": make_tiny_bert(root / "max", "max", normalize=True, seed=2),
+        "matryoshka": make_tiny_bert(root / "matryoshka", "mean", seed=3, matryoshka_dimensions=[64, 32, 16]),
+    }
 
 
 def test_minilm_equals_sentence_transformers_in_one_batched_step(minilm):
@@ -145,8 +151,10 @@ def test_fair_share_orders_embeddings_between_tenants(tiny_bert_dirs):
     """scheduling_policy=fair: a tenant that was served waits behind one that was not (the shared Scheduler)."""
     orders = {}
     for policy in ("fcfs", "fair"):
-        llm = LLM(model=str(tiny_bert_dirs["mean"]), **{**ENGINE, "max_num_batched_tokens": 96, "max_num_seqs": 1,
-                                                        "scheduling_policy": policy})
+        llm = LLM(
+            model=str(tiny_bert_dirs["mean"]),
+            **{**ENGINE, "max_num_batched_tokens": 96, "max_num_seqs": 1, "scheduling_policy": policy},
+        )
         engine = llm.llm_engine
         for i in range(3):
             engine.add_request(f"heavy-{i}", TEXTS[2][:150], PoolingParams(), priority=1000, tenant="heavy")

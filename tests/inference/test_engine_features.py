@@ -1,4 +1,5 @@
 """Engine features beyond greedy equality: logprobs against HF, stop strings, abort, metrics, delay."""
+
 import time
 
 import pytest
@@ -26,8 +27,11 @@ def hf_logprobs(hf_model, token_ids):
 
 def test_prompt_logprobs_match_hf_across_prefill_chunks(llm, hf_model):
     prompt = [(7 * i) % 400 + 10 for i in range(40)]  # 40 tokens: three chunks of the 16-token budget
-    out = llm.generate(prompt_token_ids=[prompt], use_tqdm=False,
-                       sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3))[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        use_tqdm=False,
+        sampling_params=SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+    )[0]
     expected = hf_logprobs(hf_model, prompt)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
     for position in range(1, len(prompt)):
@@ -40,8 +44,11 @@ def test_prompt_logprobs_match_hf_across_prefill_chunks(llm, hf_model):
 
 def test_sampled_logprobs_match_hf(llm, hf_model):
     prompt = [11, 12, 13, 14, 15]
-    out = llm.generate(prompt_token_ids=[prompt], use_tqdm=False,
-                       sampling_params=SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
+    out = llm.generate(
+        prompt_token_ids=[prompt],
+        use_tqdm=False,
+        sampling_params=SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True),
+    )[0]
     completion = out.outputs[0]
     expected = hf_logprobs(hf_model, prompt + completion.token_ids)
     for i, token in enumerate(completion.token_ids):
@@ -49,27 +56,35 @@ def test_sampled_logprobs_match_hf(llm, hf_model):
         assert entry[token].rank == 1  # greedy picks the top token
         assert entry[token].logprob == pytest.approx(expected[len(prompt) - 1 + i, token].item(), abs=1e-4)
         assert len(entry) == 2 and all(lp.decoded_token is not None for lp in entry.values())
-    assert completion.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids)))
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids))
+    )
 
 
 def test_stop_string_cuts_the_text(llm):
     prompt = ["The assert statement"]
     free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
     text = free.outputs[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3
-    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop),
-                       use_tqdm=False)[0].outputs[0]
+    cut = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop), use_tqdm=False
+    )[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert cut.text == text[: text.index(stop)]
-    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop,
-                                               include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=stop, include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.llm_engine
-    engine.add_request("long", {"prompt_token_ids": list(range(10, 60))}, SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.add_request(
+        "long", {"prompt_token_ids": list(range(10, 60))}, SamplingParams(max_tokens=100, ignore_eos=True)
+    )
     for _ in range(5):
         engine.step()
     assert engine.get_stats()["blocks_used"] > 0
@@ -81,14 +96,21 @@ def test_abort_frees_blocks_at_once(llm):
 def test_metrics_count_tokens_and_latencies(tiny_model_dir):
     llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=256)
     prompts = [[10, 11, 12], [20, 21, 22, 23, 24]]
-    llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                 sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    llm.generate(
+        prompt_token_ids=prompts,
+        use_tqdm=False,
+        sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
     stats, metrics = llm.llm_engine.get_stats(), llm.llm_engine.metrics
     assert stats["prompt_tokens_total"] == 8 and stats["generation_tokens_total"] == 8
     assert stats["requests_finished_total"] == 2
     histograms = metrics.histograms()
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "time_per_output_token_seconds"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "time_per_output_token_seconds",
+    ):
         assert histograms[name]["count"] == 2 and sum(histograms[name]["counts"]) == 2
 
 

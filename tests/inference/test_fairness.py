@@ -4,6 +4,7 @@ The service of a tenant is measured here from what the scheduler did, independen
 every prompt position computed for the first time counts 1, every sampled token 2 (the paper's
 weighted tokens). Prompts never share a prefix, so no position is served by the prefix cache.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,15 @@ class FairSim(Sim):
 
     def add(self, prompt_len=4, max_tokens=4, tenant=None, weight=1.0, priority=0) -> Request:
         prompt = [next(self.tokens) for _ in range(prompt_len)]
-        request = Request(f"r{next(self.ids)}", None, prompt, SamplingParams(max_tokens=max_tokens), priority,
-                          tenant=tenant, weight=weight)
+        request = Request(
+            f"r{next(self.ids)}",
+            None,
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            priority,
+            tenant=tenant,
+            weight=weight,
+        )
         self.sched.add_request(request)
         self.requests.append(request)
         return request
@@ -50,8 +58,11 @@ class FairSim(Sim):
         return out
 
     def service(self, tenant) -> float:
-        return sum(PROMPT_TOKEN_COST * self.prompt_done.get(r, 0) + OUTPUT_TOKEN_COST * r.num_output_tokens
-                   for r in self.requests if r.tenant == tenant)
+        return sum(
+            PROMPT_TOKEN_COST * self.prompt_done.get(r, 0) + OUTPUT_TOKEN_COST * r.num_output_tokens
+            for r in self.requests
+            if r.tenant == tenant
+        )
 
     def backlogged(self) -> set:
         return {request.tenant for _, request in self.sched.waiting}
@@ -64,8 +75,9 @@ class FairSim(Sim):
 
 
 def seq(tenant=None, weight=1.0, prompt_len=10, request_id="x"):
-    return Request(request_id, None, list(range(prompt_len)), SamplingParams(max_tokens=4), tenant=tenant,
-                   weight=weight)
+    return Request(
+        request_id, None, list(range(prompt_len)), SamplingParams(max_tokens=4), tenant=tenant, weight=weight
+    )
 
 
 def test_service_is_divided_by_the_weight_and_output_costs_twice():
@@ -127,8 +139,10 @@ def test_share_window_shows_top_tenants_and_sums_the_rest():
         window.add(f"t{i}", tokens, weight=float(i + 1))
     window.add(None, 100, weight=1.0)  # requests without a tenant are never a row of their own
     shares = window.shares(top=2)
-    assert [(row["tenant"], row["tokens"], row["weight"]) for row in shares["tenants"]] == [("t0", 50, 1.0),
-                                                                                          ("t1", 30, 2.0)]
+    assert [(row["tenant"], row["tokens"], row["weight"]) for row in shares["tenants"]] == [
+        ("t0", 50, 1.0),
+        ("t1", 30, 2.0),
+    ]
     assert shares["tenants"][0]["share"] == 0.25
     assert shares["others"] == {"tenants": 4, "tokens": 120, "share": 0.6}
     now[0] += 61  # a minute later it is all gone
@@ -275,17 +289,29 @@ class FairShareMachine(RuleBasedStateMachine):
     """Random arrivals of three tenants with random weights over a small pool; after every step, any two
     tenants backlogged over the same run of steps got service within the 2U bound (normalized by weight)."""
 
-    @initialize(num_blocks=st.integers(8, 24), budget=st.integers(4, 32), max_seqs=st.integers(1, 6),
-                threshold=st.sampled_from([None, 4]), weights=st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=3,
-                                                                      max_size=3))
+    @initialize(
+        num_blocks=st.integers(8, 24),
+        budget=st.integers(4, 32),
+        max_seqs=st.integers(1, 6),
+        threshold=st.sampled_from([None, 4]),
+        weights=st.lists(st.sampled_from([1.0, 2.0, 3.0]), min_size=3, max_size=3),
+    )
     def start(self, num_blocks, budget, max_seqs, threshold, weights):
-        self.sim = FairSim(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                           long_prefill_token_threshold=threshold)
+        self.sim = FairSim(
+            num_blocks=num_blocks,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            long_prefill_token_threshold=threshold,
+        )
         self.weights = dict(zip("abc", weights))
         self.since: dict[tuple[str, str], tuple[float, float]] = {}  # a pair's service when both became backlogged
 
-    @rule(tenant=st.sampled_from("abc"), count=st.integers(1, 6), length=st.integers(1, MAX_PROMPT),
-          max_tokens=st.integers(1, 8))
+    @rule(
+        tenant=st.sampled_from("abc"),
+        count=st.integers(1, 6),
+        length=st.integers(1, MAX_PROMPT),
+        max_tokens=st.integers(1, 8),
+    )
     def arrive(self, tenant, count, length, max_tokens):
         for _ in range(count):
             self.sim.add(length, max_tokens=max_tokens, tenant=tenant, weight=self.weights[tenant])
@@ -320,8 +346,10 @@ class FairShareMachine(RuleBasedStateMachine):
 
 
 FairShareMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
 )
 TestFairShareRandomArrivals = FairShareMachine.TestCase
-

@@ -1,5 +1,6 @@
 """The fair policy in the real engine: greedy outputs stay HF-exact while tenants reorder, interleave
 and preempt each other; bad tenant input is a ValueError at add_request, never a crash in a step."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,15 @@ def test_greedy_outputs_match_hf_under_the_policy_with_preemption(model_factory,
     tenants = ["a", "a", "a", "a", "b", None, "c", "b"]
     weights = [1.0, 1.0, 1.0, 1.0, 3.0, 1.0, 0.5, 3.0]
     # 24 blocks of 16 = 384 slots and a 32-token budget: waiting, chunked prefill and preemption
-    llm = LLM(model=model_dir, dtype="float32", max_model_len=256, num_kv_blocks=24, block_size=16,
-              max_num_batched_tokens=32, scheduling_policy=policy)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=24,
+        block_size=16,
+        max_num_batched_tokens=32,
+        scheduling_policy=policy,
+    )
     ours = run_tenants(llm, prompts, tenants, weights, 30)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert ours == hf_greedy(model_dir, prompts, 30)

@@ -1,5 +1,6 @@
 """Tenant and weight over the protocol: the worker hands them to the engine; a bad weight is an
 invalid_request error for that request alone, and the heartbeat shows each tenant's share."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ PROMPT = [5, 17, 42, 99, 7, 3]
 
 
 def run(tenant, weight, max_tokens=3):
-    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, tenant=tenant, weight=weight,
-                                        sampling_params={"max_tokens": max_tokens, "ignore_eos": True})
+    rid = engine_client.client().submit(
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        tenant=tenant,
+        weight=weight,
+        sampling_params={"max_tokens": max_tokens, "ignore_eos": True},
+    )
     return list(engine_client.client().stream(rid, timeout=30))
 
 
@@ -52,8 +58,14 @@ def test_prometheus_shows_a_bounded_tenant_share_view():
     from openai_api.metrics import HeartbeatCollector
 
     rows = [{"tenant": str(i), "tokens": 10 * (9 - i), "share": 0.1, "weight": 1.0 + i} for i in range(5)]
-    stats = {"tenant_shares": {"window_s": 60, "total_tokens": 500, "tenants": rows,
-                               "others": {"tenants": 40, "tokens": 150, "share": 0.3}}}
+    stats = {
+        "tenant_shares": {
+            "window_s": 60,
+            "total_tokens": 500,
+            "tenants": rows,
+            "others": {"tenants": 40, "tokens": 150, "share": 0.3},
+        }
+    }
     registry = CollectorRegistry()
     registry.register(HeartbeatCollector([{"worker_id": "w1", "model": "m", "stats": stats}]))
     text = generate_latest(registry).decode()

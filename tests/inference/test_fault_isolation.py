@@ -4,6 +4,7 @@ Faults are injected into one request of a running batch at the real seams (its d
 sampling parameters, its generator, the executor's forward); every other request must finish
 with the same tokens as in a run without the fault, and the failed one must give its blocks back.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -188,8 +189,9 @@ def test_a_forward_failure_fails_the_batch_and_the_engine_serves_on(engine, monk
         assert out.error == "the forward pass failed: RuntimeError: injected device fault"
         assert all(c.finish_reason == "error" and c.token_ids == [] for c in out.outputs)
     assert_blocks_returned(engine)
-    assert {rid: tokens_of(out) for rid, out in run_batch(engine).items()} == \
-        {rid: tokens_of(out) for rid, out in clean.items()}
+    assert {rid: tokens_of(out) for rid, out in run_batch(engine).items()} == {
+        rid: tokens_of(out) for rid, out in clean.items()
+    }
 
 
 def test_a_fatal_error_is_not_swallowed_as_one_requests_failure(engine, monkeypatch):
@@ -212,8 +214,11 @@ def test_offline_generate_returns_a_failed_request_and_does_not_hang(offline, en
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     expected = llm.generate(prompt_token_ids=[PROMPTS["a"], PROMPTS["b"]], sampling_params=params, use_tqdm=False)
     real = engine._detokenizer
-    monkeypatch.setattr(engine, "_detokenizer", lambda req: BrokenAfter(real(req), 1)
-                        if req.prompt_token_ids == PROMPTS["b"] else real(req))
+    monkeypatch.setattr(
+        engine,
+        "_detokenizer",
+        lambda req: BrokenAfter(real(req), 1) if req.prompt_token_ids == PROMPTS["b"] else real(req),
+    )
     outs = llm.generate(prompt_token_ids=[PROMPTS["a"], PROMPTS["b"]], sampling_params=params, use_tqdm=False)
     assert outs[0].error is None and outs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert outs[1].error.startswith("detokenization failed") and outs[1].outputs[0].finish_reason == "error"
@@ -230,11 +235,17 @@ def test_the_worker_sends_engine_error_to_the_failed_request_alone(llm, r, monke
     client = engine_client.client()
     engine = llm.llm_engine
     greedy = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-    expected = llm.generate(prompt_token_ids=[PROMPTS["a"]], use_tqdm=False,
-                            sampling_params=SamplingParams(**greedy))[0].outputs[0].token_ids
+    expected = (
+        llm.generate(prompt_token_ids=[PROMPTS["a"]], use_tqdm=False, sampling_params=SamplingParams(**greedy))[0]
+        .outputs[0]
+        .token_ids
+    )
     real = engine._detokenizer
-    monkeypatch.setattr(engine, "_detokenizer", lambda req: BrokenAfter(real(req), 3)
-                        if req.prompt_token_ids == PROMPTS["b"] else real(req))
+    monkeypatch.setattr(
+        engine,
+        "_detokenizer",
+        lambda req: BrokenAfter(real(req), 3) if req.prompt_token_ids == PROMPTS["b"] else real(req),
+    )
     running = ThreadedWorker(engine, settings.REDIS_URL).start()
     try:
         good = client.submit(model=MODEL, prompt_token_ids=PROMPTS["a"], sampling_params=greedy)

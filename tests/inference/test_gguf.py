@@ -1,21 +1,21 @@
 """GGUF loading: tiny random HF models written as llama.cpp's converter writes them, in several
 tensor types; our engine's greedy output must equal HF transformers loading the same file."""
+
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import make_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.gguf_files import served_model_name
-from inference.gguf_loader import GLOBAL_TENSORS, BLOCK_TENSORS, tokenizer_cache_dir
+from inference.gguf_loader import BLOCK_TENSORS, GLOBAL_TENSORS, tokenizer_cache_dir
 from inference.loader import load_tokenizer
-from tiny_models import make_tiny_model
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 9, 120, 33, 61, 2 + 40, 77]]
 MAX_TOKENS = [12, 9, 10]
@@ -32,6 +32,7 @@ def private_cache(tmp_path, monkeypatch):
 
 # ---- writing GGUF files the way llama.cpp's convert_hf_to_gguf.py lays them out -----------------
 
+
 def gguf_name(hf_name: str) -> str:
     if hf_name in TO_GGUF:
         return TO_GGUF[hf_name]
@@ -43,7 +44,9 @@ def gguf_name(hf_name: str) -> str:
 
 def permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's permute() for Llama-architecture Q/K rows."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def add_tokenizer(writer, hf_dir: Path) -> None:
@@ -67,8 +70,9 @@ def add_tokenizer(writer, hf_dir: Path) -> None:
     writer.add_chat_template(tok.chat_template)
 
 
-def write_gguf(hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, name: str | None = None,
-               sampling: dict | None = None) -> Path:
+def write_gguf(
+    hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, name: str | None = None, sampling: dict | None = None
+) -> Path:
     """hf_dir's model as a GGUF file; matrices cycle through `types`."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
@@ -122,8 +126,14 @@ def write_gguf(hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, na
 # blocks with small scales: byte offsets of each block's f16 scale(s) and the value to put there
 # (d, then dmin where the type has one: it centres the values). Q8_1 is a type the package knows
 # but cannot dequantize: its random bytes only serve the refusal test.
-K_QUANT_SCALES = {"Q6_K": {208: 2e-4}, "Q4_K": {0: 1e-3, 2: 7.5e-3}, "Q5_K": {0: 5e-4, 2: 7.5e-3},
-                  "Q3_K": {108: 2e-3}, "Q2_K": {80: 1e-2, 82: 1.5e-2}, "Q8_1": {}}
+K_QUANT_SCALES = {
+    "Q6_K": {208: 2e-4},
+    "Q4_K": {0: 1e-3, 2: 7.5e-3},
+    "Q5_K": {0: 5e-4, 2: 7.5e-3},
+    "Q3_K": {108: 2e-3},
+    "Q2_K": {80: 1e-2, 82: 1.5e-2},
+    "Q8_1": {},
+}
 
 
 def random_k_quant(shape: tuple[int, int], kind: str, seed: int) -> np.ndarray:
@@ -133,7 +143,7 @@ def random_k_quant(shape: tuple[int, int], kind: str, seed: int) -> np.ndarray:
     rows, cols = shape
     blocks = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     for offset, scale in K_QUANT_SCALES[kind].items():
-        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+        blocks[..., offset : offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
     return blocks.reshape(rows, cols // block * size)
 
 
@@ -144,26 +154,38 @@ def hf_greedy_gguf(file: Path, prompts, max_tokens) -> list[list[int]]:
     outputs = []
     for ids, n in zip(prompts, max_tokens):
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outputs.append(out[0, len(ids):].tolist())
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(ids) :].tolist())
     return outputs
 
 
 def engine_greedy(file: Path, prompts, max_tokens, **engine) -> list[list[int]]:
     llm = LLM(model=str(file), **{**ENGINE, **engine})
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    ]
 
 
 # ---- greedy parity with HF transformers ----------------------------------------------------------
 
-@pytest.mark.parametrize("family, types", [
-    ("llama", MIXED),             # untied head, permuted Q/K, every non-K type in one file
-    ("llama", ("F32",)),          # lossless: parity with the unquantized HF folder as well
-    ("mistral", ("Q8_0", "F16")),  # written as "llama", told apart by general.name
-    ("qwen2", ("Q4_1", "BF16")),   # Q/K/V biases, tied embeddings, no permutation
-])
+
+@pytest.mark.parametrize(
+    "family, types",
+    [
+        ("llama", MIXED),  # untied head, permuted Q/K, every non-K type in one file
+        ("llama", ("F32",)),  # lossless: parity with the unquantized HF folder as well
+        ("mistral", ("Q8_0", "F16")),  # written as "llama", told apart by general.name
+        ("qwen2", ("Q4_1", "BF16")),  # Q/K/V biases, tied embeddings, no permutation
+    ],
+)
 def test_greedy_output_equals_hf_transformers_on_the_same_gguf(tmp_path, family, types):
     hf_dir = make_tiny_model(tmp_path / "hf", family)
     file = write_gguf(hf_dir, tmp_path / f"tiny-{family}.gguf", types)
@@ -191,7 +213,12 @@ def test_config_and_names_come_from_the_metadata(tmp_path):
     engine = LLM(model=str(file), **ENGINE).llm_engine
     cfg, hf = engine.model_config, json.loads((hf_dir / "config.json").read_text())
     assert (cfg.architecture, cfg.family, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == (
-        "Qwen2ForCausalLM", "qwen2", hf["num_hidden_layers"], hf["num_attention_heads"], hf["num_key_value_heads"])
+        "Qwen2ForCausalLM",
+        "qwen2",
+        hf["num_hidden_layers"],
+        hf["num_attention_heads"],
+        hf["num_key_value_heads"],
+    )
     assert cfg.tie_word_embeddings and cfg.attention_bias and cfg.rope_theta == hf["rope_parameters"]["rope_theta"]
     assert engine.served_model_name == "Tiny-Qwen2-Chat"
     assert hf["eos_token_id"] in engine.eos_token_ids
@@ -205,6 +232,7 @@ def test_served_names_drop_the_extension_and_the_quantization_tag():
 
 
 # ---- tokenizer ----------------------------------------------------------------------------------
+
 
 def test_tokenizer_and_chat_template_from_metadata_are_cached_per_file(tmp_path):
     from transformers import AutoTokenizer
@@ -220,8 +248,9 @@ def test_tokenizer_and_chat_template_from_metadata_are_cached_per_file(tmp_path)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
     for tok in (built, cached):
         assert tok.encode(text) == reference.encode(text)
-        assert (tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+        assert tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        ) == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert tok.eos_token_id == reference.eos_token_id
 
 
@@ -235,6 +264,7 @@ def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
 
 # ---- generation defaults --------------------------------------------------------------------------
 
+
 def resolved(engine, params: SamplingParams) -> SamplingParams:
     engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
     resolved = engine.requests["r"].params
@@ -244,8 +274,12 @@ def resolved(engine, params: SamplingParams) -> SamplingParams:
 
 def test_gguf_sampling_metadata_gives_the_defaults_a_request_leaves_unset(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama")
-    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",),
-                      sampling={"temp": 0.3, "top_k": 20, "top_p": 0.8, "min_p": 0.05, "penalty_repeat": 1.15})
+    file = write_gguf(
+        hf_dir,
+        tmp_path / "tiny.gguf",
+        ("F16",),
+        sampling={"temp": 0.3, "top_k": 20, "top_p": 0.8, "min_p": 0.05, "penalty_repeat": 1.15},
+    )
     engine = LLM(model=str(file), **ENGINE).llm_engine
     unset = resolved(engine, SamplingParams())
     assert (unset.temperature, unset.top_k, unset.min_p) == (pytest.approx(0.3), 20, pytest.approx(0.05))
@@ -256,20 +290,29 @@ def test_gguf_sampling_metadata_gives_the_defaults_a_request_leaves_unset(tmp_pa
 
 def test_generation_config_json_gives_the_defaults_and_more_stop_tokens(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama")
-    (hf_dir / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.0, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": [2, 7], "do_sample": True}))
+    (hf_dir / "generation_config.json").write_text(
+        json.dumps(
+            {"temperature": 0.0, "top_p": 0.9, "repetition_penalty": 1.05, "eos_token_id": [2, 7], "do_sample": True}
+        )
+    )
     engine = LLM(model=str(hf_dir), **ENGINE).llm_engine
     unset = resolved(engine, SamplingParams())
     assert (unset.temperature, unset.top_p, unset.repetition_penalty, unset.top_k) == (0.0, 0.9, 1.05, -1)
     assert {2, 7} <= set(engine.eos_token_ids)
     # greedy by the model's default: the same tokens as an explicit temperature=0 request
     llm = LLM(model=str(hf_dir), **ENGINE)
-    by_default = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0].token_ids
+    by_default = (
+        llm.generate(
+            prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert by_default == engine_greedy(hf_dir, PROMPTS[:1], [8])[0]
 
 
 # ---- what is refused, at start-up, by name ----------------------------------------------------------
+
 
 def test_an_unsupported_tensor_type_fails_at_start_naming_it(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama")

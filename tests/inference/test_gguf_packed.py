@@ -6,6 +6,7 @@ Packed layers are not bit-equal to float32 ones (the activations go through int8
 must be within the bound that rounding allows (tests/kernels/test_quant_cpu.py states it), plus,
 for types converted to Q8_0 at load, the bound of that weight rounding (half a Q8_0 step a weight).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,24 @@ from inference.layers.linear import LinearBase
 # Every type the file below can hold: the ten kernel types, three converted to Q8_0 at load
 # (the gguf package quantizes TQ1_0, TQ2_0 and MXFP4; it has no quantizer for the IQ types, which
 # take the same conversion) and the float types, which stay dense.
-EVERY_TYPE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-              "TQ1_0", "TQ2_0", "MXFP4", "F16", "BF16", "F32")
+EVERY_TYPE = (
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "TQ1_0",
+    "TQ2_0",
+    "MXFP4",
+    "F16",
+    "BF16",
+    "F32",
+)
 CONVERTED = ("TQ1_0", "TQ2_0", "MXFP4")
 PACKED = {k: v for k, v in ENGINE.items() if k != "dtype"}  # dtype unset: "auto" weights pack a GGUF file
 
@@ -124,10 +141,14 @@ def test_embedding_rows_and_logits_come_from_the_packed_tables(both_engines):
 def test_the_packed_engine_generates_the_same_tokens_each_time(both_engines):
     packed = both_engines[0]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    first = [o.outputs[0].token_ids for o in packed.generate(prompt_token_ids=PROMPTS, sampling_params=params,
-                                                             use_tqdm=False)]
-    again = [o.outputs[0].token_ids for o in packed.generate(prompt_token_ids=PROMPTS[::-1], sampling_params=params,
-                                                             use_tqdm=False)]
+    first = [
+        o.outputs[0].token_ids
+        for o in packed.generate(prompt_token_ids=PROMPTS, sampling_params=params, use_tqdm=False)
+    ]
+    again = [
+        o.outputs[0].token_ids
+        for o in packed.generate(prompt_token_ids=PROMPTS[::-1], sampling_params=params, use_tqdm=False)
+    ]
     assert all(len(o) == 10 for o in first) and first == again[::-1]
 
 
@@ -147,6 +168,7 @@ def test_qwen2_tied_table_biases_and_mixed_qkv_types(tmp_path):
 
 
 # ---- the weights option -------------------------------------------------------------------------
+
 
 def test_an_explicit_float_dtype_or_weights_dequantizes(every_type_file):
     as_bf16 = LLM(model=str(every_type_file), **{**PACKED, "weights": "bfloat16"}).llm_engine

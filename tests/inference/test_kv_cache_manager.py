@@ -3,6 +3,7 @@
 A sequence here is a real inference.request.Request; "computing" tokens means what the engine
 does after a forward: advance num_computed_tokens and register the newly full blocks.
 """
+
 import itertools
 
 import pytest
@@ -293,7 +294,7 @@ def test_older_frees_are_evicted_before_newer_ones():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     old = run_prompt(kv, range(8))
     new = run_prompt(kv, range(100, 108))
-    old_ids, new_ids = kv.block_ids(old), kv.block_ids(new)
+    old_ids = kv.block_ids(old)
     kv.free(old)
     kv.free(new)
     seq = make_seq(range(500, 508))

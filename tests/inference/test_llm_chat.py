@@ -1,10 +1,11 @@
 """LLM.chat(messages): conversations rendered with the tokenizer's chat template, greedy replies equal
 HF transformers' on the same prompt, as vLLM's LLM.chat."""
+
 import pytest
+from tiny_models import hf_greedy
 from transformers import AutoTokenizer
 
 from inference import SamplingParams
-from tiny_models import hf_greedy
 
 CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to me"}]
 OTHER = [{"role": "user", "content": "Count to three"}]
@@ -28,14 +29,16 @@ def test_chat_renders_the_template_and_equals_hf_greedy(tiny_llm, tiny_model_dir
 def test_one_conversation_gives_one_output(tiny_llm, tiny_model_dir):
     [output] = tiny_llm.chat(CONVERSATION, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     assert output.prompt_token_ids == template_ids(tiny_model_dir, CONVERSATION)
-    assert output.outputs[0].text == tiny_llm.get_tokenizer().decode(output.outputs[0].token_ids,
-                                                                      skip_special_tokens=True)
+    assert output.outputs[0].text == tiny_llm.get_tokenizer().decode(
+        output.outputs[0].token_ids, skip_special_tokens=True
+    )
 
 
 def test_continue_final_message_leaves_the_assistant_turn_open(tiny_llm):
     partial = [*OTHER, {"role": "assistant", "content": "One,"}]
-    [output] = tiny_llm.chat(partial, SamplingParams(temperature=0.0, max_tokens=2), continue_final_message=True,
-                             use_tqdm=False)
+    [output] = tiny_llm.chat(
+        partial, SamplingParams(temperature=0.0, max_tokens=2), continue_final_message=True, use_tqdm=False
+    )
     prompt = tiny_llm.get_tokenizer().decode(output.prompt_token_ids)
     assert prompt.endswith("One,")
 

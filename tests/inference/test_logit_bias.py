@@ -4,6 +4,7 @@ The reference runs HF's model on the engine's own tokens, edits the next-token l
 parameter is documented (add the bias; keep only the allowed ids; ban a bad word's last token once
 its other tokens were just produced) and takes the argmax: greedy outputs must be equal token for token.
 """
+
 import pytest
 import torch
 
@@ -79,7 +80,7 @@ def test_bad_words_are_never_completed(tiny_llm, tiny_hf_model):
     assert censored == reference(tiny_hf_model, ban)
     assert censored != plain
     for ids in sequences:
-        assert not any(censored[i:i + len(ids)] == ids for i in range(len(censored))), (word, ids, censored)
+        assert not any(censored[i : i + len(ids)] == ids for i in range(len(censored))), (word, ids, censored)
 
 
 def test_a_bad_word_bans_its_last_token_only_after_its_other_tokens():
@@ -96,22 +97,26 @@ def test_a_bad_word_bans_its_last_token_only_after_its_other_tokens():
     assert tokens[0] != 5 and tokens[1] == 5
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"logit_bias": {1: 101}}, "logit_bias"),
-    ({"logit_bias": {"x": 1}}, "logit_bias"),
-    ({"logit_bias": {"²": 1}}, "logit_bias"),
-    ({"logit_bias": {-1: 1}}, "logit_bias"),
-    ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
-    ({"bad_words": [" "]}, "bad_words"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"logit_bias": {1: 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"²": 1}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+        ({"bad_words": [" "]}, "bad_words"),
+    ],
+)
 def test_invalid_values_name_their_field(params, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
         SamplingParams(**params)
 
 
-@pytest.mark.parametrize("params, field", [({"logit_bias": {10**6: 1}}, "logit_bias"),
-                                           ({"allowed_token_ids": [10**6]}, "allowed_token_ids")])
+@pytest.mark.parametrize(
+    "params, field", [({"logit_bias": {10**6: 1}}, "logit_bias"), ({"allowed_token_ids": [10**6]}, "allowed_token_ids")]
+)
 def test_token_ids_outside_the_vocabulary_are_refused_by_the_engine(tiny_llm, params, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} has token ids outside the vocabulary"):
         tiny_llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(max_tokens=2, **params))

@@ -1,4 +1,5 @@
 """The engine's histograms and counters (inference/metrics.py): Prometheus' bucket rules and a real engine's counts."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ def test_a_real_engine_counts_every_finished_request_by_reason(tiny_model_dir):
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
     first_tokens = [out.outputs[0].token_ids[0] for out in outputs]
     # the first prompt again, stopping on the token it starts with: one "stop" besides the three "length"
-    llm.generate(prompt_token_ids=[prompts[0]], use_tqdm=False,
-                 sampling_params=SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[first_tokens[0]]))
+    llm.generate(
+        prompt_token_ids=[prompts[0]],
+        use_tqdm=False,
+        sampling_params=SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[first_tokens[0]]),
+    )
     snapshot = json.loads(json.dumps(llm.llm_engine.metrics.snapshot()))  # what the heartbeat carries
     assert snapshot["request_success_total"] == {"length": 3, "stop": 1}
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):

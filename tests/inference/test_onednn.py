@@ -1,4 +1,5 @@
 """inference/layers/onednn.py: packed oneDNN GEMMs equal F.linear, and the engine uses them on CPU."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,8 +104,14 @@ def test_start_up_runs_every_gemm_shape_at_every_row_count_before_any_request(ti
         return real_linear(x, packed, bias)
 
     monkeypatch.setattr(onednn, "linear", recording)
-    llm = LLM(model=tiny_model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256,
-              max_num_batched_tokens=200, max_num_seqs=12)
+    llm = LLM(
+        model=tiny_model_dir,
+        dtype="float32",
+        num_kv_blocks=64,
+        max_model_len=256,
+        max_num_batched_tokens=200,
+        max_num_seqs=12,
+    )
     model = llm.llm_engine.model
     shapes = {(tuple(m.weight.shape), m.bias is not None) for m in model.modules() if isinstance(m, LinearBase)}
     expected = {(shape, bias, rows) for shape, bias in shapes for rows in onednn.row_counts(200)}

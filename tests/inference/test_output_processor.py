@@ -1,5 +1,6 @@
 """The engine's outputs as protocol events (inference/output_processor.py), without Redis: a real
 tiny engine's RequestOutputs, and hand-made ones (the engine's own dataclasses) for the edge cases."""
+
 from __future__ import annotations
 
 from inference import SamplingParams, protocol
@@ -13,8 +14,14 @@ def run_through(llm, params: SamplingParams, processor: OutputProcessor, request
     """Step the engine until the request ends; each step's events, as the worker would send them."""
     engine = llm.llm_engine
     engine.add_request(request_id, {"prompt_token_ids": PROMPT}, params)
-    state = RequestState(request_id, "0-1", n=params.n, want_logprobs=params.logprobs,
-                         want_prompt_logprobs=params.prompt_logprobs, prompt_tokens=len(PROMPT))
+    state = RequestState(
+        request_id,
+        "0-1",
+        n=params.n,
+        want_logprobs=params.logprobs,
+        want_prompt_logprobs=params.prompt_logprobs,
+        prompt_tokens=len(PROMPT),
+    )
     steps = []
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -28,8 +35,9 @@ def running(index: int, token_ids: list[int], text: str, finish_reason: str | No
 
 
 def output(completions: list[CompletionOutput], finished: bool = False, **fields) -> RequestOutput:
-    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=PROMPT, outputs=completions,
-                         finished=finished, **fields)
+    return RequestOutput(
+        request_id="r", prompt=None, prompt_token_ids=PROMPT, outputs=completions, finished=finished, **fields
+    )
 
 
 def test_the_deltas_of_a_real_engine_add_up_to_its_offline_greedy_output(tiny_llm):
@@ -100,8 +108,9 @@ def test_usage_counts_cached_tokens_and_preemptions_reach_the_metrics():
     processor = OutputProcessor(tokenizer=None)
     state = RequestState("r", "0-1", n=1, submitted_at=None)
     metrics = RequestMetrics(arrival_time=0.0, num_preemptions=2)
-    events = processor.events(state, output([running(0, [4, 5], "ab", "length")], finished=True,
-                                            num_cached_tokens=16, metrics=metrics))
+    events = processor.events(
+        state, output([running(0, [4, 5], "ab", "length")], finished=True, num_cached_tokens=16, metrics=metrics)
+    )
     finish = events[-1]
     assert finish["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 2, "cached_tokens": 16}
     assert finish["metrics"]["num_preemptions"] == 2
@@ -115,8 +124,12 @@ def test_a_candidate_without_decoded_text_is_named_by_the_tokenizer(tiny_llm):
     completion = CompletionOutput(index=0, text="t", token_ids=[7], logprobs=[candidates])
     [delta] = processor.events(state, output([completion]))
     [entry] = delta["logprobs"]
-    assert entry == {"token_id": 7, "token": tokenizer.decode([7]), "logprob": -1.5,
-                     "top": [{"token_id": 42, "token": "given", "logprob": -0.5}]}
+    assert entry == {
+        "token_id": 7,
+        "token": tokenizer.decode([7]),
+        "logprob": -1.5,
+        "top": [{"token_id": 42, "token": "given", "logprob": -0.5}],
+    }
 
 
 def test_the_abort_event_ends_only_the_unfinished_choices_with_abort():

@@ -6,6 +6,7 @@ RepetitionPenaltyLogitsProcessor (repetition, over prompt and output) and OpenAI
 argmax when greedy; when sampling, the documented draw argmax(softmax(logits / T) / q) with
 q ~ Exp(1) from a generator seeded like the request (sequence i of n uses seed + i).
 """
+
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
@@ -22,7 +23,9 @@ PENALTIES = {
 }
 
 
-def reference_logits(tiny_hf_model, prompt: list[int], output: list[int], penalties: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logits(
+    tiny_hf_model, prompt: list[int], output: list[int], penalties: dict
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw logprobs, penalized logits) of the next token after prompt + output."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
@@ -31,8 +34,11 @@ def reference_logits(tiny_hf_model, prompt: list[int], output: list[int], penalt
     if penalties.get("repetition_penalty", 1.0) != 1.0:
         logits = RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"])(ids, logits)
     counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[-1]).float()
-    logits = logits[0] - penalties.get("frequency_penalty", 0.0) * counts \
+    logits = (
+        logits[0]
+        - penalties.get("frequency_penalty", 0.0) * counts
         - penalties.get("presence_penalty", 0.0) * (counts > 0).float()
+    )
     return torch.log_softmax(raw, dim=-1), logits
 
 
@@ -78,10 +84,15 @@ def test_repetition_penalty_greedy_equals_hf_generate(tiny_llm, tiny_hf_model):
     """HF's own generate() with repetition_penalty is the end-to-end reference for greedy."""
     tiny_hf_model.generation_config.eos_token_id = None
     with torch.no_grad():
-        expected = tiny_hf_model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                     repetition_penalty=1.6, attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
+        expected = tiny_hf_model.generate(
+            torch.tensor([PROMPT]),
+            do_sample=False,
+            max_new_tokens=MAX_TOKENS,
+            repetition_penalty=1.6,
+            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+        )
     out = generate(tiny_llm, temperature=0.0, repetition_penalty=1.6)
-    assert out.outputs[0].token_ids == expected[0, len(PROMPT):].tolist()
+    assert out.outputs[0].token_ids == expected[0, len(PROMPT) :].tolist()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.1])
@@ -91,8 +102,9 @@ def test_n_forks_each_keep_their_own_penalty_history(tiny_llm, tiny_hf_model, te
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for completion in out.outputs:
         assert completion.finish_reason == "length"
-        check_against_reference(tiny_hf_model, PROMPT, completion.token_ids, penalties, temperature,
-                                seed=21 + completion.index)
+        check_against_reference(
+            tiny_hf_model, PROMPT, completion.token_ids, penalties, temperature, seed=21 + completion.index
+        )
     if temperature:  # sequence i reproduces a single request with seed + i
         alone = generate(tiny_llm, temperature=temperature, seed=22, **penalties)
         assert out.outputs[1].token_ids == alone.outputs[0].token_ids
@@ -118,8 +130,15 @@ def test_penalized_request_shares_a_batch_with_plain_ones(tiny_llm):
     """The issue's failure: one penalized request in a batch failed every request of the step."""
     plain = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     alone = tiny_llm.generate(prompt_token_ids=[PROMPT], sampling_params=plain, use_tqdm=False)[0]
-    mixed = tiny_llm.generate(prompt_token_ids=[PROMPT] * 4, use_tqdm=False, sampling_params=[
-        plain, SamplingParams(temperature=0.1, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=0.5),
-        plain, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=1.0)])
+    mixed = tiny_llm.generate(
+        prompt_token_ids=[PROMPT] * 4,
+        use_tqdm=False,
+        sampling_params=[
+            plain,
+            SamplingParams(temperature=0.1, max_tokens=MAX_TOKENS, ignore_eos=True, frequency_penalty=0.5),
+            plain,
+            SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=1.0),
+        ],
+    )
     assert all(out.error is None for out in mixed)
     assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == [alone.outputs[0].token_ids] * 2

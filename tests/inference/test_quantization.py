@@ -5,6 +5,7 @@ tiny float model (inference/quantization/export.py packs per the formats' specs)
 are checked against a dequantize-then-matmul written out element by element here, independently
 of kernels/quant_ref.py.
 """
+
 import json
 import random
 import shutil
@@ -18,7 +19,12 @@ from safetensors.torch import save_file
 from inference import LLM, SamplingParams
 from inference.config import EngineArgs, ModelConfig
 from inference.distributed import ParallelConfig
-from inference.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from inference.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from inference.quantization import get_linear_method
 from inference.quantization.awq import AWQLinearMethod
 from inference.quantization.export import write_quantized_folder
@@ -30,6 +36,7 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble j of a word holds output
 
 
 # ---- a reference written out element by element -----------------------------------------------------
+
 
 def nibble(word: int, index: int) -> int:
     return (word >> (4 * index)) & 0xF
@@ -76,8 +83,15 @@ def finish(layer):
     return layer
 
 
-LAYER_CASES = [("gptq", 32, False), ("gptq", 32, True), ("gptq", 128, False), ("gptq", 128, True),
-               ("gptq", -1, False), ("awq", 32, False), ("awq", 128, False)]
+LAYER_CASES = [
+    ("gptq", 32, False),
+    ("gptq", 32, True),
+    ("gptq", 128, False),
+    ("gptq", 128, True),
+    ("gptq", -1, False),
+    ("awq", 32, False),
+    ("awq", 128, False),
+]
 
 
 @pytest.mark.parametrize("fmt,group,act_order", LAYER_CASES)
@@ -107,6 +121,7 @@ def test_int8_layer_matches_float_within_quantization_error():
 
 # ---- tensor-parallel shards of packed tensors (no processes: each rank's share computed in turn) ----
 
+
 @pytest.mark.parametrize("fmt,group,act_order", [("gptq", 32, False), ("gptq", 32, True), ("awq", 32, False)])
 def test_row_and_column_shards_add_up_to_the_full_product(fmt, group, act_order):
     k, n, tp = 128, 64, 2
@@ -117,11 +132,17 @@ def test_row_and_column_shards_add_up_to_the_full_product(fmt, group, act_order)
     row_sum, columns = 0, []
     for rank in range(tp):
         parallel = ParallelConfig(rank, tp)
-        row = finish(load_into(RowParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order),
-                                                 parallel), tensors))
+        row = finish(
+            load_into(
+                RowParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order), parallel), tensors
+            )
+        )
         row_sum = row_sum + row.method.apply(row, x.chunk(tp, dim=1)[rank], None)  # the all-reduce, by hand
-        col = finish(load_into(ColumnParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order),
-                                                    parallel), tensors))
+        col = finish(
+            load_into(
+                ColumnParallelLinear(k, n, False, torch.float32, method_for(fmt, group, act_order), parallel), tensors
+            )
+        )
         columns.append(col.method.apply(col, x, None))
     torch.testing.assert_close(row_sum, full, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.cat(columns, dim=1), full, atol=1e-4, rtol=1e-4)
@@ -137,9 +158,11 @@ def test_merged_qkv_and_gate_up_shards_with_packed_outputs(fmt):
     hidden, head_dim, heads, kv_heads, tp = 64, 16, 4, 2, 2
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, hidden, generator=gen)
-    parts = {"q": torch.randn(heads * head_dim, hidden, generator=gen),
-             "k": torch.randn(kv_heads * head_dim, hidden, generator=gen),
-             "v": torch.randn(kv_heads * head_dim, hidden, generator=gen)}
+    parts = {
+        "q": torch.randn(heads * head_dim, hidden, generator=gen),
+        "k": torch.randn(kv_heads * head_dim, hidden, generator=gen),
+        "v": torch.randn(kv_heads * head_dim, hidden, generator=gen),
+    }
     packed = {sid: pack(fmt, w, 32) for sid, w in parts.items()}
     full = {sid: x @ naive_dequantize(fmt, t, hidden, parts[sid].shape[0], 32) for sid, t in packed.items()}
     for rank in range(tp):
@@ -161,6 +184,7 @@ def test_merged_qkv_and_gate_up_shards_with_packed_outputs(fmt):
 
 
 # ---- checkpoints end to end -------------------------------------------------------------------------
+
 
 def prompts(count, seed=0, low=4, high=40, vocab=500):
     rng = random.Random(seed)
@@ -185,11 +209,17 @@ def dequantized_copy(quant_dir: Path, dst: Path, fmt: str, group: int) -> Path:
     for name, tensor in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         if leaf == "qweight":
-            t = {key: tensors[f"{prefix}.{key}"] for key in ("qweight", "qzeros", "scales", "g_idx")
-                 if f"{prefix}.{key}" in tensors}
+            t = {
+                key: tensors[f"{prefix}.{key}"]
+                for key in ("qweight", "qzeros", "scales", "g_idx")
+                if f"{prefix}.{key}" in tensors
+            }
             scales = t["scales"].float()
-            w = (gptq_dequantize(t["qweight"], t["qzeros"], scales, t["g_idx"]) if fmt == "gptq"
-                 else awq_dequantize(t["qweight"], t["qzeros"], scales, group))
+            w = (
+                gptq_dequantize(t["qweight"], t["qzeros"], scales, t["g_idx"])
+                if fmt == "gptq"
+                else awq_dequantize(t["qweight"], t["qzeros"], scales, group)
+            )
             out[f"{prefix}.weight"] = w.t().contiguous()
         elif leaf not in ("qzeros", "scales", "g_idx"):
             out[name] = tensor.float() if tensor.is_floating_point() else tensor
@@ -287,6 +317,7 @@ def test_int8_tp2_equals_tp1(model_factory):
 
 
 # ---- choosing the method ----------------------------------------------------------------------------
+
 
 def test_linear_method_follows_the_checkpoint_and_rejects_mismatches(quantized_models, model_factory):
     quant, _ = quantized_models("gptq", True)

@@ -6,6 +6,7 @@ One engine and one HF model are loaded for the whole module (each takes seconds 
 engine's KV pool is tiny and its token budget small on purpose, so every batch below preempts
 and every prompt is prefilled in chunks.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,12 @@ from inference import LLM, SamplingParams
 from inference.detokenizer import IncrementalDetokenizer
 from inference.gguf_files import bundled_model
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "Write one sentence about the ocean.", "What is 2 + 2?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the ocean.",
+    "What is 2 + 2?",
+]
 MAX_TOKENS = 24
 BLOCK_SIZE, KV_BLOCKS, TOKEN_BUDGET = 16, 6, 32  # 96 KV slots for 4 prompts of ~37 + up to 24 tokens
 
@@ -32,8 +37,16 @@ def model_path() -> str:
 def llm(model_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:  # the tokenizer cache in a tmp dir, for this module only
         env.setenv("TESSERA_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        yield LLM(model=model_path, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=KV_BLOCKS,
-                  max_model_len=KV_BLOCKS * BLOCK_SIZE, max_num_batched_tokens=TOKEN_BUDGET, seed=0)
+        yield LLM(
+            model=model_path,
+            dtype="float32",
+            device="cpu",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=KV_BLOCKS,
+            max_model_len=KV_BLOCKS * BLOCK_SIZE,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            seed=0,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +61,9 @@ def reference(model_path):
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
@@ -57,9 +71,13 @@ def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:
     outputs = []
     for ids in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False)
-        outputs.append(out[0, len(ids):].tolist())
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+            )
+        outputs.append(out[0, len(ids) :].tolist())
     return outputs
 
 
@@ -108,9 +126,12 @@ def test_the_tokenizer_and_chat_template_match_transformers(llm, reference, mode
     from generation import tokenization
 
     ours, theirs = llm.get_tokenizer(), reference[0]
-    messages = [{"role": "system", "content": "You answer in French."},
-                {"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Bonjour !"},
-                {"role": "user", "content": "Comment ça va ? 😊"}]
+    messages = [
+        {"role": "system", "content": "You answer in French."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Bonjour !"},
+        {"role": "user", "content": "Comment ça va ? 😊"},
+    ]
     expected = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tokenization.chat_prompt_ids(model_path, messages) == expected  # what the web tier sends
     assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False) == expected

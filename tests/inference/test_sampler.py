@@ -1,4 +1,5 @@
 """The batched sampler with hand-made logits and fake requests (no model)."""
+
 from __future__ import annotations
 
 import itertools
@@ -63,8 +64,11 @@ def test_greedy_reads_bfloat16_logits_as_they_are_and_mixed_batches_still_widen(
     assert tokens == logits.float().argmax(dim=-1).tolist()
     assert tokens[3] == 7
     # With a sampled row or logprobs in the batch the logits are widened, and greedy rows keep their picks.
-    mixed = [make_seq(temperature=0.0, logprobs=2)] + [make_seq(temperature=0.0) for _ in range(30)] + \
-        [make_seq(temperature=1.0, seed=5)]
+    mixed = (
+        [make_seq(temperature=0.0, logprobs=2)]
+        + [make_seq(temperature=0.0) for _ in range(30)]
+        + [make_seq(temperature=1.0, seed=5)]
+    )
     mixed_tokens, entries = Sampler(300, [EOS])(logits, mixed)
     assert mixed_tokens[:31] == tokens[:31]
     assert entries[0][tokens[0]].logprob == pytest.approx(float(torch.log_softmax(logits[0].float(), -1)[tokens[0]]))
@@ -83,7 +87,7 @@ def test_random_sampling_follows_the_temperature_scaled_distribution():
     for seen, expected in zip(freqs, probs):
         assert abs(seen - expected) < 0.03
     hot = sample_counts(logits, temperature=2.0)
-    flattened = [p ** 0.5 / sum(q ** 0.5 for q in probs) for p in probs]
+    flattened = [p**0.5 / sum(q**0.5 for q in probs) for p in probs]
     for seen, expected in zip(hot, flattened):
         assert abs(seen - expected) < 0.03
 
@@ -194,8 +198,9 @@ def test_presence_and_frequency_penalties_use_output_counts_only():
 
 def test_all_penalties_together_in_a_mixed_batch():
     base = torch.tensor([[1.0, -1.0, 2.0, -2.0, 0.5, 3.0, -0.5, 4.0]] * 2)
-    penalised = make_seq(prompt=[7], output=[7, 7, 1], repetition_penalty=1.5,
-                         presence_penalty=-0.5, frequency_penalty=1.0)
+    penalised = make_seq(
+        prompt=[7], output=[7, 7, 1], repetition_penalty=1.5, presence_penalty=-0.5, frequency_penalty=1.0
+    )
     plain = make_seq(prompt=[7], output=[7, 7, 1])
     logits = base.clone()
     Sampler(VOCAB, [EOS])._apply_penalties(logits, [penalised, plain])
@@ -320,9 +325,10 @@ def test_the_callers_logits_are_never_written():
     with torch.inference_mode():  # as the engine's step makes them
         logits = torch.randn(2, VOCAB)
     before = logits.clone()
-    seqs = [make_seq(output=(3, 3), repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5,
-                     temperature=0.0),
-            make_seq(min_tokens=4, stop_token_ids=[2], temperature=0.0)]
+    seqs = [
+        make_seq(output=(3, 3), repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5, temperature=0.0),
+        make_seq(min_tokens=4, stop_token_ids=[2], temperature=0.0),
+    ]
     Sampler(VOCAB, [EOS])(logits, seqs)
     assert torch.equal(logits, before)
 

@@ -1,4 +1,5 @@
 """SamplingParams: defaults as in vLLM, and every invalid value raises ValueError naming its field."""
+
 import pytest
 
 from inference.sampling_params import SamplingParams
@@ -24,23 +25,56 @@ def test_normalisation():
     assert SamplingParams(max_tokens=None).max_tokens is None
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 0), ("n", -1), ("n", 1.5), ("n", "2"),
-    ("temperature", -0.1), ("temperature", float("nan")), ("temperature", "hot"),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5),
-    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"),
-    ("min_p", -0.1), ("min_p", 1.5), ("min_p", "a"),
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2.5), ("max_tokens", "10"),
-    ("min_tokens", -1), ("min_tokens", 1.5),
-    ("presence_penalty", 2.5), ("presence_penalty", -2.5), ("presence_penalty", None),
-    ("frequency_penalty", 2.01), ("frequency_penalty", -3), ("frequency_penalty", "x"),
-    ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
-    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.5),
-    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", "3"),
-    ("stop", ""), ("stop", ["ok", ""]), ("stop", ["ok", 3]), ("stop", 5),
-    ("stop_token_ids", [-1]), ("stop_token_ids", ["2"]), ("stop_token_ids", 7),
-    ("seed", "42"), ("seed", 1.5),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0),
+        ("n", -1),
+        ("n", 1.5),
+        ("n", "2"),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", -0.5),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("top_k", "5"),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("min_p", "a"),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 2.5),
+        ("max_tokens", "10"),
+        ("min_tokens", -1),
+        ("min_tokens", 1.5),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", -2.5),
+        ("presence_penalty", None),
+        ("frequency_penalty", 2.01),
+        ("frequency_penalty", -3),
+        ("frequency_penalty", "x"),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("logprobs", 1.5),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("prompt_logprobs", "3"),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", ["ok", 3]),
+        ("stop", 5),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", ["2"]),
+        ("stop_token_ids", 7),
+        ("seed", "42"),
+        ("seed", 1.5),
+    ],
+)
 def test_invalid_value_raises_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         SamplingParams(**{field: value})
@@ -52,7 +86,12 @@ def test_unset_fields_take_the_model_defaults_and_set_ones_stay():
     model = {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1}
     resolved = unset.with_model_defaults(model)
     assert (resolved.temperature, resolved.top_p, resolved.top_k, resolved.min_p, resolved.repetition_penalty) == (
-        0.2, 0.9, -1, 0.0, 1.1)
+        0.2,
+        0.9,
+        -1,
+        0.0,
+        1.1,
+    )
     assert unset.temperature == 1.0  # the original keeps vLLM's fallbacks
     explicit = SamplingParams(temperature=1.0, repetition_penalty=1.0).with_model_defaults(model)
     assert (explicit.temperature, explicit.repetition_penalty, explicit.top_p) == (1.0, 1.0, 0.9)
@@ -68,12 +107,28 @@ def test_min_tokens_above_max_tokens_names_min_tokens():
     assert SamplingParams(min_tokens=50, max_tokens=None).min_tokens == 50
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=0.0), dict(temperature=2.0), dict(top_p=1.0), dict(top_p=0.01), dict(top_k=1),
-    dict(min_p=1.0), dict(max_tokens=1), dict(presence_penalty=-2), dict(frequency_penalty=2),
-    dict(repetition_penalty=0.5), dict(logprobs=0), dict(logprobs=20), dict(prompt_logprobs=0),
-    dict(stop=["a", "bc"]), dict(stop_token_ids=[0, 5]), dict(seed=0), dict(n=4, seed=7),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0),
+        dict(temperature=2.0),
+        dict(top_p=1.0),
+        dict(top_p=0.01),
+        dict(top_k=1),
+        dict(min_p=1.0),
+        dict(max_tokens=1),
+        dict(presence_penalty=-2),
+        dict(frequency_penalty=2),
+        dict(repetition_penalty=0.5),
+        dict(logprobs=0),
+        dict(logprobs=20),
+        dict(prompt_logprobs=0),
+        dict(stop=["a", "bc"]),
+        dict(stop_token_ids=[0, 5]),
+        dict(seed=0),
+        dict(n=4, seed=7),
+    ],
+)
 def test_boundary_values_are_accepted(kwargs):
     """A value at a limit is valid, and kept as given: neither clamped nor normalised away."""
     params = SamplingParams(**kwargs)

@@ -5,6 +5,7 @@ step). Hypothesis draws batches of one to three requests with values across each
 accepted range (/v1's serializer and SamplingParams' validation); every batch runs a prefill
 step (with the n > 1 fork) and a decode step on one shared tiny engine, then is aborted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,11 @@ maybe_default = lambda default, strategy: st.just(default) | strategy  # noqa: E
 
 GRAMMARS = [  # few: the engine fixture compiles each once, so every request with one runs at once
     {"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}},
-    {"json_object": True}, {"regex": "[a-c]{1,3}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "x" | "y"'}]
+    {"json_object": True},
+    {"regex": "[a-c]{1,3}"},
+    {"choice": ["yes", "no"]},
+    {"grammar": 'root ::= "x" | "y"'},
+]
 stop_text = st.text(alphabet="abcdefghij .,\n", min_size=1, max_size=4)
 FIELDS = {
     "n": st.integers(1, 4),
@@ -86,7 +91,9 @@ def engine(tiny_model_dir):
     return engine
 
 
-@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(batch=st.lists(sampling_params(), min_size=1, max_size=3))
 def test_any_accepted_parameters_survive_engine_steps(engine, batch):
     ids = [f"sweep-{i}" for i in range(len(batch))]
@@ -126,5 +133,11 @@ def test_the_last_fork_of_the_largest_seed_wraps_like_torch(engine):
     common = dict(temperature=1.0, max_tokens=4, ignore_eos=True)
     forked = run_alone(engine, "wrap-n2", SamplingParams(n=2, seed=2**64 - 1, **common))
     assert forked.error is None
-    assert forked.outputs[0].token_ids == run_alone(engine, "wrap-a", SamplingParams(seed=-1, **common)).outputs[0].token_ids
-    assert forked.outputs[1].token_ids == run_alone(engine, "wrap-b", SamplingParams(seed=0, **common)).outputs[0].token_ids
+    assert (
+        forked.outputs[0].token_ids
+        == run_alone(engine, "wrap-a", SamplingParams(seed=-1, **common)).outputs[0].token_ids
+    )
+    assert (
+        forked.outputs[1].token_ids
+        == run_alone(engine, "wrap-b", SamplingParams(seed=0, **common)).outputs[0].token_ids
+    )

@@ -4,6 +4,7 @@
 value of a counter (so prefixes never repeat by accident), and the scheduler's own
 `update_from_output` advances, forks and finishes it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -387,15 +388,28 @@ def test_parallel_sampling_children_share_the_prompt_and_never_leak():
 class SchedulerMachine(RuleBasedStateMachine):
     """Random add / step / abort / finish over a small pool (with prefix sharing and forks)."""
 
-    @initialize(num_blocks=st.integers(4, 12), budget=st.integers(4, 24), max_seqs=st.integers(1, 4),
-                threshold=st.sampled_from([None, 3, 8]))
+    @initialize(
+        num_blocks=st.integers(4, 12),
+        budget=st.integers(4, 24),
+        max_seqs=st.integers(1, 4),
+        threshold=st.sampled_from([None, 3, 8]),
+    )
     def start(self, num_blocks, budget, max_seqs, threshold):
-        self.sim = Sim(num_blocks=num_blocks, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                       long_prefill_token_threshold=threshold)
+        self.sim = Sim(
+            num_blocks=num_blocks,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_seqs,
+            long_prefill_token_threshold=threshold,
+        )
         self.shared_prefix = list(range(8))  # two full blocks many prompts share
 
-    @rule(length=st.integers(1, 40), max_tokens=st.integers(1, 8), priority=st.integers(0, 2),
-          shared=st.booleans(), n=st.sampled_from([1, 1, 2, 3]))
+    @rule(
+        length=st.integers(1, 40),
+        max_tokens=st.integers(1, 8),
+        priority=st.integers(0, 2),
+        shared=st.booleans(),
+        n=st.sampled_from([1, 1, 2, 3]),
+    )
     def add(self, length, max_tokens, priority, shared, n):
         prompt = [next(self.sim.tokens) for _ in range(length)]
         if shared:
@@ -444,8 +458,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow], derandomize=True,
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
 )
 TestSchedulerRandomOperations = SchedulerMachine.TestCase
 

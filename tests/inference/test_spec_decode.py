@@ -1,9 +1,11 @@
 """Speculative decoding: outputs equal to plain decoding (and HF) whatever is proposed, blocks returned,
 start-up errors that name the field, the opt-out, and the rejection rule's output distribution."""
+
 import random
 
 import pytest
 import torch
+from tiny_models import hf_greedy
 
 from inference import LLM, SamplingParams
 from inference.request import Request
@@ -11,7 +13,6 @@ from inference.sampler import Sampler
 from inference.spec_decode.ngram import ngram_proposal
 from inference.spec_decode.rejection_sampler import RejectionSampler
 from inference.spec_decode.speculator import best_k
-from tiny_models import hf_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -45,11 +46,15 @@ def test_ngram_proposal_prefers_the_longest_suffix_and_the_latest_match():
     assert ngram_proposal([5, 6, 1, 6, 5, 6], 4, 2, 3) == [1, 6, 5, 6]
 
 
-@pytest.mark.parametrize("engine_args", [
-    dict(max_num_batched_tokens=16),  # chunked prefill
-    dict(num_kv_blocks=16, block_size=16, max_model_len=256),  # preemption in a tiny pool
-    dict(),  # prefix-cache hits (prompts share a prefix)
-], ids=["chunked", "tiny-pool", "prefix-cache"])
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        dict(max_num_batched_tokens=16),  # chunked prefill
+        dict(num_kv_blocks=16, block_size=16, max_model_len=256),  # preemption in a tiny pool
+        dict(),  # prefix-cache hits (prompts share a prefix)
+    ],
+    ids=["chunked", "tiny-pool", "prefix-cache"],
+)
 @pytest.mark.parametrize("method", ["ngram", "self-draft"])
 def test_greedy_outputs_equal_plain_decoding_and_hf(tiny_model_dir, engine_args, method):
     engine_args = {"max_model_len": 512, **engine_args}
@@ -101,14 +106,27 @@ def test_stops_cut_the_accepted_tokens(plain, self_drafted):
     stop_token = free[13]
     first = free.index(stop_token)
     for llm in (plain, self_drafted):
-        assert generate(llm, prompt, temperature=0, max_tokens=40, stop_token_ids=[stop_token])[0] == free[:first + 1]
+        assert generate(llm, prompt, temperature=0, max_tokens=40, stop_token_ids=[stop_token])[0] == free[: first + 1]
         assert generate(llm, prompt, temperature=0, max_tokens=11)[0] == free[:11]
-    text = plain.generate(prompt_token_ids=prompt, use_tqdm=False,
-                          sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
-    cut = [llm.generate(prompt_token_ids=prompt, use_tqdm=False, sampling_params=SamplingParams(
-        temperature=0, max_tokens=40, ignore_eos=True, stop=stop))[0].outputs[0] for llm in (plain, self_drafted)]
-    assert cut[0].text == cut[1].text == text[:text.index(stop)]
+    text = (
+        plain.generate(
+            prompt_token_ids=prompt,
+            use_tqdm=False,
+            sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        )[0]
+        .outputs[0]
+        .text
+    )
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = [
+        llm.generate(
+            prompt_token_ids=prompt,
+            use_tqdm=False,
+            sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop),
+        )[0].outputs[0]
+        for llm in (plain, self_drafted)
+    ]
+    assert cut[0].text == cut[1].text == text[: text.index(stop)]
     assert_no_leak(self_drafted)
 
 
@@ -120,9 +138,11 @@ def test_no_block_leak_over_thousands_of_steps(tiny_model_dir):
     while steps < 2000:
         while engine.get_num_unfinished_requests() < 4:
             base = [rng.randrange(10, 500) for _ in range(rng.randrange(5, 40))]
-            engine.add_request(f"r{added}", {"prompt_token_ids": base * 2},
-                               SamplingParams(temperature=rng.choice([0, 0.9]), max_tokens=rng.randrange(5, 120),
-                                              ignore_eos=True))
+            engine.add_request(
+                f"r{added}",
+                {"prompt_token_ids": base * 2},
+                SamplingParams(temperature=rng.choice([0, 0.9]), max_tokens=rng.randrange(5, 120), ignore_eos=True),
+            )
             added += 1
         engine.step()
         steps += 1
@@ -134,17 +154,25 @@ def test_no_block_leak_over_thousands_of_steps(tiny_model_dir):
     assert engine.kv.pool.num_free == free_before == engine.kv.pool.num_blocks
 
 
-@pytest.mark.parametrize("config, field", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
-    ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
-    ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-     "speculative_config.prompt_lookup_min"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "3"}, "speculative_config.prompt_lookup_max"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
-    ("{not json", "speculative_config"),
-])
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),
+        ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "speculative_config.prompt_lookup_min",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": "3"},
+            "speculative_config.prompt_lookup_max",
+        ),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
+        ("{not json", "speculative_config"),
+    ],
+)
 def test_bad_speculative_config_is_a_start_up_error_naming_the_field(tiny_model_dir, config, field):
     with pytest.raises(ValueError, match=field):
         LLM(model=tiny_model_dir, dtype="float32", speculative_config=config)
@@ -181,8 +209,11 @@ def test_a_failing_draft_model_fails_only_its_own_requests(tiny_model_dir, plain
 
     proposer.runner.prepare = prepare
     prompts = repetitive_prompts()[:2] + [[5, 6, poisoned, 7]]
-    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                        sampling_params=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    outs = llm.generate(
+        prompt_token_ids=prompts,
+        use_tqdm=False,
+        sampling_params=SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    )
     assert outs[2].outputs[0].finish_reason == "error" and "draft model" in outs[2].error
     assert [o.outputs[0].token_ids for o in outs[:2]] == generate(plain, prompts[:2], temperature=0, max_tokens=30)
     assert_no_leak(llm)

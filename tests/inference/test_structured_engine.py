@@ -4,6 +4,7 @@ preemption and prefix-cache hits, and a grammar that cannot compile fails its re
 A tiny random model wants to go anywhere, which is what makes it a good test of the masks; the
 grammars are bounded so that every walk through them ends well inside max_tokens.
 """
+
 import json
 import re
 
@@ -11,9 +12,16 @@ import pytest
 
 from inference import LLM, SamplingParams
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["colour", "size", "ok"],
-          "properties": {"colour": {"enum": ["red", "green", "blue"]},
-                         "size": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "ok": {"type": "boolean"}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["colour", "size", "ok"],
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "ok": {"type": "boolean"},
+    },
+}
 PROMPTS = [[(5 * i + j) % 400 + 10 for j in range(12 + 9 * i)] for i in range(6)]
 
 
@@ -24,8 +32,12 @@ def llm(tiny_model_dir):
 
 def valid(text: str) -> bool:
     value = json.loads(text)
-    return (set(value) == {"colour", "size", "ok"} and value["colour"] in ("red", "green", "blue")
-            and re.fullmatch("[a-z]{1,6}", value["size"]) is not None and isinstance(value["ok"], bool))
+    return (
+        set(value) == {"colour", "size", "ok"}
+        and value["colour"] in ("red", "green", "blue")
+        and re.fullmatch("[a-z]{1,6}", value["size"]) is not None
+        and isinstance(value["ok"], bool)
+    )
 
 
 def constrained(**kwargs) -> SamplingParams:
@@ -64,11 +76,14 @@ def test_preemption_and_prefix_cache_hits_keep_greedy_constrained_tokens(tiny_mo
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reference[-1]
 
 
-@pytest.mark.parametrize("spec, accepts", [
-    ({"choice": ["yes", "no", "not sure"]}, lambda t: t in ("yes", "no", "not sure")),
-    ({"regex": r"[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
-    ({"grammar": 'root ::= "(" [a-c] ("," [a-c]){0,3} ")"'}, lambda t: re.fullmatch(r"\([a-c](,[a-c]){0,3}\)", t)),
-])
+@pytest.mark.parametrize(
+    "spec, accepts",
+    [
+        ({"choice": ["yes", "no", "not sure"]}, lambda t: t in ("yes", "no", "not sure")),
+        ({"regex": r"[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2}", t)),
+        ({"grammar": 'root ::= "(" [a-c] ("," [a-c]){0,3} ")"'}, lambda t: re.fullmatch(r"\([a-c](,[a-c]){0,3}\)", t)),
+    ],
+)
 def test_choice_regex_and_grammar(llm, spec, accepts):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, structured_outputs=spec) for s in range(4)]
     for out in generate(llm, PROMPTS[:4], params):
@@ -87,16 +102,24 @@ def test_a_grammar_that_cannot_compile_fails_its_request_alone(llm):
 
 def test_an_abort_while_compiling_leaves_nothing_behind(llm):
     engine = llm.llm_engine
-    engine.add_request("compiling", {"prompt_token_ids": PROMPTS[0]},
-                       SamplingParams(structured_outputs={"regex": "[a-z]{1,5}(-[a-z]{1,5}){0,7}"}))
+    engine.add_request(
+        "compiling",
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(structured_outputs={"regex": "[a-z]{1,5}(-[a-z]{1,5}){0,7}"}),
+    )
     engine.abort_request("compiling")
     assert not engine.has_unfinished_requests() and "compiling" not in engine.requests
 
 
-@pytest.mark.parametrize("value, problem", [
-    ({"regex": "a", "bogus": 1}, "takes only"), ({}, "exactly one"), ("json", "must be an object"),
-    ({"choice": "yes"}, "choice must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ({"regex": "a", "bogus": 1}, "takes only"),
+        ({}, "exactly one"),
+        ("json", "must be an object"),
+        ({"choice": "yes"}, "choice must be a non-empty list"),
+    ],
+)
 def test_bad_structured_outputs_name_the_field(value, problem):
     with pytest.raises(ValueError, match=f"SamplingParams.structured_outputs.*{problem}"):
         SamplingParams(structured_outputs=value)

@@ -3,6 +3,7 @@
 Random logits stand in for a model that tries to go anywhere: whatever it prefers, the masked
 argmax walk must end in text the grammar accepts, and end only where the grammar may end.
 """
+
 import json
 import re
 
@@ -15,9 +16,16 @@ from inference.structured_output import GrammarCompiler, StructuredOutputs, Toke
 
 # Bounded, so a random walk ends. (Not maxLength: xgrammar 0.2.9 lets raw control characters into
 # length-bounded strings; the serving layer has no reason to care, but this test would.)
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z ]{1,10}$"},
-                                           "age": {"type": "integer"}, "ok": {"type": "boolean"}},
-          "required": ["name", "age", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z ]{1,10}$"},
+        "age": {"type": "integer"},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +105,14 @@ def test_a_spec_compiles_once(compiler):
     assert compiler.submit(spec) is compiler.submit(StructuredOutputs(json=json.dumps(SCHEMA, sort_keys=True)))
 
 
-@pytest.mark.parametrize("spec, problem", [
-    (StructuredOutputs(regex="(unclosed"), "regex"),
-    (StructuredOutputs(grammar="root ::= undefined_rule"), "grammar"),
-    (StructuredOutputs(json='{"type": "object", "properties": 5}'), "json"),
-])
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        (StructuredOutputs(regex="(unclosed"), "regex"),
+        (StructuredOutputs(grammar="root ::= undefined_rule"), "grammar"),
+        (StructuredOutputs(json='{"type": "object", "properties": 5}'), "json"),
+    ],
+)
 def test_what_cannot_compile_is_a_value_error_naming_the_kind(compiler, spec, problem):
     with pytest.raises(ValueError, match=f"structured_outputs.{problem} could not be compiled: [^[]"):
         compiler.compile(spec)
@@ -109,8 +120,9 @@ def test_what_cannot_compile_is_a_value_error_naming_the_kind(compiler, spec, pr
         check_syntax(spec)  # the web tier's check, without a vocabulary
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"regex": ""},
-                                    {"json": 5}, {"choice": ["a", 3]}])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"regex": "a", "choice": ["a"]}, {"choice": []}, {"regex": ""}, {"json": 5}, {"choice": ["a", 3]}]
+)
 def test_a_spec_names_exactly_one_valid_kind(kwargs):
     with pytest.raises(ValueError, match="structured_outputs"):
         StructuredOutputs(**kwargs)

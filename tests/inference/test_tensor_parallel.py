@@ -3,6 +3,7 @@
 Each TP=2 engine spawns one extra process (rank 1); the tests also check that shutdown leaves no
 process behind and that a rank killed mid-generation stops the engine with a clear error.
 """
+
 import multiprocessing
 import os
 import random
@@ -15,6 +16,7 @@ import pytest
 from inference import LLM, SamplingParams
 from inference.distributed import TensorParallelError
 from inference.multiproc_executor import MultiprocExecutor
+
 FAMILIES = ["llama", "llama3", "mistral", "qwen2"]  # mistral: one KV head, replicated on both ranks
 
 
@@ -76,7 +78,9 @@ def test_tp2_forks_and_prompt_logprobs_match_tp1(model_factory):
 def test_tp2_holds_half_the_weights_and_kv_per_block(model_factory):
     model_dir = model_factory("llama")
     single = LLM(model=model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64).llm_engine
-    split = LLM(model=model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64, tensor_parallel_size=2).llm_engine
+    split = LLM(
+        model=model_dir, dtype="float32", max_model_len=256, num_kv_blocks=64, tensor_parallel_size=2
+    ).llm_engine
     try:
         assert split.memory["kv_pool_bytes"] * 2 == single.memory["kv_pool_bytes"]  # 2 KV heads -> 1 per rank
         assert split.memory["weights_bytes"] < 0.6 * single.memory["weights_bytes"]

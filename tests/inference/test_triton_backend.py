@@ -1,4 +1,5 @@
 """The engine with the Triton backend (the interpreter on CPU) gives the torch backend's outputs."""
+
 import pytest
 
 from inference import LLM, SamplingParams
@@ -11,8 +12,14 @@ def test_triton_backend_matches_torch_backend_greedy(model_factory):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     results = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=model_dir, dtype="float32", max_model_len=128, block_size=16,
-                  max_num_batched_tokens=16, attention_backend=backend)
+        llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            max_model_len=128,
+            block_size=16,
+            max_num_batched_tokens=16,
+            attention_backend=backend,
+        )
         assert llm.llm_engine.ops.name == backend
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         results[backend] = [o.outputs[0].token_ids for o in outs]

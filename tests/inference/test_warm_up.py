@@ -1,5 +1,6 @@
 """The engine's warm-up: one short prefill and decode before the worker's first heartbeat, so the first
 request after `ready:` does not pay for what loads on first use (issue #32)."""
+
 from __future__ import annotations
 
 import pytest

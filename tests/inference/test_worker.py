@@ -1,4 +1,5 @@
 """The engine worker's Redis protocol (docs/protocol.md) against a real redis-server and a tiny model."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,7 @@ from django.conf import settings
 import inference.worker as worker_module
 from engine_client import client as engine_client
 from generation.services import collect
-from inference import protocol
-from inference import SamplingParams
+from inference import SamplingParams, protocol
 from inference.output_processor import RequestState
 from tests.inference.worker_helpers import MODEL, ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
 
@@ -30,8 +30,11 @@ def heartbeat_stats(worker_id: str) -> dict:
 
 
 def offline_greedy(llm, max_tokens: int):
-    return llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    return llm.generate(
+        prompt_token_ids=[PROMPT],
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
 
 
 def served_events(llm, sampling_params: dict, **worker_config) -> tuple[str, list[dict]]:
@@ -61,8 +64,11 @@ def test_submit_streams_deltas_then_finish_equal_to_offline_greedy(llm, r):
 
 
 def test_n2_with_logprobs_returns_two_choices_with_top_candidates(worker):
-    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
-        "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6, "ignore_eos": True, "logprobs": 2})
+    rid = engine_client.client().submit(
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        sampling_params={"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 6, "ignore_eos": True, "logprobs": 2},
+    )
     result = collect(rid, n=2, timeout=30)
     assert result.error is None
     assert [c.index for c in result.choices] == [0, 1]
@@ -76,8 +82,11 @@ def test_n2_with_logprobs_returns_two_choices_with_top_candidates(worker):
 
 
 def test_abort_mid_generation_frees_the_blocks(worker):
-    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT * 4, sampling_params={
-        "temperature": 0.0, "max_tokens": 200, "ignore_eos": True})
+    rid = engine_client.client().submit(
+        model=MODEL,
+        prompt_token_ids=PROMPT * 4,
+        sampling_params={"temperature": 0.0, "max_tokens": 200, "ignore_eos": True},
+    )
     events = engine_client.client().stream(rid, timeout=30)
     first = next(events)
     assert first["type"] == "delta"
@@ -86,8 +95,15 @@ def test_abort_mid_generation_frees_the_blocks(worker):
     rest = list(events)
     assert rest[-1]["type"] == "finish" and rest[-1]["finish_reasons"] == ["abort"]
     assert rest[-1]["usage"]["completion_tokens"] < 200
-    stats = wait_for(lambda: (s := heartbeat_stats(worker.worker.worker_id)) and s["blocks_used"] == 0
-                     and s["num_running"] == 0 and s["inflight"] == 0 and s)
+    stats = wait_for(
+        lambda: (
+            (s := heartbeat_stats(worker.worker.worker_id))
+            and s["blocks_used"] == 0
+            and s["num_running"] == 0
+            and s["inflight"] == 0
+            and s
+        )
+    )
     assert stats["aborts_total"] >= 1
 
 
@@ -103,11 +119,14 @@ def test_a_request_aborted_before_any_worker_read_it_is_never_run(llm, r):
     assert events[0]["finish_reasons"] == ["abort"] and events[0]["usage"]["completion_tokens"] == 0
 
 
-@pytest.mark.parametrize("params, prompt, needle", [
-    ({"temperature": -1.0}, PROMPT, "temperature"),
-    ({"max_tokens": 4}, list(range(1, 300)), "max_model_len"),
-    ({"no_such_field": 1}, PROMPT, "no_such_field"),
-])
+@pytest.mark.parametrize(
+    "params, prompt, needle",
+    [
+        ({"temperature": -1.0}, PROMPT, "temperature"),
+        ({"max_tokens": 4}, list(range(1, 300)), "max_model_len"),
+        ({"no_such_field": 1}, PROMPT, "no_such_field"),
+    ],
+)
 def test_invalid_requests_end_with_an_invalid_request_error(worker, params, prompt, needle):
     rid = engine_client.client().submit(model=MODEL, prompt_token_ids=prompt, sampling_params=params)
     events = list(engine_client.client().stream(rid, timeout=30))
@@ -116,8 +135,9 @@ def test_invalid_requests_end_with_an_invalid_request_error(worker, params, prom
 
 
 def test_an_expired_request_is_failed_not_run(llm, r):
-    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4},
-                                        queue_timeout=0.01)
+    rid = engine_client.client().submit(
+        model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 4}, queue_timeout=0.01
+    )
     time.sleep(0.05)
     running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
     try:
@@ -137,10 +157,23 @@ def test_priority_classes_reach_the_engine_in_order(llm, r):
         order.append((request_id, priority))
         return original(request_id, prompt, params, priority=priority, **kw)
 
-    batch = [engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
-                                  priority_class="batch", request_id=f"b{i}") for i in range(2)]
-    chat = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
-                                priority_class="interactive", request_id="chat")
+    batch = [
+        engine_client.client().submit(
+            model=MODEL,
+            prompt_token_ids=PROMPT,
+            sampling_params={"max_tokens": 3},
+            priority_class="batch",
+            request_id=f"b{i}",
+        )
+        for i in range(2)
+    ]
+    chat = engine_client.client().submit(
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        sampling_params={"max_tokens": 3},
+        priority_class="interactive",
+        request_id="chat",
+    )
     engine.add_request = spy
     running = ThreadedWorker(engine, settings.REDIS_URL).start()
     try:
@@ -159,8 +192,17 @@ def test_heartbeat_publishes_stats_config_and_block_map(worker):
     info = wait_for(lambda: engine_client.client().workers())[0]
     assert info["worker_id"] == worker.worker.worker_id and info["model"] == "tiny"
     assert time.time() - info["updated_at"] < 2
-    for key in ("num_running", "num_waiting", "kv_usage", "blocks_total", "blocks_used", "tokens_per_s",
-                "inflight", "requests_total", "prefix_cache_hit_rate"):
+    for key in (
+        "num_running",
+        "num_waiting",
+        "kv_usage",
+        "blocks_total",
+        "blocks_used",
+        "tokens_per_s",
+        "inflight",
+        "requests_total",
+        "prefix_cache_hit_rate",
+    ):
         assert key in info["stats"], key
     assert info["config"]["max_model_len"] == 256
     block_map = engine_client.client().block_maps()[worker.worker.worker_id]
@@ -171,8 +213,11 @@ def test_heartbeat_publishes_stats_config_and_block_map(worker):
 
 def test_a_crashed_workers_request_ends_with_worker_lost_on_the_client(llm, r):
     crashing = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
-        "temperature": 0.0, "max_tokens": 200, "ignore_eos": True})
+    rid = engine_client.client().submit(
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        sampling_params={"temperature": 0.0, "max_tokens": 200, "ignore_eos": True},
+    )
     events = engine_client.client().stream(rid, timeout=30)
     assert next(events)["type"] == "delta"
     crashing.crash()
@@ -185,17 +230,25 @@ def test_a_crashed_workers_request_ends_with_worker_lost_on_the_client(llm, r):
 
 def test_a_surviving_worker_fails_the_dead_workers_requests(llm, second_llm, r):
     crashing = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
-        "temperature": 0.0, "max_tokens": 200, "ignore_eos": True})
+    rid = engine_client.client().submit(
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        sampling_params={"temperature": 0.0, "max_tokens": 200, "ignore_eos": True},
+    )
     wait_for(lambda: r.exists(protocol.output_stream(rid)))
     dead_id = crashing.worker.worker_id
     crashing.crash()
     survivor = ThreadedWorker(second_llm.llm_engine, settings.REDIS_URL).start()
     try:
+
         def reaped():
             entries = r.xrange(protocol.output_stream(rid))
-            return any(e["type"] == "error" and e["code"] == "worker_lost"
-                       for _id, f in entries for e in json.loads(f[b"events"]))
+            return any(
+                e["type"] == "error" and e["code"] == "worker_lost"
+                for _id, f in entries
+                for e in json.loads(f[b"events"])
+            )
+
         wait_for(reaped, timeout=10)
         assert r.xpending(protocol.request_stream(MODEL), protocol.CONSUMER_GROUP)["pending"] == 0
         stream = protocol.request_stream(MODEL)
@@ -209,8 +262,14 @@ def test_two_workers_share_one_consumer_group(llm, second_llm, r):
     workers = [ThreadedWorker(m.llm_engine, settings.REDIS_URL, max_inflight=2).start() for m in (llm, second_llm)]
     try:
         wait_for(lambda: len(engine_client.client().workers()) == 2)
-        rids = [engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
-            "temperature": 0.0, "max_tokens": 16, "ignore_eos": True}) for _ in range(8)]
+        rids = [
+            engine_client.client().submit(
+                model=MODEL,
+                prompt_token_ids=PROMPT,
+                sampling_params={"temperature": 0.0, "max_tokens": 16, "ignore_eos": True},
+            )
+            for _ in range(8)
+        ]
         claimed = {}
         for rid in rids:
             events = list(engine_client.client().stream(rid, timeout=60, include_control=True))
@@ -226,8 +285,9 @@ def test_two_workers_share_one_consumer_group(llm, second_llm, r):
 
 def test_graceful_stop_drains_then_cleans_up(llm, r):
     running = ThreadedWorker(llm.llm_engine, settings.REDIS_URL).start()
-    rid = engine_client.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
-        "temperature": 0.0, "max_tokens": 20, "ignore_eos": True})
+    rid = engine_client.client().submit(
+        model=MODEL, prompt_token_ids=PROMPT, sampling_params={"temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
+    )
     wait_for(lambda: r.exists(protocol.output_stream(rid)))
     running.worker.stop(drain=True)
     running.thread.join(30)
@@ -279,8 +339,9 @@ def test_stream_interval_groups_tokens_but_sends_the_first_and_last_at_once(llm,
 
 
 def test_stream_interval_groups_each_choice_of_n2(llm, r):
-    _, events = served_events(llm, {"n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 11, "ignore_eos": True},
-                              stream_interval=4)
+    _, events = served_events(
+        llm, {"n": 2, "temperature": 1.0, "seed": 3, "max_tokens": 11, "ignore_eos": True}, stream_interval=4
+    )
     for index in (0, 1):
         sizes = [len(e["token_ids"]) for e in events if e["type"] == "delta" and e["index"] == index]
         assert sizes == [1, 4, 4, 2], (index, sizes)

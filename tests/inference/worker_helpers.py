@@ -1,4 +1,5 @@
 """Helpers for the engine-worker protocol tests: a tiny engine and a worker running in a thread."""
+
 from __future__ import annotations
 
 import threading
@@ -12,8 +13,16 @@ from inference import LLM, protocol
 from inference.worker import EngineWorker, WorkerConfig
 
 MODEL = "tiny"  # the name ThreadedWorker serves by default (requests are routed by it)
-ENGINE_ARGS = dict(dtype="float32", device="cpu", block_size=16, max_num_seqs=8, max_num_batched_tokens=512,
-                   max_model_len=256, num_kv_blocks=64, seed=0)
+ENGINE_ARGS = dict(
+    dtype="float32",
+    device="cpu",
+    block_size=16,
+    max_num_seqs=8,
+    max_num_batched_tokens=512,
+    max_model_len=256,
+    num_kv_blocks=64,
+    seed=0,
+)
 
 
 def tiny_llm(model_dir: str) -> LLM:
@@ -30,8 +39,13 @@ class ThreadedWorker:
     """An EngineWorker whose loop runs in a thread; crash() stops it without any clean-up."""
 
     def __init__(self, engine, redis_url: str, **config):
-        defaults = dict(heartbeat_interval=0.2, heartbeat_ttl=1.0, reap_interval=0.3, model_name=MODEL,
-                        extra_info={"max_model_len": engine.max_model_len})
+        defaults = dict(
+            heartbeat_interval=0.2,
+            heartbeat_ttl=1.0,
+            reap_interval=0.3,
+            model_name=MODEL,
+            extra_info={"max_model_len": engine.max_model_len},
+        )
         defaults.update(config)
         self.worker = EngineWorker(engine, redis.Redis.from_url(redis_url), WorkerConfig(**defaults))
         self._crash = threading.Event()
@@ -71,8 +85,12 @@ def serving_worker(llm: LLM, model_name: str, max_model_len: int) -> "ThreadedWo
     heartbeat is up: the /v1 admission then sees the model and its context length."""
     r = redis.Redis.from_url(settings.REDIS_URL)
     clear_engine_keys(r)
-    worker = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, model_name=model_name,
-                            extra_info={"max_model_len": max_model_len, "model_path": llm.llm_engine.args.model}).start()
+    worker = ThreadedWorker(
+        llm.llm_engine,
+        settings.REDIS_URL,
+        model_name=model_name,
+        extra_info={"max_model_len": max_model_len, "model_path": llm.llm_engine.args.model},
+    ).start()
     wait_for(lambda: r.exists(protocol.heartbeat_key(worker.worker.worker_id)))
     return worker
 
@@ -88,6 +106,7 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
 
 
 # Fixtures shared by the worker-protocol and engine-client tests (import them by name).
+
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):

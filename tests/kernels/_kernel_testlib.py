@@ -1,4 +1,5 @@
 """Shared helpers for the kernel tests: device choice, tolerances, paged-cache builders."""
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,9 @@ class PagedKV:
     poison_block: int
 
 
-def make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, *, seed=0, spare_blocks=2,
-                  padding_cols=2, device=DEVICE) -> PagedKV:
+def make_paged_kv(
+    seq_lens, num_kv_heads, head_dim, block_size, dtype, *, seed=0, spare_blocks=2, padding_cols=2, device=DEVICE
+) -> PagedKV:
     """Random paged K/V for sequences of the given lengths.
 
     Block ids are a random permutation (non-contiguous, out of order). Every cache slot that no
@@ -62,14 +64,19 @@ def make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, *, seed=0
     owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     start = 0
     for i, (n, u) in enumerate(zip(seq_lens, used)):
-        blocks = ids[start:start + u]
+        blocks = ids[start : start + u]
         start += u
         block_tables[i, :u] = blocks.to(torch.int32)
         owned[(blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:n]] = True
     k_cache.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
     v_cache.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
-    return PagedKV(k_cache.to(device), v_cache.to(device), block_tables.to(device),
-                   torch.tensor(seq_lens, dtype=torch.int32, device=device), poison)
+    return PagedKV(
+        k_cache.to(device),
+        v_cache.to(device),
+        block_tables.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        poison,
+    )
 
 
 def randn(*shape, dtype, seed, device=DEVICE):

@@ -5,6 +5,7 @@ dot shapes, shared-memory overflow), so this compiles each launch configuration 
 use down to a cubin with Triton's bundled ptxas and checks the shared-memory budget.
 Run with TRITON_INTERPRET=0 (test_compile_sm90.py does): `python tests/kernels/compile_sm90.py`.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,12 @@ def compile_kernel(kernel, ptr_types: dict, float_args=(), meta: dict | None = N
 # full, plus a non-power-of-two head size, block size 32 and the fp32 test path once each, so
 # a cold compile stays around half a minute.
 ATTENTION_CASES = [
-    (torch.bfloat16, 128, 16, 1), (torch.bfloat16, 128, 16, 4), (torch.bfloat16, 128, 16, 8),
-    (torch.bfloat16, 64, 16, 8), (torch.bfloat16, 80, 32, 4), (torch.float32, 128, 16, 4),
+    (torch.bfloat16, 128, 16, 1),
+    (torch.bfloat16, 128, 16, 4),
+    (torch.bfloat16, 128, 16, 8),
+    (torch.bfloat16, 64, 16, 8),
+    (torch.bfloat16, 80, 32, 4),
+    (torch.float32, 128, 16, 4),
 ]
 
 
@@ -58,30 +63,56 @@ def main() -> int:
     count = 0
     for dtype, head_dim, block_size, group in ATTENTION_CASES:
         dt = _PTR[dtype]
-        attn_ptrs = {"q_ptr": dt, "k_cache_ptr": dt, "v_cache_ptr": dt, "out_ptr": dt,
-                     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                     "query_start_loc_ptr": "*i32", "cu_tiles_ptr": "*i32",
-                     "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+        attn_ptrs = {
+            "q_ptr": dt,
+            "k_cache_ptr": dt,
+            "v_cache_ptr": dt,
+            "out_ptr": dt,
+            "block_tables_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "query_start_loc_ptr": "*i32",
+            "cu_tiles_ptr": "*i32",
+            "part_out_ptr": "*fp32",
+            "part_lse_ptr": "*fp32",
+        }
         for splits in (1, 4):
-            compile_kernel(decode_attention._decode_split_kernel, attn_ptrs, ("scale_log2",),
-                           decode_attention.decode_meta(dtype, group, head_dim, block_size, splits))
-        compile_kernel(prefill_attention._prefill_kernel, attn_ptrs, ("scale_log2",),
-                       prefill_attention.prefill_meta(dtype, group, head_dim, block_size))
+            compile_kernel(
+                decode_attention._decode_split_kernel,
+                attn_ptrs,
+                ("scale_log2",),
+                decode_attention.decode_meta(dtype, group, head_dim, block_size, splits),
+            )
+        compile_kernel(
+            prefill_attention._prefill_kernel,
+            attn_ptrs,
+            ("scale_log2",),
+            prefill_attention.prefill_meta(dtype, group, head_dim, block_size),
+        )
         count += 3
     for dtype in (torch.bfloat16, torch.float32):
         dt = _PTR[dtype]
-        compile_kernel(decode_attention._decode_merge_kernel,
-                       {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": dt},
-                       meta=dict(HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128, num_warps=4))
-        compile_kernel(cache._store_kv_kernel,
-                       {n: dt for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")} | {"slot_ptr": "*i64"},
-                       meta=cache.store_kv_meta(8, 128, 16))
-        compile_kernel(rotary._rotary_kernel, {"pos_ptr": "*i64", "q_ptr": dt, "k_ptr": dt, "cos_sin_ptr": "*fp32"},
-                       meta=rotary.rotary_meta(32, 8, 128))
+        compile_kernel(
+            decode_attention._decode_merge_kernel,
+            {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": dt},
+            meta=dict(HEAD_DIM=128, NUM_SPLITS=4, BLOCK_S=4, BLOCK_D=128, num_warps=4),
+        )
+        compile_kernel(
+            cache._store_kv_kernel,
+            {n: dt for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")} | {"slot_ptr": "*i64"},
+            meta=cache.store_kv_meta(8, 128, 16),
+        )
+        compile_kernel(
+            rotary._rotary_kernel,
+            {"pos_ptr": "*i64", "q_ptr": dt, "k_ptr": dt, "cos_sin_ptr": "*fp32"},
+            meta=rotary.rotary_meta(32, 8, 128),
+        )
         for has_res in (False, True):
-            compile_kernel(norm._fused_add_rms_norm_kernel,
-                           {n: dt for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "new_res_ptr")}, ("eps",),
-                           meta=norm.norm_meta(4096) | {"HAS_RESIDUAL": has_res})
+            compile_kernel(
+                norm._fused_add_rms_norm_kernel,
+                {n: dt for n in ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "new_res_ptr")},
+                ("eps",),
+                meta=norm.norm_meta(4096) | {"HAS_RESIDUAL": has_res},
+            )
         compile_kernel(activation._silu_and_mul_kernel, {"x_ptr": dt, "out_ptr": dt}, meta=activation.silu_meta(14336))
         count += 6
     print(f"compiled {count} kernel configurations for sm_90")

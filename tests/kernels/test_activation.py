@@ -1,8 +1,9 @@
 """kernels.activation.silu_and_mul against torch_ref.silu_and_mul."""
+
 import pytest
 import torch
-
 from _kernel_testlib import DEVICE, assert_close, randn
+
 from kernels import torch_ref
 from kernels.activation import silu_and_mul
 

@@ -1,8 +1,9 @@
 """kernels.cache.store_kv_cache against torch_ref.store_kv_cache."""
+
 import pytest
 import torch
-
 from _kernel_testlib import DEVICE, randn
+
 from kernels import torch_ref
 from kernels.cache import store_kv_cache
 
@@ -17,8 +18,8 @@ def test_store_kv_matches_reference(dtype, block_size, num_kv_heads, head_dim):
     # k and v as strided column slices of one fused qkv tensor, as the model produces them.
     qkv = randn(num_tokens, 4 * num_kv_heads * head_dim, dtype=dtype, seed=3)
     kv_width = num_kv_heads * head_dim
-    k = qkv[:, 2 * kv_width:3 * kv_width].view(num_tokens, num_kv_heads, head_dim)
-    v = qkv[:, 3 * kv_width:].view(num_tokens, num_kv_heads, head_dim)
+    k = qkv[:, 2 * kv_width : 3 * kv_width].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 3 * kv_width :].view(num_tokens, num_kv_heads, head_dim)
     assert not k.is_contiguous()
     # Shuffled, non-contiguous slots across blocks, including a block's first and last slot,
     # with two -1 (skip) tokens.

@@ -3,6 +3,7 @@
 Needs no GPU: Triton's bundled LLVM and ptxas produce the cubin. Runs in a subprocess because
 this test session may have loaded Triton in interpreter mode.
 """
+
 import os
 import subprocess
 import sys

@@ -3,10 +3,11 @@
 Caches come from make_paged_kv: shuffled block ids and NaN in every slot no sequence owns, so a
 read past a sequence's used length (block-table padding, unwritten tail slots) fails the test.
 """
+
 import pytest
 import torch
-
 from _kernel_testlib import assert_close, make_paged_kv, randn
+
 from kernels import torch_ref
 from kernels.decode_attention import paged_decode_attention
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.cuda
 def _check(lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0, **kw):
     paged = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, seed=seed)
     q = randn(len(lens), num_kv_heads * group, head_dim, dtype=dtype, seed=seed + 100)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale)
     expected = torch_ref.paged_decode_attention(*args)
     out = paged_decode_attention(*args, **kw)
@@ -45,8 +46,17 @@ def test_decode_head_sizes(dtype, head_dim):
 @pytest.mark.parametrize("block_size,block_n", [(16, 64), (32, 16), (64, 32)])
 def test_decode_tiles_spanning_or_inside_blocks(block_size, block_n):
     # A K/V tile that spans several blocks, one inside a block, and a larger block size.
-    _check([3, 2 * block_size, 4 * block_size + 1], 2, 4, 64, block_size, torch.float32, seed=3,
-           num_splits=1, block_n=block_n)
+    _check(
+        [3, 2 * block_size, 4 * block_size + 1],
+        2,
+        4,
+        64,
+        block_size,
+        torch.float32,
+        seed=3,
+        num_splits=1,
+        block_n=block_n,
+    )
 
 
 def test_decode_long_context_split_k():

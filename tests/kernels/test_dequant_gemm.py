@@ -3,10 +3,11 @@
 In Triton's interpreter on a machine without a GPU, so the shapes stay tiny; natively on CUDA.
 K and N are chosen to leave partial tiles (K % 32 != 0, N % BLOCK_N != 0) so masking is exercised.
 """
+
 import pytest
 import torch
-
 from _kernel_testlib import DEVICE, randn
+
 from kernels import quant_ref
 from kernels.dequant_gemm import dequant_gemm
 
@@ -36,13 +37,16 @@ def reference(layout, x, t, group):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout,m,k,n,group,act_order", [
-    ("gptq", 1, 64, 48, 32, False),
-    ("gptq", 5, 80, 40, 16, True),   # act-order g_idx: groups looked up per input row
-    ("gptq", 3, 96, 24, 96, False),  # one group spanning all inputs (group_size -1)
-    ("awq", 1, 64, 48, 32, False),
-    ("awq", 18, 80, 72, 16, False),  # two row tiles, the second partial
-])
+@pytest.mark.parametrize(
+    "layout,m,k,n,group,act_order",
+    [
+        ("gptq", 1, 64, 48, 32, False),
+        ("gptq", 5, 80, 40, 16, True),  # act-order g_idx: groups looked up per input row
+        ("gptq", 3, 96, 24, 96, False),  # one group spanning all inputs (group_size -1)
+        ("awq", 1, 64, 48, 32, False),
+        ("awq", 18, 80, 72, 16, False),  # two row tiles, the second partial
+    ],
+)
 def test_dequant_gemm_matches_reference(dtype, layout, m, k, n, group, act_order):
     t = packed_weight(layout, k, n, group, act_order)
     x = randn(m, k, dtype=dtype, seed=m)

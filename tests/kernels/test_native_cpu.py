@@ -6,6 +6,7 @@ not build is a failure here, not a skip. Every check runs twice: on the library 
 builds it (the AVX-512 decode path on the x86 machines we run on) and on a build with AVX-512
 switched off, which runs the portable decode loop that other CPUs get.
 """
+
 import os
 import platform
 import shutil
@@ -14,8 +15,8 @@ import sys
 
 import pytest
 import torch
-
 from _kernel_testlib import assert_close, make_paged_kv, randn
+
 from inference.layers.ops import get_ops
 from kernels import native_cpu, torch_ref
 
@@ -49,7 +50,7 @@ def with_threads(threads, fn, *args):
 def _check(lib, lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0, threads=None):
     paged = make_paged_kv(lens, num_kv_heads, head_dim, block_size, dtype, seed=seed, device="cpu")
     q = randn(len(lens), num_kv_heads * group, head_dim, dtype=dtype, seed=seed + 100, device="cpu")
-    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, head_dim ** -0.5)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, head_dim**-0.5)
     expected = torch_ref.paged_decode_attention(*args)
     out = with_threads(threads, native_cpu.paged_decode_attention, *args, lib)
     assert out.dtype == q.dtype
@@ -73,8 +74,7 @@ def test_head_sizes(lib, head_dim, dtype):
     _check(lib, [3, 17, 40], 2, 3, head_dim, 8, dtype, seed=8)
 
 
-@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 2), (64, 3), (64, 4), (64, 5), (128, 1), (128, 2),
-                                            (128, 3)])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 2), (64, 3), (64, 4), (64, 5), (128, 1), (128, 2), (128, 3)])
 def test_every_bfloat16_query_group_layout(lib, head_dim, group):
     # The grouped V loop has an instance per group that fits in registers (64: up to 4 heads a
     # KV head, 128: up to 2); the next group size up takes the general loop.
@@ -93,8 +93,9 @@ def test_many_sequences_any_thread_count(lib, threads):
 def test_empty_batch(lib):
     paged = make_paged_kv([3], 2, 64, 16, torch.float32, device="cpu")
     q = torch.empty(0, 8, 64)
-    out = native_cpu.paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables[:0],
-                                            paged.seq_lens[:0], 0.125)
+    out = native_cpu.paged_decode_attention(
+        q, paged.k_cache, paged.v_cache, paged.block_tables[:0], paged.seq_lens[:0], 0.125
+    )
     assert out.shape == (0, 8, 64)
 
 
@@ -106,9 +107,9 @@ def _check_prefill(lib, cases, num_kv_heads, group, head_dim, block_size, dtype,
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     heads = num_kv_heads * group
     qkv = randn(sum(q_lens), (heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=seed + 100, device="cpu")
-    q = qkv[:, :heads * head_dim].view(-1, heads, head_dim)
+    q = qkv[:, : heads * head_dim].view(-1, heads, head_dim)
     assert native_cpu.supports_prefill(q, paged.k_cache)
-    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl, paged.seq_lens, head_dim ** -0.5)
+    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl, paged.seq_lens, head_dim**-0.5)
     expected = torch_ref.paged_prefill_attention(*args)
     out = with_threads(threads, native_cpu.paged_prefill_attention, *args, lib)
     assert out.dtype == q.dtype
@@ -120,13 +121,13 @@ def _check_prefill(lib, cases, num_kv_heads, group, head_dim, block_size, dtype,
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_prefill_matches_reference(lib, dtype, block_size, group):
     cases = [
-        (0, 1),                 # a 1-token prompt
-        (0, block_size),        # a prompt ending exactly on a block boundary
-        (block_size, 1),        # one token past a cached full block
-        (block_size - 3, 20),   # an extend over a cached prefix (chunked prefill, a prefix-cache hit)
-        (2 * block_size, 0),    # no new tokens this step
-        (0, 70),                # a fresh prompt over 3 tiles of 32 tokens and 2 chunks of 64 keys
-        (100, 45),              # an extend whose tiles start mid-chunk
+        (0, 1),  # a 1-token prompt
+        (0, block_size),  # a prompt ending exactly on a block boundary
+        (block_size, 1),  # one token past a cached full block
+        (block_size - 3, 20),  # an extend over a cached prefix (chunked prefill, a prefix-cache hit)
+        (2 * block_size, 0),  # no new tokens this step
+        (0, 70),  # a fresh prompt over 3 tiles of 32 tokens and 2 chunks of 64 keys
+        (100, 45),  # an extend whose tiles start mid-chunk
     ]
     _check_prefill(lib, cases, 2, group, 64, block_size, dtype)
 
@@ -144,8 +145,10 @@ def test_prefill_head_sizes(lib, head_dim, dtype):
 def test_prefill_long_uneven_batch_any_thread_count(lib, threads):
     # A step's worth of work: long prompts and extends of very different sizes, shared out dynamically.
     gen = torch.Generator().manual_seed(5)
-    cases = [(int(torch.randint(0, 600, (1,), generator=gen)), int(torch.randint(1, 400, (1,), generator=gen)))
-             for _ in range(9)]
+    cases = [
+        (int(torch.randint(0, 600, (1,), generator=gen)), int(torch.randint(1, 400, (1,), generator=gen)))
+        for _ in range(9)
+    ]
     _check_prefill(lib, cases, 2, 4, 64, 16, torch.float32, seed=9, threads=threads)
     _check_prefill(lib, cases, 3, 3, 64, 16, torch.bfloat16, seed=9, threads=threads)
 
@@ -162,8 +165,15 @@ def test_prefill_routing_in_the_torch_backend(lib):
     # What it does not take, the reference answers.
     paged = make_paged_kv([20, 7], 1, 72, 16, torch.float32, device="cpu")
     q = randn(27, 4, 72, dtype=torch.float32, seed=2, device="cpu")
-    args = (q, paged.k_cache, paged.v_cache, paged.block_tables, torch.tensor([0, 20, 27], dtype=torch.int32),
-            paged.seq_lens, 72 ** -0.5)
+    args = (
+        q,
+        paged.k_cache,
+        paged.v_cache,
+        paged.block_tables,
+        torch.tensor([0, 20, 27], dtype=torch.int32),
+        paged.seq_lens,
+        72**-0.5,
+    )
     torch.testing.assert_close(ops.p.paged_prefill_attention(*args), torch_ref.paged_prefill_attention(*args))
 
 
@@ -210,9 +220,11 @@ def test_build_is_cached_per_source_and_cpu(lib, monkeypatch, tmp_path):
 def test_loading_the_library_leaves_the_process_float_environment_alone(tmp_path):
     """A subnormal must survive in a process that loaded the kernel (fast-math's flush-to-zero would
     flush it, for torch and every other library in the process)."""
-    script = ("from kernels import native_cpu\n"
-              "assert native_cpu.load() is not None\n"
-              "print(2.2250738585072014e-308 / 2 != 0.0)\n")
+    script = (
+        "from kernels import native_cpu\n"
+        "assert native_cpu.load() is not None\n"
+        "print(2.2250738585072014e-308 / 2 != 0.0)\n"
+    )
     env = {**os.environ, "TESSERA_KERNEL_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
@@ -222,7 +234,10 @@ def test_loading_the_library_leaves_the_process_float_environment_alone(tmp_path
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_add_rms_norm(lib, dtype, rows, threads):
-    x, residual = randn(rows, 576, dtype=dtype, seed=1, device="cpu"), randn(rows, 576, dtype=dtype, seed=2, device="cpu")
+    x, residual = (
+        randn(rows, 576, dtype=dtype, seed=1, device="cpu"),
+        randn(rows, 576, dtype=dtype, seed=2, device="cpu"),
+    )
     weight = (1 + 0.1 * randn(576, dtype=torch.float32, seed=3, device="cpu")).to(dtype)
     normed, summed = with_threads(threads, native_cpu.fused_add_rms_norm, x, residual, weight, 1e-6, lib)
     expected_normed, expected_summed = torch_ref.fused_add_rms_norm(x, residual, weight, 1e-6)
@@ -319,7 +334,8 @@ def test_torch_backend_routes_the_elementwise_kernels(lib):
     # float16 is not compiled in: the reference answers.
     x = randn(4, 64, dtype=torch.float16, seed=1, device="cpu")
     weight = torch.ones(64, dtype=torch.float16)
-    torch.testing.assert_close(ops.p.fused_add_rms_norm(x, x, weight, 1e-6)[0],
-                               torch_ref.fused_add_rms_norm(x, x, weight, 1e-6)[0])
+    torch.testing.assert_close(
+        ops.p.fused_add_rms_norm(x, x, weight, 1e-6)[0], torch_ref.fused_add_rms_norm(x, x, weight, 1e-6)[0]
+    )
     torch.testing.assert_close(ops.p.silu_and_mul(x), torch_ref.silu_and_mul(x))
     assert not native_cpu.supports_rows(x) and not native_cpu.supports_rows(x.float(), x)

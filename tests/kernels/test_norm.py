@@ -1,8 +1,9 @@
 """kernels.norm.fused_add_rms_norm / rms_norm against the torch references."""
+
 import pytest
 import torch
-
 from _kernel_testlib import assert_close, randn
+
 from kernels import torch_ref
 from kernels.norm import fused_add_rms_norm, rms_norm
 

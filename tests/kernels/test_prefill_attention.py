@@ -3,10 +3,11 @@
 A ragged batch mixing fresh prompts, extends over a cached prefix, single tokens and a sequence
 with no new tokens; caches are NaN-poisoned outside what each sequence owns (see make_paged_kv).
 """
+
 import pytest
 import torch
-
 from _kernel_testlib import assert_close, make_paged_kv, randn
+
 from kernels import torch_ref
 from kernels.prefill_attention import paged_prefill_attention
 
@@ -20,7 +21,7 @@ def _check(cases, num_kv_heads, group, head_dim, block_size, dtype, seed=0, **kw
     q_lens = [n for _, n in cases]
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32).to(paged.seq_lens.device)
     q = randn(sum(q_lens), num_kv_heads * group, head_dim, dtype=dtype, seed=seed + 100)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     args = (q, paged.k_cache, paged.v_cache, paged.block_tables, qsl, paged.seq_lens, scale)
     expected = torch_ref.paged_prefill_attention(*args)
     out = paged_prefill_attention(*args, **kw)
@@ -33,11 +34,11 @@ def _check(cases, num_kv_heads, group, head_dim, block_size, dtype, seed=0, **kw
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_prefill_matches_reference(dtype, block_size, group):
     cases = [
-        (0, 1),                # a 1-token prompt
-        (0, block_size),       # a prompt ending exactly on a block boundary
-        (block_size, 1),       # one token past a cached full block
+        (0, 1),  # a 1-token prompt
+        (0, block_size),  # a prompt ending exactly on a block boundary
+        (block_size, 1),  # one token past a cached full block
         (block_size - 3, 20),  # extend (chunked prefill / prefix hit) crossing blocks, 2 query tiles
-        (2 * block_size, 0),   # no new tokens this step
+        (2 * block_size, 0),  # no new tokens this step
     ]
     _check(cases, 2, group, 64, block_size, dtype, block_m=16, block_n=16)
 

@@ -12,6 +12,7 @@ runs a bfloat16 GEMM on the dequantized weight instead: weight and activations r
 (2^-8 each, so 2^-7 of sum_i |w_i x_i|), the product rounded once more (2^-8 of the output), plus
 float32 accumulation (in_features * 2^-24 of sum_i |w_i x_i|).
 """
+
 import platform
 
 import numpy as np
@@ -24,8 +25,11 @@ from kernels import native_cpu, quant_cpu
 # The gguf package quantizes these five; K-quant blocks are random bytes with sane f16 scales at
 # these byte offsets (random bytes there would give scales up to 65504 or NaN).
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-BUILDS = {"engine build": (), "AVX2 build": ("-mno-avx512f",),
-          "portable build": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c")}
+BUILDS = {
+    "engine build": (),
+    "AVX2 build": ("-mno-avx512f",),
+    "portable build": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"),
+}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -51,7 +55,7 @@ def gguf_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
     blocks = rng.integers(0, 256, (rows, cols // block_values, block_bytes), dtype=np.uint8)
     for offset in K_SCALE_OFFSETS[kind]:
         scales = rng.uniform(1e-3, 1e-2, blocks.shape[:2]).astype(np.float16)
-        blocks[..., offset:offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
+        blocks[..., offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
@@ -116,7 +120,7 @@ def test_the_integer_kernel_on_many_rows_in_blocks_of_four(lib, kind):
 def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """[m, rows]: the most the bfloat16 path can move each output (see the module docstring)."""
     magnitude = x.float().abs() @ weight.abs().float().T
-    return magnitude * (2 ** -7 + x.shape[1] * 2 ** -24) + reference.abs() * 2 ** -8 + 1e-6
+    return magnitude * (2**-7 + x.shape[1] * 2**-24) + reference.abs() * 2**-8 + 1e-6
 
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
@@ -131,7 +135,7 @@ def test_many_rows_run_in_bfloat16_within_its_bound(lib, kind, dtype):
     reference = quant_cpu.reference_linear(x, packed, kind, bias)
     bound = bfloat16_bound(dequantized(packed, kind), x, reference)
     if dtype == torch.bfloat16:  # the bias is added after the product, then rounded with it
-        bound = bound + reference.abs() * 2 ** -8
+        bound = bound + reference.abs() * 2**-8
     excess = ((out.float() - reference).abs() - bound).max()
     assert excess <= 0, f"an output is {float(excess):.3g} past its bound"
 

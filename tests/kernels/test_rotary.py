@@ -1,10 +1,11 @@
 """kernels.rotary.rotary_embedding (neox, in place) against torch_ref.rotary_embedding."""
+
 import math
 
 import pytest
 import torch
-
 from _kernel_testlib import DEVICE, assert_close, randn
+
 from kernels import torch_ref
 from kernels.rotary import rotary_embedding
 

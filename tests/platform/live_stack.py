@@ -12,6 +12,7 @@ Every child runs in its own process group and is killed at teardown (also when s
 The stack's database is a separate SQLite file (stack.db_path; query it with stack.sql(...)), so
 tests must not expect rows written in-process by pytest-django to be visible to the server.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -35,11 +36,23 @@ from tessera.run import WEB_SERVERS, web_command
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 BIN_DIR = Path(sys.executable).parent
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "block_size": 16, "max_num_seqs": 16,
-               "max_num_batched_tokens": 512, "max_model_len": 512, "num_kv_blocks": 128, "seed": 0}
-GENEROUS_QUOTAS = {"QUOTA_TOKENS_PER_DAY": "100000000", "QUOTA_TOKENS_PER_MONTH": "1000000000",
-                   "QUOTA_REQUESTS_PER_MINUTE": "100000", "QUOTA_CONCURRENT_REQUESTS": "1000",
-                   "QUOTA_MAX_TOKENS_PER_REQUEST": "100000"}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "device": "cpu",
+    "block_size": 16,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "max_model_len": 512,
+    "num_kv_blocks": 128,
+    "seed": 0,
+}
+GENEROUS_QUOTAS = {
+    "QUOTA_TOKENS_PER_DAY": "100000000",
+    "QUOTA_TOKENS_PER_MONTH": "1000000000",
+    "QUOTA_REQUESTS_PER_MINUTE": "100000",
+    "QUOTA_CONCURRENT_REQUESTS": "1000",
+    "QUOTA_MAX_TOKENS_PER_REQUEST": "100000",
+}
 USERNAME = "live"
 PASSWORD = "live-password-123"
 
@@ -60,36 +73,79 @@ class LiveStack:
     # ---------------------------------------------------------------- start / stop
 
     @classmethod
-    def start(cls, model_dir: str, work_dir: Path, *, env: dict | None = None, engine_args: dict | None = None,
-              celery: bool = False, workers: int = 1, timeout: float = 240.0,
-              web_server: str = WEB_SERVERS[0]) -> "LiveStack":
+    def start(
+        cls,
+        model_dir: str,
+        work_dir: Path,
+        *,
+        env: dict | None = None,
+        engine_args: dict | None = None,
+        celery: bool = False,
+        workers: int = 1,
+        timeout: float = 240.0,
+        web_server: str = WEB_SERVERS[0],
+    ) -> "LiveStack":
         work_dir = Path(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
         redis_url, redis_proc = embedded_redis.start(data_dir=str(work_dir))
-        child_env = {**os.environ, **GENEROUS_QUOTAS,
-                     "DJANGO_SETTINGS_MODULE": "tessera.settings.test", "REDIS_URL": redis_url,
-                     "DATABASE_URL": f"sqlite:///{work_dir / 'db.sqlite3'}", "TESSERA_VAR_DIR": str(work_dir),
-                     "MODEL": model_dir, "SERVED_MODEL_NAME": "tiny-llama",
-                     "ENGINE_ARGS": json.dumps({**ENGINE_ARGS, **(engine_args or {})}),
-                     "ENGINE_HEARTBEAT_TTL": "3", "ENGINE_HEARTBEAT_INTERVAL": "0.25", "ENGINE_DRAIN_TIMEOUT": "2",
-                     "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}", "PYTHONUNBUFFERED": "1",
-                     **(env or {})}
+        child_env = {
+            **os.environ,
+            **GENEROUS_QUOTAS,
+            "DJANGO_SETTINGS_MODULE": "tessera.settings.test",
+            "REDIS_URL": redis_url,
+            "DATABASE_URL": f"sqlite:///{work_dir / 'db.sqlite3'}",
+            "TESSERA_VAR_DIR": str(work_dir),
+            "MODEL": model_dir,
+            "SERVED_MODEL_NAME": "tiny-llama",
+            "ENGINE_ARGS": json.dumps({**ENGINE_ARGS, **(engine_args or {})}),
+            "ENGINE_HEARTBEAT_TTL": "3",
+            "ENGINE_HEARTBEAT_INTERVAL": "0.25",
+            "ENGINE_DRAIN_TIMEOUT": "2",
+            "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
         port = embedded_redis.free_port()
-        stack = cls(base_url=f"http://127.0.0.1:{port}", redis_url=redis_url, db_path=work_dir / "db.sqlite3",
-                    api_key="", username=USERNAME, password=PASSWORD, model_name=child_env["SERVED_MODEL_NAME"],
-                    log_dir=work_dir, env=child_env)
+        stack = cls(
+            base_url=f"http://127.0.0.1:{port}",
+            redis_url=redis_url,
+            db_path=work_dir / "db.sqlite3",
+            api_key="",
+            username=USERNAME,
+            password=PASSWORD,
+            model_name=child_env["SERVED_MODEL_NAME"],
+            log_dir=work_dir,
+            env=child_env,
+        )
         stack.processes["redis"] = redis_proc
         atexit.register(stack.stop)  # also when a test run is interrupted
         try:
             stack.manage("migrate", "--noinput")
-            stack.manage("shell", "-c", "from django.contrib.auth.models import User; "
-                                        f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r})")
+            stack.manage(
+                "shell",
+                "-c",
+                "from django.contrib.auth.models import User; "
+                f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r})",
+            )
             stack.api_key = stack.manage("create_api_key", USERNAME, "--name", "live").strip().splitlines()[-1]
             for i in range(workers):
                 stack.spawn(f"engine{i}", [sys.executable, "manage.py", "engine"])
             if celery:
-                stack.spawn("celery", [str(BIN_DIR / "celery"), "-A", "tessera", "worker", "-l", "info",
-                                       "-c", "2", "--without-gossip", "--without-mingle"])
+                stack.spawn(
+                    "celery",
+                    [
+                        str(BIN_DIR / "celery"),
+                        "-A",
+                        "tessera",
+                        "worker",
+                        "-l",
+                        "info",
+                        "-c",
+                        "2",
+                        "--without-gossip",
+                        "--without-mingle",
+                    ],
+                )
             stack.spawn("web", web_command(web_server, host="127.0.0.1", port=port))
             stack.wait_healthy(timeout, workers)
         except BaseException:
@@ -98,16 +154,28 @@ class LiveStack:
         return stack
 
     def manage(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO_DIR, env=self.env,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=REPO_DIR,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"manage.py {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}")
         return done.stdout
 
     def spawn(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=REPO_DIR, env={**self.env, **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO_DIR,
+            env={**self.env, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.processes[name] = proc
         return proc
 
@@ -176,12 +244,12 @@ class LiveStack:
         return stats
 
 
-
 def real_model_stack(tmp_path_factory, name: str, engine_args: dict) -> LiveStack:
     """A live stack on the bundled default model: MODEL and SERVED_MODEL_NAME empty, so the settings
     resolve the SmolLM2 file and its name, as `make run` does. Use it as a context manager."""
     env = {"MODEL": "", "SERVED_MODEL_NAME": "", "TESSERA_CACHE_DIR": str(tmp_path_factory.mktemp("cache"))}
     return LiveStack.start("", tmp_path_factory.mktemp(name), env=env, engine_args=engine_args)
+
 
 @pytest.fixture(scope="session")
 def live_stack(tiny_model_dir, tmp_path_factory):

@@ -4,6 +4,7 @@ Its output goes to a file; children are found through /proc (their command lines
 Redis URL every child got is read from a child's environment, as another process of this user
 could. close() kills whatever is left (also when a test failed midway).
 """
+
 from __future__ import annotations
 
 import os
@@ -65,14 +66,20 @@ def make_run_env(model_dir: str, var_dir: Path, **extra: str) -> dict[str, str]:
     # The test session's own database (make test's TESSERA_DB) is not the stack's: make run's default is SQLite.
     inherited = ("REDIS_URL", "DATABASE_URL", "DJANGO_SETTINGS_MODULE", "TESSERA_DB")
     env = {k: v for k, v in os.environ.items() if k not in inherited}
-    env.update({
-        "PORT": str(free_port()), "MODEL": model_dir, "TESSERA_VAR_DIR": str(var_dir),
-        "DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "CELERY_CONCURRENCY": "1", "READY_TIMEOUT": "240",
-        "ENGINE_ARGS": '{"num_kv_blocks": 128, "max_model_len": 256, "device": "cpu"}',
-        "EMBEDDING_MODEL": "off",  # one engine worker unless a test asks for the embedding one too
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
-        **extra,
-    })
+    env.update(
+        {
+            "PORT": str(free_port()),
+            "MODEL": model_dir,
+            "TESSERA_VAR_DIR": str(var_dir),
+            "DJANGO_SETTINGS_MODULE": "tessera.settings.dev",
+            "CELERY_CONCURRENCY": "1",
+            "READY_TIMEOUT": "240",
+            "ENGINE_ARGS": '{"num_kv_blocks": 128, "max_model_len": 256, "device": "cpu"}',
+            "EMBEDDING_MODEL": "off",  # one engine worker unless a test asks for the embedding one too
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "platform")]),
+            **extra,
+        }
+    )
     return env
 
 
@@ -84,8 +91,14 @@ class RunStack:
         self.env = env
         self.log = log
         self.handle = log.open("w")
-        self.process = subprocess.Popen(command or [sys.executable, "-m", "tessera.run"], cwd=REPO, env=env,
-                                        stdout=self.handle, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            command or [sys.executable, "-m", "tessera.run"],
+            cwd=REPO,
+            env=env,
+            stdout=self.handle,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     @classmethod
     def start(cls, env: dict, log: Path, timeout: float = 300, command: list[str] | None = None) -> "RunStack":
@@ -122,8 +135,10 @@ class RunStack:
     def admin_login(self) -> tuple[str, str]:
         """The admin password and API key printed once by the first run."""
         text = self.output()
-        return (re.search(r"admin login: admin / (\S+)", text).group(1),
-                re.search(r"API key:\s+(tsk-\S+)", text).group(1))
+        return (
+            re.search(r"admin login: admin / (\S+)", text).group(1),
+            re.search(r"API key:\s+(tsk-\S+)", text).group(1),
+        )
 
     def pids(self, command_part: str) -> list[int]:
         """The supervisor's own children whose command line contains command_part."""

@@ -1,4 +1,5 @@
 """The SQLite default database runs in WAL mode (usage rows are written per request)."""
+
 import contextlib
 import copy
 

@@ -1,5 +1,6 @@
 """tessera.embedded_postgres: the throwaway PostgreSQL of `make test` and the embedded one of
 `make run DB=postgres` (a real server: initdb, postgres, pg_isready from the distribution)."""
+
 from __future__ import annotations
 
 import os
@@ -14,10 +15,13 @@ import pytest
 
 from tessera import embedded_postgres
 
-pytestmark = pytest.mark.skipif(not any(Path(d, "initdb").exists() for d in
-                                        [os.environ.get("PG_BIN_DIR", "/nonexistent"),
-                                         *map(str, Path("/usr/lib/postgresql").glob("*/bin"))]),
-                                reason="no PostgreSQL server installed (make postgres-server)")
+pytestmark = pytest.mark.skipif(
+    not any(
+        Path(d, "initdb").exists()
+        for d in [os.environ.get("PG_BIN_DIR", "/nonexistent"), *map(str, Path("/usr/lib/postgresql").glob("*/bin"))]
+    ),
+    reason="no PostgreSQL server installed (make postgres-server)",
+)
 
 
 @pytest.fixture
@@ -115,15 +119,22 @@ def test_select_for_update_lets_exactly_one_of_two_finishers_save_a_reply(server
         setup.execute("CREATE TABLE reply (id int PRIMARY KEY, status text)")
         setup.execute("INSERT INTO reply VALUES (1, 'streaming')")
     find = "SELECT id FROM reply WHERE id = 1 AND status = 'streaming' FOR UPDATE"
-    with psycopg.connect(url) as first, psycopg.connect(url) as second, \
-            psycopg.connect(url, autocommit=True) as watcher:
+    with (
+        psycopg.connect(url) as first,
+        psycopg.connect(url) as second,
+        psycopg.connect(url, autocommit=True) as watcher,
+    ):
         assert first.execute(find).fetchone() == (1,)
         second_pid = second.info.backend_pid
         found_by_second = []
         racer = threading.Thread(target=lambda: found_by_second.append(second.execute(find).fetchone()))
         racer.start()
-        wait_until(lambda: watcher.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
-                                           (second_pid,)).fetchone() == ("Lock",))
+        wait_until(
+            lambda: (
+                watcher.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", (second_pid,)).fetchone()
+                == ("Lock",)
+            )
+        )
         first.execute("UPDATE reply SET status = 'complete' WHERE id = 1")
         first.commit()
         racer.join(60)

@@ -1,4 +1,5 @@
 """Container health checks (python -m tessera.healthcheck) against a real socket and a real Redis."""
+
 import socket
 import subprocess
 import sys
@@ -43,9 +44,17 @@ def test_an_unreachable_redis_is_unhealthy():
 
 def test_command_line_exit_status():
     platform_dir = str(Path(__file__).resolve().parents[2] / "platform")
-    bad = subprocess.run([sys.executable, "-m", "tessera.healthcheck", "nope"], capture_output=True, text=True,
-                         env={"PYTHONPATH": platform_dir})
+    bad = subprocess.run(
+        [sys.executable, "-m", "tessera.healthcheck", "nope"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": platform_dir},
+    )
     assert bad.returncode == 2 and "usage" in bad.stderr
-    down = subprocess.run([sys.executable, "-m", "tessera.healthcheck", "web"], capture_output=True, text=True,
-                          env={"PORT": str(free_port()), "PYTHONPATH": platform_dir})
+    down = subprocess.run(
+        [sys.executable, "-m", "tessera.healthcheck", "web"],
+        capture_output=True,
+        text=True,
+        env={"PORT": str(free_port()), "PYTHONPATH": platform_dir},
+    )
     assert down.returncode == 1 and "unhealthy" in down.stdout

@@ -1,6 +1,7 @@
 """common.redis_async: a task cancelled while redis-py writes really ends, on every loop turn of the
 write. Stock redis-py connections lose such a cancellation on Python 3.11 (wait_for), which once
 left a Channels consumer in its BZPOPMIN loop for ever and hung the test run."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,9 @@ STEPS = 12  # loop turns to cancel after: from before the write starts to after 
 async def cancel_at_every_turn(connection_class) -> tuple[list[int], list[int]]:
     """(the loop turns at which a cancel found the writing task still running, those at which the
     task then carried on regardless)."""
-    pool = aioredis.ConnectionPool(**{**redis_async.pool_kwargs(settings.REDIS_URL), "connection_class": connection_class})
+    pool = aioredis.ConnectionPool(
+        **{**redis_async.pool_kwargs(settings.REDIS_URL), "connection_class": connection_class}
+    )
     connection = await pool.get_connection()
     landed, swallowed = [], []
 
@@ -58,10 +61,14 @@ def test_the_probe_catches_stock_redis_py_losing_the_cancellation():
     assert asyncio.run(cancel_at_every_turn(aioredis.Connection))[1] != []
 
 
-@pytest.mark.parametrize("url, expected", [
-    ("redis://127.0.0.1:6379/0", redis_async.CancelSafeConnection),
-    ("rediss://cache.example:6380/1", redis_async.CancelSafeSSLConnection),
-    ("unix:///run/redis.sock?db=2", redis_async.CancelSafeUnixConnection)])
+@pytest.mark.parametrize(
+    "url, expected",
+    [
+        ("redis://127.0.0.1:6379/0", redis_async.CancelSafeConnection),
+        ("rediss://cache.example:6380/1", redis_async.CancelSafeSSLConnection),
+        ("unix:///run/redis.sock?db=2", redis_async.CancelSafeUnixConnection),
+    ],
+)
 def test_every_url_scheme_gets_its_cancel_safe_class(url, expected):
     kwargs = redis_async.pool_kwargs(url, socket_timeout=30)
     assert kwargs["connection_class"] is expected and kwargs["socket_timeout"] == 30

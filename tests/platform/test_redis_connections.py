@@ -1,4 +1,5 @@
 """One owner for Redis connections: common.connections builds every client the apps use."""
+
 from __future__ import annotations
 
 import ast
@@ -27,9 +28,13 @@ def redis_clients_built(path: Path) -> list[int]:
 
 
 def test_no_app_builds_a_redis_client_of_its_own():
-    found = {str(path.relative_to(PLATFORM)): lines for path in PLATFORM.rglob("*.py")
-             if "migrations" not in path.parts and path.relative_to(PLATFORM).parts[0] not in OUTSIDE_THE_APPS
-             and (lines := redis_clients_built(path))}
+    found = {
+        str(path.relative_to(PLATFORM)): lines
+        for path in PLATFORM.rglob("*.py")
+        if "migrations" not in path.parts
+        and path.relative_to(PLATFORM).parts[0] not in OUTSIDE_THE_APPS
+        and (lines := redis_clients_built(path))
+    }
     assert redis_clients_built(PLATFORM / "common" / "connections.py"), "the scan sees the owner's own clients"
     assert found == {}
 

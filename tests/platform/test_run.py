@@ -1,4 +1,5 @@
 """`make run` (python -m tessera.run): config, admin bootstrap, and the whole stack end to end."""
+
 import contextlib
 import http.client
 import os
@@ -25,15 +26,23 @@ def test_config_defaults_and_env_overrides(tmp_path):
     cfg = run.RunConfig.from_env({})
     assert (cfg.host, cfg.port, cfg.model, cfg.redis_url) == ("127.0.0.1", 8000, None, None)
     assert cfg.settings_module == "tessera.settings.dev" and cfg.url == "http://127.0.0.1:8000/"
-    cfg = run.RunConfig.from_env({"PORT": "9001", "HOST": "0.0.0.0", "MODEL": "/m", "REDIS_URL": "redis://r:6379/1",
-                                  "TESSERA_VAR_DIR": str(tmp_path)})
+    cfg = run.RunConfig.from_env(
+        {
+            "PORT": "9001",
+            "HOST": "0.0.0.0",
+            "MODEL": "/m",
+            "REDIS_URL": "redis://r:6379/1",
+            "TESSERA_VAR_DIR": str(tmp_path),
+        }
+    )
     assert (cfg.port, cfg.model, cfg.redis_url, cfg.var_dir) == (9001, "/m", "redis://r:6379/1", tmp_path)
     assert cfg.url == "http://127.0.0.1:9001/"
 
 
 def test_service_commands_use_the_project_entry_points(tmp_path):
-    commands = run.service_commands(run.RunConfig.from_env({"PORT": "9002", "TESSERA_VAR_DIR": str(tmp_path),
-                                                            "EMBEDDING_MODEL": "off"}))
+    commands = run.service_commands(
+        run.RunConfig.from_env({"PORT": "9002", "TESSERA_VAR_DIR": str(tmp_path), "EMBEDDING_MODEL": "off"})
+    )
     assert set(commands) == {"engine", "worker", "beat", "web"}
     assert commands["engine"][1:] == [str(REPO / "manage.py"), "engine"]
     assert (REPO / "platform/engine_client/management/commands/engine.py").exists()
@@ -65,13 +74,24 @@ def web_on_inherited_socket(tmp_path):
     (port, its log file) once it answers."""
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tessera.settings.test", "TESSERA_VAR_DIR": str(tmp_path),
-           "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'platform'}"}
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tessera.settings.test",
+        "TESSERA_VAR_DIR": str(tmp_path),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'platform'}",
+    }
     log = tmp_path / "web.log"
     with open(log, "wb") as out:
-        web = subprocess.Popen(run.web_command("uvicorn", fd=listener.fileno()), pass_fds=(listener.fileno(),),
-                               cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        web = subprocess.Popen(
+            run.web_command("uvicorn", fd=listener.fileno()),
+            pass_fds=(listener.fileno(),),
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:  # the kernel queues connections on the socket until the server accepts them
@@ -94,8 +114,9 @@ def test_the_web_server_on_an_inherited_socket_sees_each_client_address(tmp_path
     X-Forwarded-For: the login throttle counts failures per address (only compose, behind its
     proxy, passes --proxy-headers)."""
     with web_on_inherited_socket(tmp_path) as (port, log):
-        status = httpx.get(f"http://127.0.0.1:{port}/accounts/login/?forged=1", timeout=30,
-                           headers={"X-Forwarded-For": "203.0.113.9"}).status_code
+        status = httpx.get(
+            f"http://127.0.0.1:{port}/accounts/login/?forged=1", timeout=30, headers={"X-Forwarded-For": "203.0.113.9"}
+        ).status_code
         assert status == 200
         access_line = re.compile(r'127\.0\.0\.1:\d+ - "GET /accounts/login/\?forged=1 HTTP/1\.1" 200')
         deadline = time.monotonic() + 60
@@ -152,7 +173,9 @@ def test_without_model_the_bundled_smollm2_gguf_is_served_and_nothing_is_trained
 def test_a_gguf_model_file_is_accepted(tmp_path):
     file = tmp_path / "Some-Model.Q8_0.gguf"
     file.write_bytes(b"GGUF")
-    assert run.prepare_model(run.RunConfig.from_env({"MODEL": str(file), "TESSERA_VAR_DIR": str(tmp_path)})) == str(file)
+    assert run.prepare_model(run.RunConfig.from_env({"MODEL": str(file), "TESSERA_VAR_DIR": str(tmp_path)})) == str(
+        file
+    )
 
 
 def test_a_missing_default_model_says_how_to_install_it(tmp_path, monkeypatch):
@@ -184,6 +207,7 @@ def test_superuser_env_sets_the_name_and_resets_the_password():
 
 
 # -- end to end ---------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def stack_env(tiny_model_dir, tmp_path):
@@ -221,12 +245,22 @@ def test_make_run_serves_the_openai_api_and_ctrl_c_leaves_nothing_behind(stack_e
 
         client = OpenAI(base_url=f"http://127.0.0.1:{stack_env['PORT']}/v1", api_key=api_key, max_retries=0)
         [model] = [m.id for m in client.models.list()]
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
-                                               max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
         assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
-        chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
-                                                max_tokens=8, temperature=0.0, stream=True,
-                                                extra_body={"ignore_eos": True})
+        chunks = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=8,
+            temperature=0.0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == reply.choices[0].message.content
 
@@ -256,12 +290,16 @@ def test_a_killed_engine_is_restarted_with_backoff_and_serves_again(stack_env, t
         r = redis.Redis.from_url(stack.redis_url())
         # Serving again once the new worker's heartbeat is up (the old one's expires on its own).
         deadline = time.monotonic() + 180
-        while not [w for w in r.smembers("tessera:engine:workers")
-                   if r.hget(f"tessera:engine:worker:{w.decode()}", "pid") == str(stack.pid("manage.py engine")).encode()]:
+        while not [
+            w
+            for w in r.smembers("tessera:engine:workers")
+            if r.hget(f"tessera:engine:worker:{w.decode()}", "pid") == str(stack.pid("manage.py engine")).encode()
+        ]:
             assert time.monotonic() < deadline, stack.output()[-4000:]
             time.sleep(0.2)
-        reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4,
-                                               messages=[{"role": "user", "content": "Hello"}])
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id, max_tokens=4, messages=[{"role": "user", "content": "Hello"}]
+        )
         assert reply.usage.completion_tokens >= 1
         assert stack.process.poll() is None and "error:" not in stack.output()
     finally:

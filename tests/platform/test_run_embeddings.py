@@ -1,4 +1,5 @@
 """`make run` serves the embedding model beside the chat model; EMBEDDING_MODEL picks another or turns it off."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ def test_by_default_a_second_engine_worker_serves_the_bundled_minilm(tmp_path):
     assert cfg.embedding.name == BUNDLED_NAME and cfg.embedding.path == str(bundled_embedding_model())
     commands = run.service_commands(cfg)
     assert set(commands) == {"engine", "embed", "worker", "beat", "web"}
-    assert commands["embed"][1:] == [str(REPO / "manage.py"), "engine", "--model", cfg.embedding.path,
-                                     "--arg", f"served_model_name={BUNDLED_NAME}"]
+    assert commands["embed"][1:] == [
+        str(REPO / "manage.py"),
+        "engine",
+        "--model",
+        cfg.embedding.path,
+        "--arg",
+        f"served_model_name={BUNDLED_NAME}",
+    ]
 
 
 def test_embedding_model_picks_another_folder_or_turns_it_off(tmp_path):
@@ -32,8 +39,9 @@ def test_embedding_model_picks_another_folder_or_turns_it_off(tmp_path):
     (folder / "config.json").write_text("{}")
     picked = run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path), "EMBEDDING_MODEL": str(folder)}).embedding
     assert (picked.path, picked.name) == (str(folder), "my-encoder")
-    named = run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path), "EMBEDDING_MODEL": str(folder),
-                                    "EMBEDDING_SERVED_MODEL_NAME": "enc"}).embedding
+    named = run.RunConfig.from_env(
+        {"TESSERA_VAR_DIR": str(tmp_path), "EMBEDDING_MODEL": str(folder), "EMBEDDING_SERVED_MODEL_NAME": "enc"}
+    ).embedding
     assert named.name == "enc"
     off = run.RunConfig.from_env({"TESSERA_VAR_DIR": str(tmp_path), "EMBEDDING_MODEL": "off"})
     assert off.embedding is None and "embed" not in run.service_commands(off)
@@ -42,11 +50,21 @@ def test_embedding_model_picks_another_folder_or_turns_it_off(tmp_path):
 
 
 def test_the_embedding_worker_does_not_take_the_chat_models_engine_arguments():
-    env = {"ENGINE_ARGS": '{"max_model_len": 2048}', "ENGINE_MAX_NUM_SEQS": "4", "ENGINE_WORKER_ID": "chat-1",
-           "ENGINE_SERVED_MODEL_ALIASES": "chat", "ENGINE_HEARTBEAT_TTL": "3", "EMBEDDING_ENGINE_ARGS": '{"seed": 1}',
-           "REDIS_URL": "redis://x"}
-    assert run.embedding_env(env) == {"ENGINE_ARGS": '{"seed": 1}', "ENGINE_HEARTBEAT_TTL": "3",
-                                      "EMBEDDING_ENGINE_ARGS": '{"seed": 1}', "REDIS_URL": "redis://x"}
+    env = {
+        "ENGINE_ARGS": '{"max_model_len": 2048}',
+        "ENGINE_MAX_NUM_SEQS": "4",
+        "ENGINE_WORKER_ID": "chat-1",
+        "ENGINE_SERVED_MODEL_ALIASES": "chat",
+        "ENGINE_HEARTBEAT_TTL": "3",
+        "EMBEDDING_ENGINE_ARGS": '{"seed": 1}',
+        "REDIS_URL": "redis://x",
+    }
+    assert run.embedding_env(env) == {
+        "ENGINE_ARGS": '{"seed": 1}',
+        "ENGINE_HEARTBEAT_TTL": "3",
+        "EMBEDDING_ENGINE_ARGS": '{"seed": 1}',
+        "REDIS_URL": "redis://x",
+    }
     assert run.embedding_env({})["ENGINE_ARGS"] == "{}"
 
 
@@ -55,8 +73,12 @@ def test_make_run_answers_chat_and_embeddings_side_by_side(tiny_model_dir, tmp_p
     from openai import OpenAI
     from sentence_transformers import SentenceTransformer
 
-    env = make_run_env(tiny_model_dir, tmp_path / "var", EMBEDDING_MODEL="",
-                       EMBEDDING_ENGINE_ARGS=json.dumps({"max_num_batched_tokens": 512, "max_num_seqs": 16}))
+    env = make_run_env(
+        tiny_model_dir,
+        tmp_path / "var",
+        EMBEDDING_MODEL="",
+        EMBEDDING_ENGINE_ARGS=json.dumps({"max_num_batched_tokens": 512, "max_num_seqs": 16}),
+    )
     stack = RunStack.start(env, tmp_path / "run.log")
     try:
         text = stack.output()

@@ -1,4 +1,5 @@
 """The process supervisor behind `make run`, with real child processes."""
+
 import io
 import os
 import signal
@@ -60,8 +61,10 @@ def test_stop_terminates_children_and_their_grandchildren():
     out = io.StringIO()
     sup = Supervisor(out=out)
     # A parent that spawns a grandchild and prints its pid, the way celery forks its pool.
-    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-             " print(p.pid, flush=True); time.sleep(60)")
+    spawn = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        " print(p.pid, flush=True); time.sleep(60)"
+    )
     parent = sup.start("parent", [PY, "-c", spawn])
     assert _wait_for(lambda: "parent   | " in out.getvalue())
     grandchild = int(out.getvalue().split("|")[1].strip())
@@ -74,8 +77,15 @@ def test_stop_terminates_children_and_their_grandchildren():
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period():
     out = io.StringIO()
     sup = Supervisor(out=out, grace_seconds=0.5)
-    stubborn = sup.start("stubborn", [PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
-                                                 " print('up', flush=True); time.sleep(60)"])
+    stubborn = sup.start(
+        "stubborn",
+        [
+            PY,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+            " print('up', flush=True); time.sleep(60)",
+        ],
+    )
     assert _wait_for(lambda: "up" in out.getvalue())
     started = time.monotonic()
     sup.stop()
@@ -97,8 +107,10 @@ def test_lower_tiers_are_stopped_after_higher_ones():
     out = io.StringIO()
     sup = Supervisor(out=out)
     # Each child prints when SIGTERM arrives; the base tier must hear it last.
-    handler = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('{}', flush=True), sys.exit(0)));"
-               " print('up', flush=True); time.sleep(60)")
+    handler = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: (print('{}', flush=True), sys.exit(0)));"
+        " print('up', flush=True); time.sleep(60)"
+    )
     sup.start("base", [PY, "-c", handler.format("base-term")], tier=0)
     sup.start("svc", [PY, "-c", handler.format("svc-term")])
     assert _wait_for(lambda: out.getvalue().count("up") == 2)
@@ -110,8 +122,15 @@ def test_lower_tiers_are_stopped_after_higher_ones():
 def test_hurry_cuts_the_grace_period_short():
     out = io.StringIO()
     sup = Supervisor(out=out, grace_seconds=30)
-    stubborn = sup.start("stubborn", [PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
-                                                 " print('up', flush=True); time.sleep(60)"])
+    stubborn = sup.start(
+        "stubborn",
+        [
+            PY,
+            "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+            " print('up', flush=True); time.sleep(60)",
+        ],
+    )
     assert _wait_for(lambda: "up" in out.getvalue())
     threading.Timer(0.3, sup.hurry).start()  # the second Ctrl-C, while stop() waits
     started = time.monotonic()
@@ -122,6 +141,7 @@ def test_hurry_cuts_the_grace_period_short():
 
 
 # -- restarts ---------------------------------------------------------------------------------
+
 
 def _starts(path) -> list[float]:
     """The wall-clock start times a child appended to path, one line per start."""
@@ -143,7 +163,9 @@ def test_a_killed_child_is_restarted_and_the_others_keep_running():
         assert _wait_for(lambda: "up" in out.getvalue())
         first = engine.pid
         os.kill(first, signal.SIGKILL)
-        assert sup.watch(poll_seconds=0.05, until=lambda: engine.restarts == 1 and out.getvalue().count("up") == 2) is None
+        assert (
+            sup.watch(poll_seconds=0.05, until=lambda: engine.restarts == 1 and out.getvalue().count("up") == 2) is None
+        )
         assert engine.pid != first and engine.running() and steady.running()
         assert "engine was killed by signal 9; restarting it in 0.1s" in out.getvalue()
         assert "engine restarted (restart 1)" in out.getvalue()
@@ -163,8 +185,9 @@ def test_fast_failures_back_off_and_then_give_up_with_a_clear_message(tmp_path):
     finally:
         sup.stop()
     assert exited == Exited("crasher", 3, fast_failures=4)
-    assert exited.describe() == ("crasher exited with code 3 (4 times in a row, each soon after starting;"
-                                 " not restarting it again)")
+    assert exited.describe() == (
+        "crasher exited with code 3 (4 times in a row, each soon after starting; not restarting it again)"
+    )
     starts = _starts(log)
     assert len(starts) == 4  # the first start and three restarts
     gaps = [b - a for a, b in zip(starts, starts[1:])]
@@ -178,7 +201,13 @@ def test_a_child_that_ran_long_enough_is_restarted_without_counting_towards_givi
     log = tmp_path / "starts"
     child = sup.start("flaky", _recording_child(log, "time.sleep(0.5); sys.exit(1)"), restart=policy)
     try:
-        assert sup.watch(poll_seconds=0.02, until=lambda: len(_starts(log)) >= 4, ) is None
+        assert (
+            sup.watch(
+                poll_seconds=0.02,
+                until=lambda: len(_starts(log)) >= 4,
+            )
+            is None
+        )
     finally:
         sup.stop()
     assert child.restarts >= 3 and child.fast_failures == 0
@@ -187,8 +216,10 @@ def test_a_child_that_ran_long_enough_is_restarted_without_counting_towards_givi
 def test_what_is_left_of_a_dead_childs_group_is_killed_before_the_restart():
     out = io.StringIO()
     sup = Supervisor(out=out)
-    spawn = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
-             " print(p.pid, flush=True); time.sleep(60)")
+    spawn = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+        " print(p.pid, flush=True); time.sleep(60)"
+    )
     parent = sup.start("worker", [PY, "-c", spawn], restart=RestartPolicy(backoff_s=0.1))
     try:
         assert _wait_for(lambda: "worker   | " in out.getvalue())
@@ -203,8 +234,12 @@ def test_what_is_left_of_a_dead_childs_group_is_killed_before_the_restart():
 def test_on_exit_is_called_once_per_death_with_the_dead_process():
     sup = Supervisor(out=io.StringIO())
     dead = []
-    child = sup.start("engine", [PY, "-c", "import time; time.sleep(60)"], restart=RestartPolicy(backoff_s=0.1),
-                      on_exit=lambda c: dead.append(c.pid))
+    child = sup.start(
+        "engine",
+        [PY, "-c", "import time; time.sleep(60)"],
+        restart=RestartPolicy(backoff_s=0.1),
+        on_exit=lambda c: dead.append(c.pid),
+    )
     try:
         first = child.pid
         os.kill(first, signal.SIGKILL)

@@ -28,6 +28,7 @@ Forced choices (tool_choice "required" or a named function) are enforced by the 
   forced.py       forced choices: the grammar (forced_spec) and reading it back
   validation.py   validate_tools: tools, tool_choice, parallel_tool_calls as the API accepts them
 """
+
 from __future__ import annotations
 
 from .forced import forced_name, forced_spec, forced_stream, parse_forced
@@ -37,6 +38,22 @@ from .output import ParsedOutput, ToolCall, new_call_id
 from .parsers import PARSERS, HermesParser, Llama3JsonParser, MistralParser, ToolParser, choose_parser
 from .validation import FUNCTION_NAME, validate_tools
 
-__all__ = ["ARGUMENT_KEYS", "FUNCTION_NAME", "PARSERS", "HermesParser", "Llama3JsonParser", "MistralParser",
-           "ParsedOutput", "ToolCall", "ToolParser", "ToolStream", "choose_parser", "forced_name", "forced_spec",
-           "forced_stream", "new_call_id", "parse_forced", "validate_tools"]
+__all__ = [
+    "ARGUMENT_KEYS",
+    "FUNCTION_NAME",
+    "PARSERS",
+    "HermesParser",
+    "Llama3JsonParser",
+    "MistralParser",
+    "ParsedOutput",
+    "ToolCall",
+    "ToolParser",
+    "ToolStream",
+    "choose_parser",
+    "forced_name",
+    "forced_spec",
+    "forced_stream",
+    "new_call_id",
+    "parse_forced",
+    "validate_tools",
+]

@@ -1,5 +1,6 @@
 """Forced choices (tool_choice "required" or a named function): the engine's grammar that
 enforces them (forced_spec), and the streams that read the forced output back."""
+
 from __future__ import annotations
 
 from .formats import ArrayStream, ToolStream
@@ -22,11 +23,17 @@ def forced_spec(tools: list[dict], tool_choice, parallel_tool_calls: bool = True
     if tool_choice != "required":
         return None
     # vLLM's shape: an array of {"name", "parameters"} objects, one alternative per tool.
-    items = {"anyOf": [{"type": "object",
-                        "properties": {"name": {"const": tool["function"]["name"]},
-                                       "parameters": tool_parameters(tool)},
-                        "required": ["name", "parameters"], "additionalProperties": False}
-                       for tool in tools]}
+    items = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool["function"]["name"]}, "parameters": tool_parameters(tool)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for tool in tools
+        ]
+    }
     schema = {"type": "array", "minItems": 1, "items": items}
     if parallel_tool_calls is False:
         schema["maxItems"] = 1

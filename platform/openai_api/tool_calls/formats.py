@@ -1,5 +1,6 @@
 """The format streams: text deltas in, OpenAI chat deltas out, one class per model format
 (ToolStream holds what they share: content, held-back text, headers and argument fragments)."""
+
 from __future__ import annotations
 
 from .json_reader import WS, CallReader, Malformed
@@ -66,8 +67,8 @@ class ToolStream:
         at = buffer.find(self.marker) if self.marker else -1
         if at < 0:
             keep = _marker_prefix_length(buffer, self.marker)
-            self._content(buffer[:len(buffer) - keep])
-            self._pending = buffer[len(buffer) - keep:]
+            self._content(buffer[: len(buffer) - keep])
+            self._pending = buffer[len(buffer) - keep :]
             return len(text)
         self._content(buffer[:at])
         consumed = at + len(self.marker) - len(self._pending)
@@ -79,7 +80,7 @@ class ToolStream:
         body = text.rstrip(WS)
         if body:
             self._send_content(self._ws + body)
-            self._ws = text[len(body):]
+            self._ws = text[len(body) :]
         else:
             self._ws += text
 
@@ -148,8 +149,13 @@ class ToolStream:
         index = len(self.tool_calls)
         call = ToolCall(new_call_id(), name, "")
         self.tool_calls.append(call)
-        self._deltas.append({"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                                             "function": {"name": name, "arguments": ""}}]})
+        self._deltas.append(
+            {
+                "tool_calls": [
+                    {"index": index, "id": call.id, "type": "function", "function": {"name": name, "arguments": ""}}
+                ]
+            }
+        )
         return index
 
     def _send_arguments(self, index: int, text: str) -> None:
@@ -274,7 +280,7 @@ class Llama3Stream(ToolStream):
     def _decide_start(self) -> None:
         head = self._held.lstrip(WS)
         if head.startswith(self.python_tag):
-            head = head[len(self.python_tag):].lstrip(WS)
+            head = head[len(self.python_tag) :].lstrip(WS)
         elif self.python_tag.startswith(head):
             return  # nothing yet, or part of the tag
         if not head:

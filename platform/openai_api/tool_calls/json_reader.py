@@ -1,5 +1,6 @@
 """JSON read a character at a time: one value written back json.dumps-style as it arrives
 (JsonWriter), and one call object {"name", "arguments"} (CallReader) built on it."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """What reading a model's output for tool calls gives: the calls (OpenAI's shape) and the content."""
+
 from __future__ import annotations
 
 import secrets

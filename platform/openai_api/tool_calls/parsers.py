@@ -1,4 +1,5 @@
 """The parsers by vLLM's `--tool-call-parser` names, and which one a tokenizer implies."""
+
 from __future__ import annotations
 
 from .formats import HermesStream, Llama3Stream, MistralStream, ToolStream
@@ -37,8 +38,11 @@ class MistralParser(ToolParser):
     stream_class = MistralStream
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-                                        "mistral": MistralParser}
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
 
 
 def choose_parser(tokenizer, override: str | None = None) -> str:

@@ -1,4 +1,5 @@
 """Request validation: tools, tool_choice and parallel_tool_calls as the OpenAI API accepts them."""
+
 from __future__ import annotations
 
 import re
@@ -40,10 +41,14 @@ def _check_tool(tool, param: str) -> str:
         raise InvalidRequest("A function tool needs a function object.", param=f"{param}.function")
     name = function.get("name")
     if not isinstance(name, str) or not FUNCTION_NAME.match(name):
-        raise InvalidRequest("Function names are 1 to 64 letters, digits, underscores or dashes.",
-                             param=f"{param}.function.name")
-    for key, kind, wanted in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
-                              ("strict", bool, "a boolean")):
+        raise InvalidRequest(
+            "Function names are 1 to 64 letters, digits, underscores or dashes.", param=f"{param}.function.name"
+        )
+    for key, kind, wanted in (
+        ("description", str, "a string"),
+        ("parameters", dict, "a JSON schema object"),
+        ("strict", bool, "a boolean"),
+    ):
         if key in function and function[key] is not None and not isinstance(function[key], kind):
             raise InvalidRequest(f"function.{key} must be {wanted}.", param=f"{param}.function.{key}")
     return name
@@ -55,13 +60,20 @@ def _check_tool_choice(tool_choice, names: list[str]) -> None:
             raise InvalidRequest('tool_choice "required" needs tools.', param="tool_choice")
         return
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    if (not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)):
-        raise InvalidRequest('tool_choice must be "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}.', param="tool_choice")
+    if (
+        not isinstance(tool_choice, dict)
+        or tool_choice.get("type") != "function"
+        or not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
+    ):
+        raise InvalidRequest(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.',
+            param="tool_choice",
+        )
     if function["name"] not in names:
-        raise InvalidRequest(f"tool_choice names function {function['name']!r}, which is not in tools.",
-                             param="tool_choice")
+        raise InvalidRequest(
+            f"tool_choice names function {function['name']!r}, which is not in tools.", param="tool_choice"
+        )
 
 
 def _check_forced_schemas(tools: list[dict], tool_choice) -> None:
@@ -80,5 +92,7 @@ def _check_forced_schemas(tools: list[dict], tool_choice) -> None:
         try:
             check_syntax(StructuredOutputs(json=tool_parameters(tool)))
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(f"tools[{i}].function.parameters is not a schema the engine can enforce: {exc}",
-                                 param=f"tools[{i}].function.parameters") from None
+            raise InvalidRequest(
+                f"tools[{i}].function.parameters is not a schema the engine can enforce: {exc}",
+                param=f"tools[{i}].function.parameters",
+            ) from None

@@ -1,11 +1,12 @@
 """Settings shared by every environment. Everything deployment-specific comes from the env."""
+
 import os
 from pathlib import Path
 
 import dj_database_url
 
-from tessera.exposure import DEV_SECRET_KEY
 from common.redis_async import pool_kwargs
+from tessera.exposure import DEV_SECRET_KEY
 
 REPO_DIR = Path(__file__).resolve().parents[3]
 PLATFORM_DIR = REPO_DIR / "platform"
@@ -77,13 +78,15 @@ def databases(database_url: str | None) -> dict:
     """DATABASES for DATABASE_URL (PostgreSQL in production and `make test`), else SQLite in var/."""
     # Health checks: a persistent connection that died with its server (a PostgreSQL restart) is
     # replaced at the start of the next request instead of failing it.
-    default = dj_database_url.parse(database_url or f"sqlite:///{VAR_DIR / 'db.sqlite3'}", conn_max_age=600,
-                                    conn_health_checks=True)
+    default = dj_database_url.parse(
+        database_url or f"sqlite:///{VAR_DIR / 'db.sqlite3'}", conn_max_age=600, conn_health_checks=True
+    )
     if default["ENGINE"] == "django.db.backends.sqlite3":
         # WAL: readers (dashboard, history) never block the writer that records usage per request, and
         # with WAL, synchronous=NORMAL is still crash-safe while a commit skips its fsync.
         default.setdefault("OPTIONS", {}).setdefault(
-            "init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;")
+            "init_command", "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"
+        )
         # IMMEDIATE: a transaction that reads before it writes (finish_reply) takes the write lock at
         # BEGIN and waits its turn; a deferred one failed at once with "database is locked" when another
         # thread committed between its read and its write (the playground reply left "streaming").
@@ -122,8 +125,12 @@ def channel_layers(redis_url: str) -> dict:
     5 s by default: a reply a little late (a busy machine) crashed the websocket consumer, so its
     reads get a longer timeout. Its connections are redis_async's, so a consumer's cancellation is
     never lost (Python 3.11's wait_for can drop one)."""
-    return {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
-                        "CONFIG": {"hosts": [pool_kwargs(redis_url, socket_timeout=30)]}}}
+    return {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [pool_kwargs(redis_url, socket_timeout=30)]},
+        }
+    }
 
 
 CHANNEL_LAYERS = channel_layers(REDIS_URL)
@@ -140,8 +147,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 CELERY_BEAT_SCHEDULE = {
     "dashboard-roll-up-usage": {"task": "dashboard.roll_up_usage", "schedule": 300.0},
     # Expires overdue batches and restarts batches whose runner died (see batches/tasks.py).
-    "batches-watchdog": {"task": "batches.watchdog",
-                         "schedule": float(os.environ.get("BATCH_WATCHDOG_INTERVAL", 15))},
+    "batches-watchdog": {"task": "batches.watchdog", "schedule": float(os.environ.get("BATCH_WATCHDOG_INTERVAL", 15))},
     "batches-delete-expired-files": {"task": "batches.delete_expired_files", "schedule": 3600.0},
     "chat-finish-stale-replies": {"task": "chat.finish_stale_replies", "schedule": 300.0},
 }

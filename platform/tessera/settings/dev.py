@@ -1,4 +1,5 @@
 """Local development and `make run`: the embedded defaults."""
+
 import os
 
 from .base import *  # noqa: F401,F403

@@ -1,4 +1,5 @@
 """pytest settings: fast hashing, a throwaway database, a private real Redis for the session."""
+
 from tessera import embedded_postgres, embedded_redis
 
 from .base import *  # noqa: F401,F403

@@ -1,4 +1,5 @@
 """Sign up, log in, log out, password change and the API key pages (throttling: test_login_throttle.py)."""
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.urls import reverse
@@ -24,8 +25,9 @@ def fresh_throttle(settings):
 
 
 def test_signup_logs_the_new_user_in(client):
-    response = client.post(reverse("accounts:signup"), {
-        "username": "newbie", "email": "", "password1": PASSWORD, "password2": PASSWORD})
+    response = client.post(
+        reverse("accounts:signup"), {"username": "newbie", "email": "", "password1": PASSWORD, "password2": PASSWORD}
+    )
     assert response.status_code == 302 and response["Location"] == reverse("chat:playground")
     assert client.get(reverse("chat:playground")).context["user"].username == "newbie"
 
@@ -36,8 +38,9 @@ def test_signup_rejects_mismatched_passwords(client):
 
 
 def test_login_and_logout(client, user, fresh_throttle):
-    response = client.post(reverse("accounts:login"), {"username": "bob", "password": PASSWORD},
-                           REMOTE_ADDR=fresh_throttle)
+    response = client.post(
+        reverse("accounts:login"), {"username": "bob", "password": PASSWORD}, REMOTE_ADDR=fresh_throttle
+    )
     assert response.status_code == 302
     assert client.post(reverse("accounts:logout")).status_code == 302
     assert client.get(reverse("history:usage")).status_code == 302
@@ -45,8 +48,10 @@ def test_login_and_logout(client, user, fresh_throttle):
 
 def test_password_change(client, user):
     client.force_login(user)
-    response = client.post(reverse("accounts:password_change"), {
-        "old_password": PASSWORD, "new_password1": "An0ther-long-pass", "new_password2": "An0ther-long-pass"})
+    response = client.post(
+        reverse("accounts:password_change"),
+        {"old_password": PASSWORD, "new_password1": "An0ther-long-pass", "new_password2": "An0ther-long-pass"},
+    )
     assert response.status_code == 302
     user.refresh_from_db()
     assert user.check_password("An0ther-long-pass")

@@ -1,4 +1,5 @@
 """API keys: shown once, stored hashed with a visible prefix, revocable, expiring."""
+
 from datetime import timedelta
 
 import pytest

@@ -1,4 +1,5 @@
 """Log-in throttling on the site login and /admin/login/, keyed so that nobody can lock out someone else."""
+
 from __future__ import annotations
 
 import uuid
@@ -28,8 +29,9 @@ def _user(**extra):
 
 def _login(username: str, password: str, address: str, url: str | None = None):
     client = Client()
-    response = client.post(url or reverse("accounts:login"), {"username": username, "password": password},
-                           REMOTE_ADDR=address)
+    response = client.post(
+        url or reverse("accounts:login"), {"username": username, "password": password}, REMOTE_ADDR=address
+    )
     return response, client
 
 
@@ -139,7 +141,10 @@ def test_with_redis_down_log_in_fails_closed_with_a_reason_not_a_500(redis_stopp
 
 
 def test_with_redis_down_sign_up_is_refused_and_creates_nothing(redis_stopped):
-    response = Client().post(reverse("accounts:signup"), {"username": "late", "password1": PASSWORD,
-                                                          "password2": PASSWORD}, REMOTE_ADDR=_address())
+    response = Client().post(
+        reverse("accounts:signup"),
+        {"username": "late", "password1": PASSWORD, "password2": PASSWORD},
+        REMOTE_ADDR=_address(),
+    )
     assert response.status_code == 503 and "Sign-up is unavailable" in response.content.decode()
     assert not get_user_model().objects.filter(username="late").exists()

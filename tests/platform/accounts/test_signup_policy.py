@@ -1,4 +1,5 @@
 """Sign-up: ALLOW_SIGNUP, a per-address throttle, and SIGNUP_REQUIRES_APPROVAL (inactive until an admin approves)."""
+
 from __future__ import annotations
 
 import uuid
@@ -22,8 +23,11 @@ def _address() -> str:
 
 def _signup(client: Client, address: str, username: str | None = None):
     username = username or "n" + uuid.uuid4().hex[:10]
-    response = client.post(reverse("accounts:signup"), {"username": username, "email": "", "password1": PASSWORD,
-                                                        "password2": PASSWORD}, REMOTE_ADDR=address)
+    response = client.post(
+        reverse("accounts:signup"),
+        {"username": username, "email": "", "password1": PASSWORD, "password2": PASSWORD},
+        REMOTE_ADDR=address,
+    )
     return response, username
 
 
@@ -67,16 +71,16 @@ def test_an_account_awaiting_approval_cannot_log_in_or_use_a_key_until_an_admin_
     _key, raw = create_api_key(user)  # e.g. made by an admin on the command line
     assert call("GET", "/v1/models", headers={"Authorization": f"Bearer {raw}"}).status_code == 401
 
-    pending = client.post(reverse("accounts:login"), {"username": username, "password": PASSWORD},
-                          REMOTE_ADDR=address)
+    pending = client.post(reverse("accounts:login"), {"username": username, "password": PASSWORD}, REMOTE_ADDR=address)
     assert "waiting for an administrator" in pending.content.decode() and "_auth_user_id" not in client.session
     wrong = client.post(reverse("accounts:login"), {"username": username, "password": "nope"}, REMOTE_ADDR=address)
     assert "waiting for an administrator" not in wrong.content.decode()  # only the password's owner learns it
 
     admin = Client()
     admin.force_login(get_user_model().objects.create_superuser("root" + uuid.uuid4().hex[:6], "", PASSWORD))
-    approved = admin.post(reverse("admin:auth_user_changelist"),
-                          {"action": "approve_accounts", "_selected_action": [user.pk]})
+    approved = admin.post(
+        reverse("admin:auth_user_changelist"), {"action": "approve_accounts", "_selected_action": [user.pk]}
+    )
     assert approved.status_code == 302
     user.refresh_from_db()
     assert user.is_active

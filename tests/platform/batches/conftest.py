@@ -1,8 +1,8 @@
 """Fixtures for the batch tests: users with API keys, the tiny model's tokenizer, JSONL builders."""
+
 from __future__ import annotations
 
 import pytest
-
 from batch_testing import MODEL_NAME  # noqa: E402
 
 
@@ -11,9 +11,15 @@ def batch_settings(settings, tiny_model_dir):
     """The web tier tokenizes with the served model's tokenizer; quotas unlimited unless a test says so."""
     settings.MODEL = tiny_model_dir
     settings.SERVED_MODEL_NAME = MODEL_NAME
-    settings.QUOTA_DEFAULT_PLAN = {"name": "test", "tokens_per_day": None, "tokens_per_month": None,
-                                   "requests_per_minute": None, "concurrent_requests": None,
-                                   "max_tokens_per_request": 512, "allowed_models": []}
+    settings.QUOTA_DEFAULT_PLAN = {
+        "name": "test",
+        "tokens_per_day": None,
+        "tokens_per_month": None,
+        "requests_per_minute": None,
+        "concurrent_requests": None,
+        "max_tokens_per_request": 512,
+        "allowed_models": [],
+    }
     return settings
 
 

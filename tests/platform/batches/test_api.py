@@ -4,16 +4,16 @@ The client talks HTTP to the real Django application in-process (httpx's WSGI tr
 run inside pytest-django's test transaction; tests/platform/batches/test_batches_live.py drives the
 same API against the web server, Celery and an engine worker.
 """
+
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
+from batch_testing import chat_line, jsonl
 from django.core.signals import request_finished, request_started
 from django.core.wsgi import get_wsgi_application
 from django.db import close_old_connections
-
-from batch_testing import chat_line, jsonl
 
 pytestmark = pytest.mark.django_db
 
@@ -58,8 +58,12 @@ def upload(client, content: bytes = CONTENT, name: str = "requests.jsonl"):
 def test_files_create_list_retrieve_content_delete(client):
     created = upload(client)
     assert created.id.startswith("file-") and created.object == "file"
-    assert (created.bytes, created.filename, created.purpose, created.status) == (len(CONTENT), "requests.jsonl",
-                                                                                 "batch", "processed")
+    assert (created.bytes, created.filename, created.purpose, created.status) == (
+        len(CONTENT),
+        "requests.jsonl",
+        "batch",
+        "processed",
+    )
     assert created.created_at > 0 and created.expires_at > created.created_at
     assert [f.id for f in client.files.list()] == [created.id]
     assert client.files.retrieve(created.id).bytes == len(CONTENT)
@@ -91,11 +95,16 @@ def test_upload_refusals_use_the_error_envelope(client, settings):
 
 def test_batch_create_retrieve_and_shape(client):
     file = upload(client)
-    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                  metadata={"project": "demo"})
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"project": "demo"}
+    )
     assert batch.id.startswith("batch_") and batch.object == "batch"
     assert (batch.status, batch.input_file_id, batch.endpoint, batch.completion_window) == (
-        "validating", file.id, "/v1/chat/completions", "24h")
+        "validating",
+        file.id,
+        "/v1/chat/completions",
+        "24h",
+    )
     assert batch.metadata == {"project": "demo"}
     assert batch.request_counts.total == 0 and batch.output_file_id is None and batch.errors is None
     assert batch.expires_at - batch.created_at == 24 * 3600
@@ -105,9 +114,11 @@ def test_batch_create_retrieve_and_shape(client):
 
 def test_batch_create_refusals(client):
     file = upload(client)
-    cases = [dict(endpoint="/v1/moderations", completion_window="24h"),
-             dict(endpoint="/v1/chat/completions", completion_window="7d"),
-             dict(endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": 1})]
+    cases = [
+        dict(endpoint="/v1/moderations", completion_window="24h"),
+        dict(endpoint="/v1/chat/completions", completion_window="7d"),
+        dict(endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": 1}),
+    ]
     for kwargs in cases:
         with pytest.raises(openai.BadRequestError):
             client.batches.create(input_file_id=file.id, **kwargs)
@@ -117,8 +128,10 @@ def test_batch_create_refusals(client):
 
 def test_batches_list_pages_with_after_cursor(client):
     file = upload(client)
-    ids = [client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                 completion_window="24h").id for _ in range(3)]
+    ids = [
+        client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h").id
+        for _ in range(3)
+    ]
     first = client.batches.list(limit=2)
     assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
     second = client.batches.list(limit=2, after=first.data[-1].id)
@@ -137,11 +150,16 @@ def test_cancel_a_batch_still_validating(client):
 def test_another_users_files_and_batches_are_404(client, other_client):
     file = upload(client)
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
-    for call in (lambda: other_client.files.retrieve(file.id), lambda: other_client.files.content(file.id),
-                 lambda: other_client.files.delete(file.id), lambda: other_client.batches.retrieve(batch.id),
-                 lambda: other_client.batches.cancel(batch.id),
-                 lambda: other_client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                                     completion_window="24h")):
+    for call in (
+        lambda: other_client.files.retrieve(file.id),
+        lambda: other_client.files.content(file.id),
+        lambda: other_client.files.delete(file.id),
+        lambda: other_client.batches.retrieve(batch.id),
+        lambda: other_client.batches.cancel(batch.id),
+        lambda: other_client.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
         with pytest.raises(openai.NotFoundError) as missing:
             call()
         assert missing.value.body["type"] == "not_found_error" or missing.value.body["code"] == "not_found"

@@ -2,6 +2,7 @@
 worker: upload a JSONL file, watch the progress bar fill over the websocket, download the output.
 Dev settings, so static files are served. Saves batches*.png (tests/platform/browser_output.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,15 @@ from tests.platform.browser_output import browser_stack_model, save_screenshot
 from tests.platform.live_stack import LiveStack
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,11 +33,16 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
-    env = {"DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1", "BATCH_MAX_IN_FLIGHT": "4",
-           "BATCH_PROGRESS_INTERVAL": "0.2"}
+    env = {
+        "DJANGO_SETTINGS_MODULE": "tessera.settings.dev",
+        "DEBUG": "1",
+        "BATCH_MAX_IN_FLIGHT": "4",
+        "BATCH_PROGRESS_INTERVAL": "0.2",
+    }
     model, model_env = browser_stack_model(tiny_model_dir)
-    with LiveStack.start(model, tmp_path_factory.mktemp("batches-browser"), env={**env, **model_env},
-                         celery=True) as live:
+    with LiveStack.start(
+        model, tmp_path_factory.mktemp("batches-browser"), env={**env, **model_env}, celery=True
+    ) as live:
         live.sql("PRAGMA journal_mode=WAL")
         yield live
 
@@ -40,8 +53,9 @@ def page(stack):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        context = browser.new_context(base_url=stack.base_url, viewport={"width": 1280, "height": 800},
-                                      accept_downloads=True)
+        context = browser.new_context(
+            base_url=stack.base_url, viewport={"width": 1280, "height": 800}, accept_downloads=True
+        )
         page = context.new_page()
         page.set_default_timeout(60_000)
         yield page
@@ -50,10 +64,26 @@ def page(stack):
 
 def requests_file(stack, tmp_path: Path, n: int) -> Path:
     path = tmp_path / "requests.jsonl"
-    path.write_text("".join(json.dumps({
-        "custom_id": f"web-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": stack.model_name, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                 "messages": [{"role": "user", "content": f"Line {i}"}]}}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "custom_id": f"web-{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": stack.model_name,
+                        "max_tokens": 16,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"Line {i}"}],
+                    },
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
     return path
 
 

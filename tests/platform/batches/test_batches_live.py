@@ -5,6 +5,7 @@ Covers: a 200-line batch (every custom_id exactly once; greedy outputs equal the
 one by one), a Celery worker SIGKILLed mid-batch and restarted, cancel mid-run, expiry mid-run,
 and the TTFT of an interactive request while a batch runs.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,10 +22,24 @@ from tests.platform.live_stack import BIN_DIR, LiveStack
 pytestmark = pytest.mark.slow
 
 # Short leases and a fast watchdog so a dead worker's batch is picked up within seconds.
-BATCH_ENV = {"BATCH_LEASE_SECONDS": "4", "BATCH_WATCHDOG_INTERVAL": "1", "BATCH_MAX_IN_FLIGHT": "8",
-             "BATCH_PROGRESS_INTERVAL": "0.2"}
-CELERY_WORKER = [str(BIN_DIR / "celery"), "-A", "tessera", "worker", "-l", "info", "-c", "2",
-                 "--without-gossip", "--without-mingle"]
+BATCH_ENV = {
+    "BATCH_LEASE_SECONDS": "4",
+    "BATCH_WATCHDOG_INTERVAL": "1",
+    "BATCH_MAX_IN_FLIGHT": "8",
+    "BATCH_PROGRESS_INTERVAL": "0.2",
+}
+CELERY_WORKER = [
+    str(BIN_DIR / "celery"),
+    "-A",
+    "tessera",
+    "worker",
+    "-l",
+    "info",
+    "-c",
+    "2",
+    "--without-gossip",
+    "--without-mingle",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +47,9 @@ def stack(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("batches-live")
     with LiveStack.start(tiny_model_dir, work, env=BATCH_ENV, celery=True) as live:
         live.sql("PRAGMA journal_mode=WAL")  # web, Celery and engine write the same file concurrently
-        live.spawn("beat", [str(BIN_DIR / "celery"), "-A", "tessera", "beat", "-l", "info",
-                            "-s", str(work / "beat-schedule")])
+        live.spawn(
+            "beat", [str(BIN_DIR / "celery"), "-A", "tessera", "beat", "-l", "info", "-s", str(work / "beat-schedule")]
+        )
         yield live
 
 
@@ -48,8 +64,12 @@ KILL_TOKENS = 64
 def chat_lines(stack, n: int, max_tokens: int, prefix: str = "req", ignore_eos: bool = False) -> list[dict]:
     lines = []
     for i in range(n):
-        body = {"model": stack.model_name, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": f"Item {i}: tell me about number {i * 7 % 13}."}]}
+        body = {
+            "model": stack.model_name,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Item {i}: tell me about number {i * 7 % 13}."}],
+        }
         if ignore_eos:
             body["ignore_eos"] = True
         lines.append({"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
@@ -142,9 +162,14 @@ def test_celery_worker_killed_mid_batch_restarts_and_every_line_runs_once(client
     marks = ",".join("?" * len(request_ids))
     usage = stack.sql(f"SELECT request_id FROM usage_usagerecord WHERE request_id IN ({marks})", tuple(request_ids))
     assert sorted(r[0] for r in usage) == sorted(request_ids)  # usage recorded exactly once per line
-    attempts = Counter(n for (n,) in stack.sql(
-        "SELECT l.attempts FROM batches_batchline l JOIN batches_batch b ON b.id = l.batch_id WHERE b.public_id = ?",
-        (batch.id,)))
+    attempts = Counter(
+        n
+        for (n,) in stack.sql(
+            "SELECT l.attempts FROM batches_batchline l JOIN batches_batch b ON b.id = l.batch_id "
+            "WHERE b.public_id = ?",
+            (batch.id,),
+        )
+    )
     print(f"attempts per line after the kill: {dict(attempts)}", file=sys.stderr)
     time.sleep(1.5)  # one more heartbeat
     generated = generated_tokens(stack) - tokens_before
@@ -179,8 +204,10 @@ def _engine_drains(stack, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         stats = stack.worker_stats()
-        if stats and all(s.get("last_step_at", 0) > since and s.get("num_running", 0) == 0
-                         and s.get("num_waiting", 0) == 0 for s in stats):
+        if stats and all(
+            s.get("last_step_at", 0) > since and s.get("num_running", 0) == 0 and s.get("num_waiting", 0) == 0
+            for s in stats
+        ):
             return True
         time.sleep(0.2)
     return False
@@ -202,8 +229,13 @@ def test_expiry_mid_run_finalizes_partial_output_and_marks_the_rest_expired(clie
 
 def ttft(client, stack) -> float:
     started = time.perf_counter()
-    stream = client.chat.completions.create(model=stack.model_name, max_tokens=4, temperature=0, stream=True,
-                                            messages=[{"role": "user", "content": "Quick question?"}])
+    stream = client.chat.completions.create(
+        model=stack.model_name,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        messages=[{"role": "user", "content": "Quick question?"}],
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             elapsed = time.perf_counter() - started
@@ -225,8 +257,11 @@ def measure_idle_and_busy_ttft(client, stack, attempt: int) -> tuple[float, floa
     wait_batch(client, batch.id, done, timeout=120, stack=stack)
     assert still_running.status == "in_progress", "the batch must still be running while TTFT is measured"
     idle, busy = statistics.median(idle_samples), statistics.median(busy_samples)
-    print(f"TTFT idle {idle * 1000:.1f} ms, during batch {busy * 1000:.1f} ms; samples (ms): "
-          f"{[round(t * 1000) for t in idle_samples]} / {[round(t * 1000) for t in busy_samples]}", file=sys.stderr)
+    print(
+        f"TTFT idle {idle * 1000:.1f} ms, during batch {busy * 1000:.1f} ms; samples (ms): "
+        f"{[round(t * 1000) for t in idle_samples]} / {[round(t * 1000) for t in busy_samples]}",
+        file=sys.stderr,
+    )
     return idle, busy
 
 

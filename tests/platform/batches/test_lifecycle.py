@@ -1,13 +1,14 @@
 """Batch lifecycle in the services: transitions, exactly-once results, finalize, expiry, pause on quota."""
+
 from __future__ import annotations
 
 import json
 from datetime import timedelta
 
 import pytest
+from batch_testing import chat_line, jsonl
 from django.utils import timezone
 
-from batch_testing import chat_line, jsonl
 from batches import presenters, selectors, services
 from batches.lines import LineOutcome
 from batches.models import Batch, BatchLine
@@ -22,10 +23,12 @@ pytestmark = pytest.mark.django_db
 
 
 def started_batch(user, n: int = 3) -> Batch:
-    file = services.upload_file(user, content=jsonl([chat_line(f"r{i}") for i in range(n)]), filename="in.jsonl",
-                                purpose="batch")
-    batch = services.create_batch(user, input_file_id=file.public_id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    file = services.upload_file(
+        user, content=jsonl([chat_line(f"r{i}") for i in range(n)]), filename="in.jsonl", purpose="batch"
+    )
+    batch = services.create_batch(
+        user, input_file_id=file.public_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     services.validate_batch(batch.pk)
     batch.refresh_from_db()
     assert batch.status == Batch.Status.IN_PROGRESS
@@ -33,10 +36,14 @@ def started_batch(user, n: int = 3) -> Batch:
 
 
 def ok_outcome(text: str) -> LineOutcome:
-    body = {"id": "chatcmpl-x", "object": "chat.completion", "choices": [
-        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]}
-    return LineOutcome(ok=True, status_code=200, body=body,
-                       usage={"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 1})
+    body = {
+        "id": "chatcmpl-x",
+        "object": "chat.completion",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
+    }
+    return LineOutcome(
+        ok=True, status_code=200, body=body, usage={"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 1}
+    )
 
 
 def test_a_line_result_is_recorded_exactly_once(user):
@@ -44,16 +51,35 @@ def test_a_line_result_is_recorded_exactly_once(user):
     line = batch.lines.get(custom_id="r0")
     assert services.mark_line_running(line, "req-1", None)
     assert not services.mark_line_running(line, "req-2", None)  # already running
-    gen = Generation(source="batch", endpoint=line.url, user=user, model="tiny", prompts=[[1] * 5],
-                     sampling_params={}, request_id="req-1")
+    gen = Generation(
+        source="batch",
+        endpoint=line.url,
+        user=user,
+        model="tiny",
+        prompts=[[1] * 5],
+        sampling_params={},
+        request_id="req-1",
+    )
     assert generation.finish(gen, save=lambda _gen: services.record_line_result(line, ok_outcome("hi")))
-    again = Generation(source="batch", endpoint=line.url, user=user, model="tiny", prompts=[[1] * 5],
-                       sampling_params={}, request_id="req-1")
+    again = Generation(
+        source="batch",
+        endpoint=line.url,
+        user=user,
+        model="tiny",
+        prompts=[[1] * 5],
+        sampling_params={},
+        request_id="req-1",
+    )
     assert not generation.finish(again, save=lambda _gen: services.record_line_result(line, ok_outcome("again")))
     assert list(UsageRecord.objects.values_list("source", "request_id")) == [("batch", "req-1")]  # once
     batch.refresh_from_db()
     assert (batch.completed, batch.failed, batch.input_tokens, batch.output_tokens, batch.cached_tokens) == (
-        1, 0, 5, 2, 1)
+        1,
+        0,
+        5,
+        2,
+        1,
+    )
 
 
 def test_a_stale_runner_cannot_record_a_line_another_runner_resubmitted(user):
@@ -77,8 +103,21 @@ def test_finalize_writes_output_and_error_files_with_every_line_once(user):
         services.record_line_result(line, outcome)
     failing = lines[2]
     services.mark_line_running(failing, "req-fail", None)
-    services.record_line_result(failing, LineOutcome(ok=False, status_code=400, body={"error": {
-        "message": "bad", "type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}}))
+    services.record_line_result(
+        failing,
+        LineOutcome(
+            ok=False,
+            status_code=400,
+            body={
+                "error": {
+                    "message": "bad",
+                    "type": "invalid_request_error",
+                    "param": "max_tokens",
+                    "code": "invalid_value",
+                }
+            },
+        ),
+    )
     services.close_unfinished_lines(batch.pk, BatchLine.Status.EXPIRED, "batch_expired", "too late")
     services.finalize_batch(batch.pk, Batch.Status.EXPIRED)
     batch.refresh_from_db()
@@ -89,7 +128,9 @@ def test_finalize_writes_output_and_error_files_with_every_line_once(user):
     assert output[0]["response"] == {"status_code": 200, "request_id": "req-r0", "body": ok_outcome("a").body}
     assert output[0]["error"] is None and output[0]["id"].startswith("batch_req_")
     assert [(r["custom_id"], r["response"] and r["response"]["status_code"]) for r in errors] == [
-        ("r2", 400), ("r3", None)]
+        ("r2", 400),
+        ("r3", None),
+    ]
     assert errors[1]["error"] == {"code": "batch_expired", "message": "too late"}
     assert batch.output_file.purpose == "batch_output" and batch.output_file.user == user
     services.finalize_batch(batch.pk, Batch.Status.COMPLETED)  # idempotent: a terminal batch stays as it is
@@ -116,8 +157,9 @@ def test_cancel_transitions_and_refusals(user, monkeypatch):
 
 def test_cancelling_before_validation_ends_cancelled_without_running(user):
     file = services.upload_file(user, content=jsonl([chat_line("a")]), filename="in.jsonl", purpose="batch")
-    batch = services.create_batch(user, input_file_id=file.public_id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    batch = services.create_batch(
+        user, input_file_id=file.public_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     services.cancel_batch(user, batch.public_id)
     services.validate_batch(batch.pk)  # the queued validation task finds it cancelling
     batch.refresh_from_db()
@@ -126,8 +168,9 @@ def test_cancelling_before_validation_ends_cancelled_without_running(user):
 
 def test_expiry_of_a_batch_stuck_in_validation_and_the_watchdogs_view(user):
     file = services.upload_file(user, content=jsonl([chat_line("a")]), filename="in.jsonl", purpose="batch")
-    stuck = services.create_batch(user, input_file_id=file.public_id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    stuck = services.create_batch(
+        user, input_file_id=file.public_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     running = started_batch(user)
     past = timezone.now() - timedelta(seconds=1)
     Batch.objects.filter(pk__in=[stuck.pk, running.pk]).update(expires_at=past)

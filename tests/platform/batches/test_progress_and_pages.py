@@ -1,14 +1,15 @@
 """The Batches web pages and the live progress feed (a Channels group on the real Redis channel layer)."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from batch_testing import chat_line, jsonl
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 from django.urls import reverse
 
-from batch_testing import chat_line, jsonl
 from batches import progress, services
 from batches.models import Batch
 from batches.routing import websocket_urlpatterns
@@ -18,8 +19,9 @@ CONTENT = jsonl([chat_line("a"), chat_line("b")])
 
 def make_batch(user) -> Batch:
     file = services.upload_file(user, content=CONTENT, filename="in.jsonl", purpose="batch")
-    return services.create_batch(user, input_file_id=file.public_id, endpoint="/v1/chat/completions",
-                                 completion_window="24h")
+    return services.create_batch(
+        user, input_file_id=file.public_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
 
 
 async def _connect(user, batch_id: str):
@@ -75,9 +77,14 @@ def test_batches_page_upload_starts_a_batch_and_detail_shows_it(client, user):
     assert page.status_code == 200 and b"Upload and start" in page.content
     from django.core.files.uploadedfile import SimpleUploadedFile
 
-    response = client.post(reverse("batches:upload"), {
-        "file": SimpleUploadedFile("in.jsonl", CONTENT), "endpoint": "/v1/chat/completions",
-        "description": "nightly eval"})
+    response = client.post(
+        reverse("batches:upload"),
+        {
+            "file": SimpleUploadedFile("in.jsonl", CONTENT),
+            "endpoint": "/v1/chat/completions",
+            "description": "nightly eval",
+        },
+    )
     batch = Batch.objects.get(user=user)
     assert response.status_code == 302 and response["Location"] == reverse("batches:detail", args=[batch.public_id])
     assert batch.metadata == {"description": "nightly eval"}
@@ -92,8 +99,9 @@ def test_batches_page_upload_starts_a_batch_and_detail_shows_it(client, user):
 def test_page_shows_validation_errors_and_cancel_works(client, user):
     client.force_login(user)
     bad = services.upload_file(user, content=jsonl(["{oops", chat_line("x")]), filename="bad.jsonl", purpose="batch")
-    failed = services.create_batch(user, input_file_id=bad.public_id, endpoint="/v1/chat/completions",
-                                   completion_window="24h")
+    failed = services.create_batch(
+        user, input_file_id=bad.public_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     services.validate_batch(failed.pk)
     page = client.get(reverse("batches:detail", args=[failed.public_id]))
     assert b"invalid_json_line" in page.content and b"Validation errors" in page.content

@@ -3,6 +3,7 @@
 Each engine step is slowed to STEP_DELAY_S so that "stop" and "reconnect" happen mid-answer, as
 they would with a real model, instead of racing a tiny model that finishes in milliseconds.
 """
+
 from __future__ import annotations
 
 import time
@@ -11,8 +12,16 @@ from inference import LLM
 from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, wait_for  # noqa: F401
 
 STEP_DELAY_S = 0.02
-ENGINE_ARGS = dict(dtype="float32", device="cpu", block_size=16, max_num_seqs=8, max_num_batched_tokens=1024,
-                   max_model_len=1024, num_kv_blocks=256, seed=0)
+ENGINE_ARGS = dict(
+    dtype="float32",
+    device="cpu",
+    block_size=16,
+    max_num_seqs=8,
+    max_num_batched_tokens=1024,
+    max_model_len=1024,
+    num_kv_blocks=256,
+    seed=0,
+)
 
 
 def slow_llm(model_dir: str, step_delay_s: float = STEP_DELAY_S) -> LLM:

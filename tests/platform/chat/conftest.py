@@ -2,10 +2,9 @@ import uuid
 
 import pytest
 import redis
+from chat_live_engine import clear_engine_keys, start_worker, wait_for
 from django.conf import settings as django_settings
 from django.contrib.auth import get_user_model
-
-from chat_live_engine import clear_engine_keys, start_worker, wait_for
 
 
 @pytest.fixture
@@ -33,11 +32,14 @@ def chat_settings(settings, tiny_model_dir):
     settings.MODEL = tiny_model_dir
     settings.SERVED_MODEL_NAME = "tiny"
     settings.QUOTA_REDIS_PREFIX = f"qchat-{uuid.uuid4().hex[:8]}"
-    settings.QUOTA_DEFAULT_PLAN = {"name": "default", "tokens_per_day": 100_000, "requests_per_minute": 100,
-                                   "concurrent_requests": 10, "max_tokens_per_request": 512}
+    settings.QUOTA_DEFAULT_PLAN = {
+        "name": "default",
+        "tokens_per_day": 100_000,
+        "requests_per_minute": 100,
+        "concurrent_requests": 10,
+        "max_tokens_per_request": 512,
+    }
     return settings
-
-
 
 
 @pytest.fixture

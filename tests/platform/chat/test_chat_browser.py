@@ -6,6 +6,7 @@ Walks what a person does: sign up, chat and watch tokens arrive, stop, regenerat
 conversation in history, create an API key, log out and in. Screenshots go to var/test-screenshots/
 (docs/screenshots/ under `make screenshots`, tests/platform/browser_output.py).
 """
+
 import os
 import shutil
 import signal
@@ -21,8 +22,15 @@ from tests.platform.browser_output import save_screenshot as shot
 from tests.platform.live_stack import LiveStack
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 PASSWORD = "a-Long-pass-123"
 
 pytestmark = [
@@ -35,12 +43,17 @@ pytestmark = [
 def stack(tiny_model_dir, tmp_path_factory):
     """Dev settings (DEBUG=1: WhiteNoise serves platform/static without collectstatic), a roomier engine."""
     # A long heartbeat TTL: the stop test freezes the engine for as long as the click takes.
-    env = {"DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1", "QUOTA_MAX_TOKENS_PER_REQUEST": "600",
-           "ENGINE_HEARTBEAT_TTL": "120"}
+    env = {
+        "DJANGO_SETTINGS_MODULE": "tessera.settings.dev",
+        "DEBUG": "1",
+        "QUOTA_MAX_TOKENS_PER_REQUEST": "600",
+        "ENGINE_HEARTBEAT_TTL": "120",
+    }
     engine_args = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "num_kv_blocks": 256}
     model, model_env = browser_stack_model(tiny_model_dir)
-    with LiveStack.start(model, tmp_path_factory.mktemp("chat-browser"), env={**env, **model_env},
-                         engine_args=engine_args) as running:
+    with LiveStack.start(
+        model, tmp_path_factory.mktemp("chat-browser"), env={**env, **model_env}, engine_args=engine_args
+    ) as running:
         yield running
 
 
@@ -105,8 +118,11 @@ def wait_for_text_delta(r, request_id: str, timeout_ms: int = 20_000) -> None:
 
 
 def output_events(r, request_id: str) -> list[dict]:
-    return [event for _, fields in r.xrange(protocol.output_stream(request_id))
-            for event in protocol.decode(fields[b"events"])]
+    return [
+        event
+        for _, fields in r.xrange(protocol.output_stream(request_id))
+        for event in protocol.decode(fields[b"events"])
+    ]
 
 
 def wait_idle(page) -> None:
@@ -196,7 +212,9 @@ def test_chat_stop_regenerate_history_and_keys_in_a_real_browser(page, stack):
 def test_model_and_user_text_cannot_inject_html(page, stack):
     sign_up(page, "mallory")
     page.wait_for_selector("#ws-status.online")
-    payload = "<img src=x onerror=\"window.__pwned=1\"> **bold** and `code`\n\n```\n<script>window.__pwned=2</script>\n```"
+    payload = (
+        '<img src=x onerror="window.__pwned=1"> **bold** and `code`\n\n```\n<script>window.__pwned=2</script>\n```'
+    )
     page.fill("#p-max_tokens", "5")
     page.fill("#prompt", payload)
     page.click("#send")
@@ -236,11 +254,16 @@ def test_the_markdown_renderer_escapes_before_it_formats(browser):
             hrefs = page.evaluate("() => [...document.querySelectorAll('#out a')].map(a => a.getAttribute('href'))")
             assert all(h.startswith("https://") for h in hrefs), source
             handlers = page.evaluate(
-                "() => [...document.querySelectorAll('#out *')].flatMap(e => [...e.attributes].map(a => a.name))")
+                "() => [...document.querySelectorAll('#out *')].flatMap(e => [...e.attributes].map(a => a.name))"
+            )
             assert not [h for h in handlers if h.startswith("on")], source
         assert page.evaluate("window.__pwned") is None
-        html = page.evaluate("() => TesseraMarkdown.render('# Title\\n\\nSome `x < y` and **b**\\n\\n```py\\nif a < b:\\n```')")
-        assert html == ('<h1>Title</h1><p>Some <code>x &lt; y</code> and <strong>b</strong></p>'
-                        '<pre><code class="language-py">if a &lt; b:</code></pre>')
+        html = page.evaluate(
+            "() => TesseraMarkdown.render('# Title\\n\\nSome `x < y` and **b**\\n\\n```py\\nif a < b:\\n```')"
+        )
+        assert html == (
+            "<h1>Title</h1><p>Some <code>x &lt; y</code> and <strong>b</strong></p>"
+            '<pre><code class="language-py">if a &lt; b:</code></pre>'
+        )
     finally:
         page.close()

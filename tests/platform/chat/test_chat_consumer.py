@@ -1,19 +1,18 @@
 """The playground websocket against the real Redis channel layer and a running engine worker."""
+
 import asyncio
 import time
 
 import pytest
 from asgiref.sync import async_to_sync, sync_to_async
 from channels.testing import WebsocketCommunicator
-from django.conf import settings
+from chat_live_engine import session_cookie, slow_llm, wait_for
 
 from chat.models import Conversation, Message
 from engine_client import client as engine_client
 from generation.services import collect
 from quotas import selectors as quota_selectors
 from usage.models import UsageRecord
-
-from chat_live_engine import session_cookie, slow_llm, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SETTINGS = {"model": "tiny", "system_prompt": "", "params": {"temperature": 0, "max_tokens": 12}}
@@ -122,8 +121,13 @@ def test_reconnect_resumes_the_answer_and_the_owner_still_saves_it(user, worker)
     async def scenario():
         first = await connect(user)
         await first.receive_json_from()
-        await first.send_json_to({"type": "send", "content": "Count to fifty", "settings": {
-            "model": "tiny", "params": {"temperature": 0, "max_tokens": 60}}})
+        await first.send_json_to(
+            {
+                "type": "send",
+                "content": "Count to fifty",
+                "settings": {"model": "tiny", "params": {"temperature": 0, "max_tokens": 60}},
+            }
+        )
         frames = await receive_until(first, "delta")
         message_id = frames[0]["message"]["id"]
         await first.disconnect()  # a reload: the socket is gone mid-answer
@@ -168,8 +172,9 @@ def test_regenerate_and_edit_over_the_socket_keep_branches(user, worker):
         answer = first[-1]["message"]
         await ws.send_json_to({"type": "regenerate", "message_id": answer["id"], "settings": SETTINGS})
         regen = await receive_until(ws, "done")
-        await ws.send_json_to({"type": "edit", "message_id": first[0]["user_message"]["id"], "content": "Edited",
-                               "settings": SETTINGS})
+        await ws.send_json_to(
+            {"type": "edit", "message_id": first[0]["user_message"]["id"], "content": "Edited", "settings": SETTINGS}
+        )
         edited = await receive_until(ws, "done")
         await ws.send_json_to({"type": "select_branch", "message_id": first[0]["user_message"]["id"]})
         branch = await receive_until(ws, "branch")
@@ -220,10 +225,12 @@ def test_another_users_messages_are_not_found_over_the_socket(user, other_user, 
         intruder = await connect(other_user)
         await intruder.receive_json_from()
         answers = []
-        for frame in ({"type": "resume", "message_id": done["id"]},
-                      {"type": "regenerate", "message_id": done["id"], "settings": SETTINGS},
-                      {"type": "stop", "message_id": done["id"]},
-                      {"type": "select_branch", "message_id": done["id"]}):
+        for frame in (
+            {"type": "resume", "message_id": done["id"]},
+            {"type": "regenerate", "message_id": done["id"], "settings": SETTINGS},
+            {"type": "stop", "message_id": done["id"]},
+            {"type": "select_branch", "message_id": done["id"]},
+        ):
             await intruder.send_json_to(frame)
             answers.append(await intruder.receive_json_from(timeout=10))
         await intruder.disconnect()
@@ -256,9 +263,13 @@ def test_stale_replies_whose_follower_died_are_finished_from_the_engine_stream(u
     from chat import services
 
     orphan = services.send_message(user, "Hello", SETTINGS)  # its web process "died" after submitting
-    engine_client.client().submit(model=orphan.model, prompt_token_ids=orphan.prompt_token_ids,
-                                  sampling_params=orphan.sampling_params, request_id=orphan.request_id,
-                                  priority_class="interactive")
+    engine_client.client().submit(
+        model=orphan.model,
+        prompt_token_ids=orphan.prompt_token_ids,
+        sampling_params=orphan.sampling_params,
+        request_id=orphan.request_id,
+        priority_class="interactive",
+    )
     expected = collect(orphan.request_id, timeout=30).text
     never_submitted = services.send_message(user, "Lost", SETTINGS)
     services.save_progress(never_submitted.message_id, "partial")

@@ -1,4 +1,5 @@
 """chat.services and chat.selectors: branches, quota reservation and settlement, exports."""
+
 import json
 
 import pytest
@@ -20,11 +21,25 @@ def finish(reply, text="Hello there", completion_tokens=3, reason="stop", gen=No
     gen = gen or reply.gen
     arrived_ms = int(gen.arrived_at * 1000)
     gen.arrived_at = arrived_ms / 1000
-    gen.result.add({"type": "delta", "index": 0, "text": text, "token_ids": [7] * completion_tokens,
-                    "finish_reason": reason, "entry_id": f"{arrived_ms + 10}-0"})
-    gen.result.add({"type": "finish", "finish_reasons": [reason], "metrics": {"ttft_ms": 4.0},
-                    "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion_tokens,
-                              "cached_tokens": 0}, "entry_id": f"{arrived_ms + 110}-0"})
+    gen.result.add(
+        {
+            "type": "delta",
+            "index": 0,
+            "text": text,
+            "token_ids": [7] * completion_tokens,
+            "finish_reason": reason,
+            "entry_id": f"{arrived_ms + 10}-0",
+        }
+    )
+    gen.result.add(
+        {
+            "type": "finish",
+            "finish_reasons": [reason],
+            "metrics": {"ttft_ms": 4.0},
+            "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion_tokens, "cached_tokens": 0},
+            "entry_id": f"{arrived_ms + 110}-0",
+        }
+    )
     return services.finish_reply(reply.message_id, gen)
 
 
@@ -38,8 +53,14 @@ def test_send_creates_conversation_turn_and_a_streaming_answer_with_reserved_quo
     assert (assistant.role, assistant.status, assistant.parent_id) == ("assistant", "streaming", reply.user_message_id)
     assert conversation.current_leaf_id == assistant.pk
     assert reply.prompt_token_ids and reply.sampling_params == {
-        "temperature": 0.0, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1, "max_tokens": 8,
-        "presence_penalty": 0.0, "frequency_penalty": 0.0}  # top_p, top_k, repetition_penalty: the panel's defaults
+        "temperature": 0.0,
+        "top_p": 0.9,
+        "top_k": 0,
+        "repetition_penalty": 1.1,
+        "max_tokens": 8,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }  # top_p, top_k, repetition_penalty: the panel's defaults
     usage = quota_selectors.quota_status(user).usage
     assert (usage.concurrent, usage.tokens_today) == (1, len(reply.prompt_token_ids) + 8)
 
@@ -196,16 +217,20 @@ def test_a_conversation_is_tokenized_for_the_model_that_will_run_it(user, chat_s
 
     import redis
 
-    from inference import protocol
     from generation import tokenization
+    from inference import protocol
 
     other = tmp_path / "other-model"
     shutil.copytree(tiny_model_dir, other)
     template = other / "chat_template.jinja"
     template.write_text("OTHER " + template.read_text())
     r = redis.Redis.from_url(chat_settings.REDIS_URL)
-    beat = protocol.Heartbeat(worker_id="chat-other", model="other", served_model_names=["other", "other-alias"],
-                              config={"model_path": str(other)})
+    beat = protocol.Heartbeat(
+        worker_id="chat-other",
+        model="other",
+        served_model_names=["other", "other-alias"],
+        config={"model_path": str(other)},
+    )
     r.hset(protocol.heartbeat_key("chat-other"), mapping=beat.fields())
     r.expire(protocol.heartbeat_key("chat-other"), 30)
     r.sadd(protocol.WORKERS_SET, "chat-other")

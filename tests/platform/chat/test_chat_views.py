@@ -1,4 +1,5 @@
 """Playground and history pages over HTTP, and isolation: another user's objects answer 404."""
+
 import json
 
 import pytest
@@ -15,8 +16,15 @@ PANEL = {"model": "tiny", "params": {"temperature": 0, "max_tokens": 8}}
 @pytest.fixture
 def conversation(user, chat_settings):
     reply = services.send_message(user, "Hello <script>alert(1)</script>", PANEL)
-    reply.gen.result.add({"type": "delta", "index": 0, "text": "**Hi** <img src=x onerror=alert(1)>",
-                          "token_ids": [1, 2, 3, 4], "finish_reason": "stop"})
+    reply.gen.result.add(
+        {
+            "type": "delta",
+            "index": 0,
+            "text": "**Hi** <img src=x onerror=alert(1)>",
+            "token_ids": [1, 2, 3, 4],
+            "finish_reason": "stop",
+        }
+    )
     reply.gen.result.add({"type": "finish", "finish_reasons": ["stop"], "usage": None, "metrics": {}})
     services.finish_reply(reply.message_id, reply.gen)
     return Conversation.objects.get(pk=reply.conversation_id)
@@ -24,8 +32,16 @@ def conversation(user, chat_settings):
 
 @pytest.fixture
 def api_record(user):
-    return usage_services.record_usage(user=user, source="api", endpoint="/v1/chat/completions", model="tiny",
-                                       request_id="req-abc", prompt_tokens=5, completion_tokens=7, latency_ms=42.0)
+    return usage_services.record_usage(
+        user=user,
+        source="api",
+        endpoint="/v1/chat/completions",
+        model="tiny",
+        request_id="req-abc",
+        prompt_tokens=5,
+        completion_tokens=7,
+        latency_ms=42.0,
+    )
 
 
 def login(client, user):

@@ -1,14 +1,15 @@
 """The playground's parameter panel: it starts from the served model's defaults, says which came
 from the model, and sends every value it shows to the engine."""
+
 import json
 
 import pytest
 from django.urls import reverse
+from tiny_models import make_tiny_model
 
 from chat import params as chat_params
 from inference.gguf_files import bundled_model
 from inference.sampling_params import SamplingParams
-from tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.django_db
 
@@ -31,8 +32,12 @@ def test_the_models_generation_config_comes_first_and_is_labelled(model_with_def
     start = chat_params.defaults()
     assert (start["temperature"], start["top_k"]) == (0.6, 40)
     assert start["repetition_penalty"] == chat_params.PLAYGROUND_DEFAULTS["repetition_penalty"]
-    assert chat_params.default_sources() == {"temperature": "model", "top_k": "model", "top_p": "playground",
-                                             "repetition_penalty": "playground"}
+    assert chat_params.default_sources() == {
+        "temperature": "model",
+        "top_k": "model",
+        "top_p": "playground",
+        "repetition_penalty": "playground",
+    }
     assert chat_params.clean({})["temperature"] == 0.6  # a panel value left out starts from the model's
 
 

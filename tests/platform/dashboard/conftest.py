@@ -1,4 +1,5 @@
 """Dashboard fixtures: staff and plain users, synthetic usage, and a fake engine heartbeat in Redis."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """Helpers shared by the dashboard tests (a module name no other test folder uses)."""
+
 from __future__ import annotations
 
 import json
@@ -14,27 +15,65 @@ from inference import protocol
 NOW = datetime(2026, 11, 20, 14, 30, tzinfo=timezone.utc)
 
 
-def fake_heartbeat(worker_id: str, *, running: int = 3, waiting: int = 1, kv_usage: float = 0.42,
-                   tokens_per_s: float = 123.4, states: str = "0011222233", ttl_s: float = 5.0,
-                   redis_url: str | None = None) -> None:
+def fake_heartbeat(
+    worker_id: str,
+    *,
+    running: int = 3,
+    waiting: int = 1,
+    kv_usage: float = 0.42,
+    tokens_per_s: float = 123.4,
+    states: str = "0011222233",
+    ttl_s: float = 5.0,
+    redis_url: str | None = None,
+) -> None:
     """Publish what an engine worker publishes (docs/protocol.md "Heartbeat"), with a short TTL."""
     r = redis.Redis.from_url(redis_url or settings.REDIS_URL)
     now = time.time()
-    stats = {"num_running": running, "num_waiting": waiting, "kv_usage": kv_usage, "prefix_cache_hit_rate": 0.5,
-             "num_preemptions": 2, "tokens_per_s": tokens_per_s, "blocks_total": len(states),
-             "memory": {"total_bytes": 8 << 30, "weights_bytes": 1 << 30, "activation_peak_bytes": 256 << 20,
-                        "kv_pool_bytes": 4 << 30, "max_concurrency_at_max_model_len": 12.5}}
+    stats = {
+        "num_running": running,
+        "num_waiting": waiting,
+        "kv_usage": kv_usage,
+        "prefix_cache_hit_rate": 0.5,
+        "num_preemptions": 2,
+        "tokens_per_s": tokens_per_s,
+        "blocks_total": len(states),
+        "memory": {
+            "total_bytes": 8 << 30,
+            "weights_bytes": 1 << 30,
+            "activation_peak_bytes": 256 << 20,
+            "kv_pool_bytes": 4 << 30,
+            "max_concurrency_at_max_model_len": 12.5,
+        },
+    }
     key = protocol.heartbeat_key(worker_id)
     pipe = r.pipeline()
-    pipe.hset(key, mapping={"worker_id": worker_id, "model": "tiny-llama", "served_model_name": "tiny-llama",
-                            "pid": 4242, "host": "test-host", "started_at": now - 60, "updated_at": now,
-                            "stats": json.dumps(stats), "config": json.dumps({"max_model_len": 2048})})
+    pipe.hset(
+        key,
+        mapping={
+            "worker_id": worker_id,
+            "model": "tiny-llama",
+            "served_model_name": "tiny-llama",
+            "pid": 4242,
+            "host": "test-host",
+            "started_at": now - 60,
+            "updated_at": now,
+            "stats": json.dumps(stats),
+            "config": json.dumps({"max_model_len": 2048}),
+        },
+    )
     pipe.pexpire(key, int(ttl_s * 1000))
     pipe.sadd(protocol.WORKERS_SET, worker_id)
-    pipe.set(protocol.block_map_key(worker_id),
-             json.dumps({"block_size": 16, "states": states,
-                         "top_requests": [{"request_id": "req-big", "blocks": 4}, {"request_id": "req-small", "blocks": 2}]}),
-             px=int(ttl_s * 1000))
+    pipe.set(
+        protocol.block_map_key(worker_id),
+        json.dumps(
+            {
+                "block_size": 16,
+                "states": states,
+                "top_requests": [{"request_id": "req-big", "blocks": 4}, {"request_id": "req-small", "blocks": 2}],
+            }
+        ),
+        px=int(ttl_s * 1000),
+    )
     pipe.execute()
 
 

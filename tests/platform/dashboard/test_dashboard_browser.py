@@ -5,6 +5,7 @@ The stack runs in its own processes (own redis-server, SQLite file with 30 days 
 a real engine worker on the tiny model, the web server serving the ASGI app and WhiteNoise static files from
 `make assets`); the test also plays a second worker by writing heartbeats to that Redis itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,21 +22,36 @@ from pathlib import Path
 
 import pytest
 import redis
+from dashboard_testing import clear_heartbeat, fake_heartbeat
 
+from inference import protocol as redis_keys
 from tessera import embedded_redis
 from tessera.embedded_redis import free_port
 from tessera.run import WEB_SERVERS, web_command
-from inference import protocol as redis_keys
 from tests.platform.browser_output import save_screenshot
-
-from dashboard_testing import clear_heartbeat, fake_heartbeat
 
 REPO = Path(__file__).resolve().parents[3]
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
-CHARTS = ["chart-tokens", "chart-sources", "chart-models", "chart-model-share", "chart-source-share", "chart-ttft",
-          "chart-tpot", "chart-e2e", "chart-errors"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+CHARTS = [
+    "chart-tokens",
+    "chart-sources",
+    "chart-models",
+    "chart-model-share",
+    "chart-source-share",
+    "chart-ttft",
+    "chart-tpot",
+    "chart-e2e",
+    "chart-errors",
+]
 
 pytestmark = [
     pytest.mark.slow,
@@ -43,8 +59,16 @@ pytestmark = [
 ]
 
 
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "block_size": 16, "max_num_seqs": 8,
-               "max_num_batched_tokens": 256, "max_model_len": 256, "num_kv_blocks": 96, "seed": 0}
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "device": "cpu",
+    "block_size": 16,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 256,
+    "max_model_len": 256,
+    "num_kv_blocks": 96,
+    "seed": 0,
+}
 
 
 @dataclass
@@ -56,24 +80,36 @@ class Server:
 
 
 def _env(tmp_path: Path, redis_url: str, model_dir: str) -> dict:
-    return {**os.environ, "DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1",
-            "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}", "REDIS_URL": redis_url,
-            "ALLOWED_HOSTS": "127.0.0.1,localhost", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'platform'}",
-            "DJANGO_SUPERUSER_PASSWORD": "staff-pw-123", "MODEL": model_dir, "SERVED_MODEL_NAME": "tiny-llama",
-            "ENGINE_ARGS": json.dumps(ENGINE_ARGS), "ENGINE_HEARTBEAT_INTERVAL": "0.5", "ENGINE_DRAIN_TIMEOUT": "1",
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tessera.settings.dev",
+        "DEBUG": "1",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite3'}",
+        "REDIS_URL": redis_url,
+        "ALLOWED_HOSTS": "127.0.0.1,localhost",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'platform'}",
+        "DJANGO_SUPERUSER_PASSWORD": "staff-pw-123",
+        "MODEL": model_dir,
+        "SERVED_MODEL_NAME": "tiny-llama",
+        "ENGINE_ARGS": json.dumps(ENGINE_ARGS),
+        "ENGINE_HEARTBEAT_INTERVAL": "0.5",
+        "ENGINE_DRAIN_TIMEOUT": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def _manage(env, *args) -> str:
-    done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"manage.py {args[0]} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
 def _spawn(env, log_path: Path, *cmd) -> subprocess.Popen:
-    return subprocess.Popen(list(cmd), cwd=REPO, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        list(cmd), cwd=REPO, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -119,8 +155,20 @@ def server(tmp_path_factory, tiny_model_dir):
     procs = {}
     try:
         _manage(env, "migrate", "--noinput")
-        _manage(env, "generate_usage", "--days", "30", "--users", "10", "--requests-per-day", "500", "--seed", "5",
-                "--batches", "10")
+        _manage(
+            env,
+            "generate_usage",
+            "--days",
+            "30",
+            "--users",
+            "10",
+            "--requests-per-day",
+            "500",
+            "--seed",
+            "5",
+            "--batches",
+            "10",
+        )
         _manage(env, "createsuperuser", "--noinput", "--username", "staff", "--email", "staff@example.com")
         api_key = _manage(env, "create_api_key", "staff", "--name", "browser-test").strip().splitlines()[-1]
         procs["engine"] = (_spawn(env, tmp / "engine.log", sys.executable, "manage.py", "engine"), tmp / "engine.log")
@@ -150,9 +198,16 @@ class HeartbeatPublisher(threading.Thread):
         while not self.stopped.is_set():
             self.beats += 1
             n = self.beats
-            states = (pattern * 12)[n % 16:][:160]
-            fake_heartbeat(self.worker_id, running=n % 7 + 1, waiting=n % 3, kv_usage=0.3 + (n % 5) / 10,
-                           tokens_per_s=80.0 + 7 * (n % 9), states=states, redis_url=self.redis_url)
+            states = (pattern * 12)[n % 16 :][:160]
+            fake_heartbeat(
+                self.worker_id,
+                running=n % 7 + 1,
+                waiting=n % 3,
+                kv_usage=0.3 + (n % 5) / 10,
+                tokens_per_s=80.0 + 7 * (n % 9),
+                states=states,
+                redis_url=self.redis_url,
+            )
             self.stopped.wait(0.4)
 
 
@@ -175,15 +230,20 @@ def traffic(server):
     # One refused request first: the error chart has a point in the current hour whatever the
     # synthetic data holds (on a weekend, 30 days of it can leave the last 24 hours without errors).
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=-1.0,
-                                       messages=[{"role": "user", "content": "hi"}])
+        client.chat.completions.create(
+            model="tiny-llama", max_tokens=8, temperature=-1.0, messages=[{"role": "user", "content": "hi"}]
+        )
     stop = threading.Event()
 
     def run():
         while not stop.is_set():
             try:
-                client.chat.completions.create(model="tiny-llama", max_tokens=48, temperature=0.0,
-                                               messages=[{"role": "user", "content": "Tell me about paged attention"}])
+                client.chat.completions.create(
+                    model="tiny-llama",
+                    max_tokens=48,
+                    temperature=0.0,
+                    messages=[{"role": "user", "content": "Tell me about paged attention"}],
+                )
             except openai.OpenAIError:
                 stop.wait(0.5)
 
@@ -196,11 +256,14 @@ def traffic(server):
 
 def _chart_points(page, chart_id: str) -> int:
     """Number of non-zero data points Chart.js holds for the canvas (0 if no chart was drawn)."""
-    return page.evaluate("""(id) => {
+    return page.evaluate(
+        """(id) => {
         const chart = Chart.getChart(id);
         if (!chart) return 0;
         return chart.data.datasets.flatMap((d) => d.data).filter((v) => typeof v === 'number' && v > 0).length;
-    }""", chart_id)
+    }""",
+        chart_id,
+    )
 
 
 def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traffic):
@@ -221,7 +284,9 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             page.click("input[type=submit]")
             page.wait_for_url(f"{live_server_url}/dashboard/")
 
-            page.wait_for_function("Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000)
+            page.wait_for_function(
+                "Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000
+            )
             for chart_id in CHARTS:
                 assert _chart_points(page, chart_id) > 0, chart_id
             assert page.locator("#top-users tbody tr").count() >= 5
@@ -230,11 +295,15 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             assert page.locator("#top-users tbody a").first.inner_text().startswith("demo-user-")
 
             page.click("button[data-range='30d']")
-            page.wait_for_function("Number(document.getElementById('dashboard').dataset.usageLoaded) >= 2", timeout=30000)
+            page.wait_for_function(
+                "Number(document.getElementById('dashboard').dataset.usageLoaded) >= 2", timeout=30000
+            )
             assert page.evaluate("Chart.getChart('chart-tokens').data.labels.length") == 30
 
             # Live panel: ticks arrive over the websocket and the numbers follow the heartbeat.
-            page.wait_for_function("Number(document.getElementById('dashboard').dataset.liveTicks || 0) >= 2", timeout=20000)
+            page.wait_for_function(
+                "Number(document.getElementById('dashboard').dataset.liveTicks || 0) >= 2", timeout=20000
+            )
             seen = set()
             deadline = time.monotonic() + 10
             while len(seen) < 3 and time.monotonic() < deadline:
@@ -248,21 +317,28 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             assert "GiB" in page.inner_text("#workers-table")  # the fake worker's memory budget
 
             # The real engine worker: its heartbeat, start-up memory budget and its 96-block KV map.
-            real = next(w for w in page.evaluate("window.tesseraDashboard.state.lastSnapshot.workers")
-                        if w["model"] == "tiny-llama" and not w["worker_id"].startswith("fake-worker-"))
+            real = next(
+                w
+                for w in page.evaluate("window.tesseraDashboard.state.lastSnapshot.workers")
+                if w["model"] == "tiny-llama" and not w["worker_id"].startswith("fake-worker-")
+            )
             assert real["memory"]["num_kv_blocks"] == ENGINE_ARGS["num_kv_blocks"]
             assert page.locator(f"[data-worker='{real['worker_id']}'] .grid .b").count() == ENGINE_ARGS["num_kv_blocks"]
             assert "kv pool" in page.inner_text("#workers-table")
-            page.wait_for_function("window.tesseraDashboard.state.lastSnapshot.workers.some("
-                                   "(w) => !w.worker_id.startsWith('fake-worker-') && w.tokens_per_s > 0)",
-                                   timeout=60000)
+            page.wait_for_function(
+                "window.tesseraDashboard.state.lastSnapshot.workers.some("
+                "(w) => !w.worker_id.startsWith('fake-worker-') && w.tokens_per_s > 0)",
+                timeout=60000,
+            )
 
             save_screenshot(page, "dashboard", full_page=True)
 
             # Drill-down: a top user's own page, charts drawn from that user's usage only.
             page.click("#top-users tbody a >> nth=0")
             page.wait_for_url("**/dashboard/users/*/")
-            page.wait_for_function("Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000)
+            page.wait_for_function(
+                "Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000
+            )
             for chart_id in ("chart-tokens", "chart-model-share", "chart-ttft", "chart-e2e"):
                 assert _chart_points(page, chart_id) > 0, chart_id
             assert "demo-user-" in page.inner_text(".dash-head h1")

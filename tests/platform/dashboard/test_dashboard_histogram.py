@@ -1,4 +1,5 @@
 """The latency histogram: quantiles within the promised relative error, merge = histogram of the union."""
+
 import random
 
 import numpy as np

@@ -1,4 +1,5 @@
 """generate_usage, the periodic roll-up task and its beat entry, and the batch panel's selector."""
+
 from datetime import timedelta
 
 import pytest
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.django_db
 
 
 def test_generate_usage_makes_realistic_rows_and_rolls_them_up():
-    call_command("generate_usage", days=2, users=4, requests_per_day=300, seed=1, batches=5,
-                 stdout=open("/dev/null", "w"))
+    call_command(
+        "generate_usage", days=2, users=4, requests_per_day=300, seed=1, batches=5, stdout=open("/dev/null", "w")
+    )
     rows = UsageRecord.objects.all()
     assert rows.count() > 300
     assert set(rows.values_list("source", flat=True)) == {"api", "playground", "batch"}
@@ -31,19 +33,21 @@ def test_generate_usage_makes_realistic_rows_and_rolls_them_up():
     batches = selectors.batch_summary()
     assert sum(batches["by_status"].values()) == 5 and batches["oldest_running"] is not None
     assert batches["lines_per_s"] > 0
-    assert sum(UsageHourly.objects.values_list("requests", flat=True)) == rows.filter(
-        created_at__lt=RollupState.objects.get().rolled_until).count()
+    assert (
+        sum(UsageHourly.objects.values_list("requests", flat=True))
+        == rows.filter(created_at__lt=RollupState.objects.get().rolled_until).count()
+    )
 
 
 def test_roll_up_task_is_registered_and_scheduled():
-    from tessera.celery import app
-
     from dashboard import tasks
+    from tessera.celery import app
 
     entry = settings.CELERY_BEAT_SCHEDULE["dashboard-roll-up-usage"]
     assert entry["task"] == tasks.roll_up_usage.name and entry["task"] in app.tasks
-    UsageRecord.objects.create(user=_user(), source="api", model="m", prompt_tokens=3, completion_tokens=4,
-                               ttft_ms=5.0, latency_ms=20.0)
+    UsageRecord.objects.create(
+        user=_user(), source="api", model="m", prompt_tokens=3, completion_tokens=4, ttft_ms=5.0, latency_ms=20.0
+    )
     UsageRecord.objects.update(created_at=timezone.now() - timedelta(hours=2))
     result = tasks.roll_up_usage.apply().get()  # the task body, in process
     assert result["rows"] == 1
@@ -64,10 +68,15 @@ def test_batch_summary_counts_statuses_and_finds_the_oldest_running():
     now = timezone.now()
 
     def batch(status, started_minutes_ago=None, **extra):
-        return Batch.objects.create(user=user, input_file_public_id="file-x", endpoint="/v1/chat/completions",
-                                    status=status, expires_at=now + timedelta(hours=24),
-                                    in_progress_at=None if started_minutes_ago is None
-                                    else now - timedelta(minutes=started_minutes_ago), **extra)
+        return Batch.objects.create(
+            user=user,
+            input_file_public_id="file-x",
+            endpoint="/v1/chat/completions",
+            status=status,
+            expires_at=now + timedelta(hours=24),
+            in_progress_at=None if started_minutes_ago is None else now - timedelta(minutes=started_minutes_ago),
+            **extra,
+        )
 
     old = batch(Batch.Status.IN_PROGRESS, 30, total=10, completed=4)
     batch(Batch.Status.IN_PROGRESS, 5)
@@ -75,8 +84,15 @@ def test_batch_summary_counts_statuses_and_finds_the_oldest_running():
     batch(Batch.Status.COMPLETED)
     batch(Batch.Status.FAILED)
     for i in range(6):
-        BatchLine.objects.create(batch=old, line_number=i, custom_id=f"c{i}", url="/v1/chat/completions", body={},
-                                 status="completed", finished_at=now - timedelta(seconds=10 if i < 3 else 600))
+        BatchLine.objects.create(
+            batch=old,
+            line_number=i,
+            custom_id=f"c{i}",
+            url="/v1/chat/completions",
+            body={},
+            status="completed",
+            finished_at=now - timedelta(seconds=10 if i < 3 else 600),
+        )
     got = selectors.batch_summary(now=now)
     assert got["by_status"]["in_progress"] == 2 and got["by_status"]["completed"] == 2
     assert got["by_status"]["failed"] == 1 and got["by_status"]["cancelled"] == 0
@@ -105,5 +121,7 @@ def test_metrics_endpoint_carries_celery_queues_batches_and_rollup_lag(client):
         broker.delete("celery")
     assert 'tessera_celery_queue_length{queue="celery"} 2' in text
     assert 'tessera_batches{status="in_progress"} 0' in text
-    lag = float(next(line for line in text.splitlines() if line.startswith("tessera_usage_rollup_lag_seconds ")).split()[1])
+    lag = float(
+        next(line for line in text.splitlines() if line.startswith("tessera_usage_rollup_lag_seconds ")).split()[1]
+    )
     assert 0 <= lag <= 3600

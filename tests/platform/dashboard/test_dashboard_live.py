@@ -1,4 +1,5 @@
 """Live engine state: block-map decoding, totals across workers, and the staff-only websocket."""
+
 import pytest
 from asgiref.sync import async_to_sync
 from channels.routing import URLRouter
@@ -10,8 +11,11 @@ from dashboard.routing import websocket_urlpatterns
 
 
 def test_block_map_from_the_engine_format():
-    raw = {"block_size": 16, "states": "0123301", "top_requests": [{"request_id": "a", "blocks": 1},
-                                                                   {"request_id": "b", "blocks": 3}]}
+    raw = {
+        "block_size": 16,
+        "states": "0123301",
+        "top_requests": [{"request_id": "a", "blocks": 1}, {"request_id": "b", "blocks": 3}],
+    }
     got = live.normalize_block_map(raw)
     assert got["blocks"] == "fcussfc"
     assert got["counts"] == {"free": 2, "cached": 2, "used": 1, "shared": 2}
@@ -27,14 +31,33 @@ def test_block_map_from_a_list_of_codes_or_names():
 
 def test_totals_weight_kv_usage_by_pool_size():
     workers = [
-        {"worker_id": "big", "updated_at": 99.5, "stats": {"kv_usage": 0.9, "blocks_total": 900, "num_running": 5,
-                                                            "tokens_per_s": 100.0, "num_preemptions": 1}},
-        {"worker_id": "small", "updated_at": 99.0, "stats": {"kv_usage": 0.0, "blocks_total": 100, "num_waiting": 2,
-                                                              "tokens_per_s": 50.5}},
+        {
+            "worker_id": "big",
+            "updated_at": 99.5,
+            "stats": {
+                "kv_usage": 0.9,
+                "blocks_total": 900,
+                "num_running": 5,
+                "tokens_per_s": 100.0,
+                "num_preemptions": 1,
+            },
+        },
+        {
+            "worker_id": "small",
+            "updated_at": 99.0,
+            "stats": {"kv_usage": 0.0, "blocks_total": 100, "num_waiting": 2, "tokens_per_s": 50.5},
+        },
     ]
     snap = live.summarize(workers, {}, now=100.0)
-    assert snap["totals"] == {"workers": 2, "num_running": 5, "num_waiting": 2, "kv_usage": 0.81,
-                              "prefix_cache_hit_rate": 0.0, "num_preemptions": 1, "tokens_per_s": 150.5}
+    assert snap["totals"] == {
+        "workers": 2,
+        "num_running": 5,
+        "num_waiting": 2,
+        "kv_usage": 0.81,
+        "prefix_cache_hit_rate": 0.0,
+        "num_preemptions": 1,
+        "tokens_per_s": 150.5,
+    }
     assert [w["heartbeat_age_s"] for w in snap["workers"]] == [0.5, 1.0]
 
 

@@ -3,6 +3,7 @@
 Expected values are computed here straight from usage.UsageRecord rows (plain Python and numpy),
 never through the dashboard's roll-up or histogram code.
 """
+
 from collections import defaultdict
 from datetime import timedelta
 
@@ -19,8 +20,20 @@ pytestmark = pytest.mark.usefixtures("generated_usage")
 
 
 def _raw():
-    return list(UsageRecord.objects.values("created_at", "user_id", "api_key_id", "model", "source", "status_code",
-                                           "prompt_tokens", "completion_tokens", "ttft_ms", "latency_ms"))
+    return list(
+        UsageRecord.objects.values(
+            "created_at",
+            "user_id",
+            "api_key_id",
+            "model",
+            "source",
+            "status_code",
+            "prompt_tokens",
+            "completion_tokens",
+            "ttft_ms",
+            "latency_ms",
+        )
+    )
 
 
 def _bucket(moment, bucket):
@@ -75,8 +88,13 @@ def test_answers_do_not_depend_on_the_rollup_watermark():
     window = selectors.window_for("7d", "hour", now=NOW)
 
     def snapshot():
-        return (selectors.usage_over_time(window), selectors.latency_over_time(window),
-                selectors.breakdown(window, "model"), selectors.top_api_keys(window), selectors.totals(window))
+        return (
+            selectors.usage_over_time(window),
+            selectors.latency_over_time(window),
+            selectors.breakdown(window, "model"),
+            selectors.top_api_keys(window),
+            selectors.totals(window),
+        )
 
     services.reset_rollups()
     all_live = snapshot()
@@ -176,22 +194,33 @@ def test_user_drilldown_counts_only_that_user():
 def test_rollup_is_idempotent_and_picks_up_late_rows():
     at = NOW - timedelta(hours=6)
     _roll_up_at(at)
-    first = list(UsageHourly.objects.order_by("hour", "user_id", "api_key_id", "model", "source")
-                 .values_list("hour", "user_id", "api_key_id", "model", "source", "requests", "prompt_tokens",
-                              "latency_hist"))
+    first = list(
+        UsageHourly.objects.order_by("hour", "user_id", "api_key_id", "model", "source").values_list(
+            "hour", "user_id", "api_key_id", "model", "source", "requests", "prompt_tokens", "latency_hist"
+        )
+    )
     services.roll_up_usage(now=at)
     services.roll_up_usage(now=at)
-    again = list(UsageHourly.objects.order_by("hour", "user_id", "api_key_id", "model", "source")
-                 .values_list("hour", "user_id", "api_key_id", "model", "source", "requests", "prompt_tokens",
-                              "latency_hist"))
+    again = list(
+        UsageHourly.objects.order_by("hour", "user_id", "api_key_id", "model", "source").values_list(
+            "hour", "user_id", "api_key_id", "model", "source", "requests", "prompt_tokens", "latency_hist"
+        )
+    )
     assert again == first and len(first) > 50
 
     # A long request recorded after its hour was rolled up: the lookback rebuilds that hour.
     late_hour = services.floor_hour(at) - timedelta(hours=1)
     template = UsageRecord.objects.first()
     before = sum(UsageHourly.objects.filter(hour=late_hour).values_list("requests", flat=True))
-    late = UsageRecord.objects.create(user_id=template.user_id, source="api", model="late-model", prompt_tokens=5,
-                                      completion_tokens=5, ttft_ms=10, latency_ms=100)
+    late = UsageRecord.objects.create(
+        user_id=template.user_id,
+        source="api",
+        model="late-model",
+        prompt_tokens=5,
+        completion_tokens=5,
+        ttft_ms=10,
+        latency_ms=100,
+    )
     UsageRecord.objects.filter(pk=late.pk).update(created_at=late_hour + timedelta(minutes=59))
     services.roll_up_usage(now=at)
     after = sum(UsageHourly.objects.filter(hour=late_hour).values_list("requests", flat=True))
@@ -201,6 +230,7 @@ def test_rollup_is_idempotent_and_picks_up_late_rows():
 
 def test_users_near_and_over_quota():
     from django.contrib.auth import get_user_model
+
     from quotas.models import Plan, UserPlan
 
     _roll_up_at(NOW - timedelta(hours=3))
@@ -212,8 +242,11 @@ def test_users_near_and_over_quota():
         if r["created_at"] >= day_start:
             tokens_today[r["user_id"]] = tokens_today.get(r["user_id"], 0) + r["prompt_tokens"] + r["completion_tokens"]
     over, near, fine = users[0], users[1], users[2]
-    for user, budget in ((over, tokens_today[over.pk] // 2), (near, int(tokens_today[near.pk] / 0.9)),
-                         (fine, tokens_today[fine.pk] * 10)):
+    for user, budget in (
+        (over, tokens_today[over.pk] // 2),
+        (near, int(tokens_today[near.pk] / 0.9)),
+        (fine, tokens_today[fine.pk] * 10),
+    ):
         plan = Plan.objects.create(name=f"p-{user.pk}", tokens_per_day=budget)
         UserPlan.objects.create(user=user, plan=plan)
     unlimited = Plan.objects.create(name="unlimited")

@@ -1,4 +1,5 @@
 """The dashboard page and its JSON feeds exist for staff only; everyone else gets 404."""
+
 import pytest
 from django.urls import reverse
 
@@ -45,8 +46,20 @@ def test_staff_sees_the_page_with_local_chart_library(client, staff_user):
 def test_staff_usage_feed_has_every_section(client, staff_user, recent_usage):
     client.force_login(staff_user)
     data = client.get(reverse("dashboard:usage-json"), {"range": "30d"}).json()
-    assert set(data) >= {"window", "totals", "over_time", "by_model", "by_source", "model_over_time",
-                         "source_over_time", "top_users", "top_api_keys", "latency_over_time", "quotas", "batches"}
+    assert set(data) >= {
+        "window",
+        "totals",
+        "over_time",
+        "by_model",
+        "by_source",
+        "model_over_time",
+        "source_over_time",
+        "top_users",
+        "top_api_keys",
+        "latency_over_time",
+        "quotas",
+        "batches",
+    }
     assert data["window"]["bucket"] == "day" and len(data["over_time"]) == 30
     assert data["totals"]["requests"] == sum(b["requests"] for b in data["over_time"]) > 0
     assert {r["source"] for r in data["by_source"]} <= {"api", "playground", "batch"}

@@ -1,11 +1,11 @@
 """The engine client's own behaviour: request building, async streaming, resume, liveness, health."""
+
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 import redis
-from django.conf import settings
 
 from engine_client import client as engine
 from inference import protocol
@@ -14,8 +14,10 @@ from tests.inference.worker_helpers import MODEL, ThreadedWorker, clear_engine_k
 PROMPT = [5, 17, 42, 99, 7, 3]
 
 
-@pytest.mark.parametrize("cls, within, expected", [
-    ("interactive", 0, 0), ("interactive", 5, 5), ("api", 0, 1000), ("api", 5000, 1999), ("batch", -3, 2000)])
+@pytest.mark.parametrize(
+    "cls, within, expected",
+    [("interactive", 0, 0), ("interactive", 5, 5), ("api", 0, 1000), ("api", 5000, 1999), ("batch", -3, 2000)],
+)
 def test_priority_classes_map_onto_disjoint_engine_priority_ranges(cls, within, expected):
     assert protocol.engine_priority(cls, within) == expected
 
@@ -33,8 +35,15 @@ def test_bad_submissions_are_refused_before_anything_is_queued(r):
 
 
 def test_submit_writes_the_documented_message(r):
-    rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={"max_tokens": 3},
-                                 priority_class="batch", priority=7, user=42, queue_timeout=60)
+    rid = engine.client().submit(
+        model=MODEL,
+        prompt_token_ids=PROMPT,
+        sampling_params={"max_tokens": 3},
+        priority_class="batch",
+        priority=7,
+        user=42,
+        queue_timeout=60,
+    )
     [(_id, fields)] = r.xrange(protocol.request_stream(MODEL))
     message = protocol.decode(fields[b"data"])
     assert message["request_id"] == rid and message["prompt_token_ids"] == PROMPT and message["prompt"] is None
@@ -50,8 +59,9 @@ def test_astream_yields_what_stream_yields(worker):
 
     async def run():
         client = engine.aclient()
-        rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=params,
-                                     lease_id=client.lease())
+        rid = engine.client().submit(
+            model=MODEL, prompt_token_ids=PROMPT, sampling_params=params, lease_id=client.lease()
+        )
         return [e async for e in client.stream(rid, model=MODEL, timeout=30)]
 
     async_events = asyncio.run(run())
@@ -60,8 +70,9 @@ def test_astream_yields_what_stream_yields(worker):
 
 
 def test_stream_resumes_after_an_entry_id_and_replays_from_the_start(worker):
-    rid = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params={
-        "temperature": 0.0, "max_tokens": 6, "ignore_eos": True})
+    rid = engine.client().submit(
+        model=MODEL, prompt_token_ids=PROMPT, sampling_params={"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    )
     events = list(engine.client().stream(rid, timeout=30))
     assert list(engine.client().stream(rid, timeout=5)) == events, "a reconnecting reader sees everything again"
     resumed = list(engine.client().stream(rid, last_id=events[0]["entry_id"], timeout=5))

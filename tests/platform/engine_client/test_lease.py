@@ -1,6 +1,7 @@
 """The web process's lease (lease_id): requests an event loop will follow are submitted with its async client's
 lease, which that client keeps alive while the loop runs; a worker aborts (and frees) the requests
 of a lease that lapsed, i.e. of a web process that died mid-stream. Batch requests carry none."""
+
 from __future__ import annotations
 
 import asyncio

@@ -3,6 +3,7 @@
 Output streams are written here by hand, in the worker's format, so each test controls exactly
 when which event exists.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -103,6 +104,7 @@ def test_quiet_streams_share_one_liveness_read_and_a_dead_worker_ends_them(r, mo
 
 def test_a_burst_of_followers_wakes_the_blocked_reader_once_and_all_are_served(r):
     """Each wake makes the reader XREAD every followed stream again: one per joiner would be n^2."""
+
     async def run():
         idle = asyncio.create_task(collect("burst-idle"))
         await asyncio.sleep(0.2)  # the reader now blocks in XREAD
@@ -129,6 +131,7 @@ def test_a_burst_of_followers_wakes_the_blocked_reader_once_and_all_are_served(r
 def test_a_follower_that_joins_behind_the_xread_in_flight_still_gets_every_entry(r):
     """A reconnecting tab follows a stream from its start while the hub's XREAD for that stream is in
     flight from a later id; the reply to that XREAD must not make the newcomer skip the entries before."""
+
     async def run():
         write(r, "rejoin", {**DELTA, "text": "a"})
         owner = await engine.aclient().hub.subscribe(protocol.output_stream("rejoin"), "0-0")

@@ -1,4 +1,5 @@
 """The one rule both schemathesis runs assert on every response."""
+
 from __future__ import annotations
 
 from tests.platform.security.asgi_calls import is_envelope

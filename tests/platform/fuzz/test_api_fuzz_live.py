@@ -1,6 +1,7 @@
 """schemathesis against a live stack (web server + a tiny-model engine worker): the requests that pass every check
 reach the engine here, so the sampling-parameter and engine-side paths are fuzzed too.
 """
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from tests.platform.live_stack import live_stack  # noqa: F401  (the shared session-scoped live stack)
 from tests.platform.fuzz.fuzz_checks import check_response
+from tests.platform.live_stack import live_stack  # noqa: F401  (the shared session-scoped live stack)
 
 pytestmark = pytest.mark.slow
 MAX_EXAMPLES = int(os.environ.get("FUZZ_MAX_EXAMPLES", 25))
@@ -37,12 +38,16 @@ def test_no_5xx_against_the_live_stack(live_stack):  # noqa: F811
     for result in schema.get_all_operations():
         operation = result.ok()
 
-        @settings(max_examples=MAX_EXAMPLES, derandomize=os.environ.get("FUZZ_RANDOM") != "1", deadline=None,
-                  suppress_health_check=list(HealthCheck), database=None)
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            derandomize=os.environ.get("FUZZ_RANDOM") != "1",
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
         @given(case=operation.as_strategy())
         def fuzz(case):
             _aimed(case, live_stack.model_name)
             check_response(case, case.call(headers=auth, timeout=60))
 
         fuzz()
-

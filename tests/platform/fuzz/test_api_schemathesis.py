@@ -3,6 +3,7 @@
 No engine worker runs here, so a request that passes every check answers 503 engine_unavailable (documented);
 everything before it (parsing, validation, auth, quotas) is what this fuzzes.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,12 @@ def auth():
 
 
 @schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, derandomize=os.environ.get("FUZZ_RANDOM") != "1", deadline=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=MAX_EXAMPLES,
+    derandomize=os.environ.get("FUZZ_RANDOM") != "1",
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 def test_no_5xx_and_errors_in_the_envelope(case, auth):
     response = case.call(headers=auth)
     check_response(case, response, EXPECTED_5XX)

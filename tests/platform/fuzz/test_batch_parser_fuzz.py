@@ -2,6 +2,7 @@
 never raises, and every non-blank line is accounted for exactly once (accepted with a unique custom_id,
 or reported with its line number), so no accepted line can be lost or doubled later.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,29 +20,44 @@ FUZZ = settings(max_examples=150, derandomize=True, deadline=None, suppress_heal
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 
 def _request(custom_id, body) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": URL, "body": body})
 
 
-valid_lines = st.builds(lambda cid, content: _request(cid, {"model": "m", "messages": [
-    {"role": "user", "content": content}]}), st.text(min_size=1, max_size=6), st.text(max_size=20))
-hostile_lines = st.sampled_from([
-    "{" * 100_000,
-    _request("deep", {"model": "m", "x": "PLACEHOLDER"}).replace('"PLACEHOLDER"', "[" * 5000 + "]" * 5000),
-    _request("\\ud800", {"model": "m"}).replace("\\\\ud800", "\\ud800"),
-    '{"custom_id": "s", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "\\udfff"}}',
-    _request("a", {"model": "m", "stream": True}), _request("", {"model": "m"}), _request("x" * 600, {"model": "m"}),
-    '{"custom_id": 1}', "[]", "null", "\x00", "\u2028", "   ", '{"custom_id": "t", "method": "GET"}',
-])
+valid_lines = st.builds(
+    lambda cid, content: _request(cid, {"model": "m", "messages": [{"role": "user", "content": content}]}),
+    st.text(min_size=1, max_size=6),
+    st.text(max_size=20),
+)
+hostile_lines = st.sampled_from(
+    [
+        "{" * 100_000,
+        _request("deep", {"model": "m", "x": "PLACEHOLDER"}).replace('"PLACEHOLDER"', "[" * 5000 + "]" * 5000),
+        _request("\\ud800", {"model": "m"}).replace("\\\\ud800", "\\ud800"),
+        '{"custom_id": "s", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "\\udfff"}}',
+        _request("a", {"model": "m", "stream": True}),
+        _request("", {"model": "m"}),
+        _request("x" * 600, {"model": "m"}),
+        '{"custom_id": 1}',
+        "[]",
+        "null",
+        "\x00",
+        "\u2028",
+        "   ",
+        '{"custom_id": "t", "method": "GET"}',
+    ]
+)
 any_line = valid_lines | hostile_lines | st.text(max_size=40) | st.builds(json.dumps, json_values)
 
 
 def _validate(content: bytes):
-    return validate_jsonl(content, URL, check_model=lambda model: None, check_body=lambda url, body: None,
-                          max_lines=MAX_LINES)
+    return validate_jsonl(
+        content, URL, check_model=lambda model: None, check_body=lambda url, body: None, max_lines=MAX_LINES
+    )
 
 
 def _non_blank_lines(content: bytes) -> list[int]:

@@ -1,5 +1,6 @@
 """The web process loads the served model's tokenizer and chat template before it listens (issue #32:
 the first chat after `ready:` waited seconds for them)."""
+
 from __future__ import annotations
 
 from django.test import override_settings

@@ -1,5 +1,6 @@
 """Admission never waits on one request's work: a prompt that cannot fit is refused before it is
 tokenized, and a large body is admitted on a thread of its own, never in front of small requests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,6 @@ import uuid
 
 import httpx
 import pytest
-from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client
 
@@ -34,8 +34,12 @@ def raw_key(llm, settings):
 
 
 def _complete(raw_key, prompt, **body):
-    return Client().post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2, **body},
-                         content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {raw_key}")
+    return Client().post(
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 2, **body},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {raw_key}",
+    )
 
 
 def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(raw_key, monkeypatch):
@@ -48,8 +52,12 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(raw_key, monk
     refused = _complete(raw_key, huge)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
     assert refused.json()["error"]["param"] == "prompt" and tokenized == []
-    chat = Client().post("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": huge}]},
-                         content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {raw_key}")
+    chat = Client().post(
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": huge}]},
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {raw_key}",
+    )
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     fits = _complete(raw_key, "hello")  # the check is a bound, never a guess: a short prompt still runs
     assert fits.status_code == 200 and tokenized == [5]
@@ -79,11 +87,16 @@ async def _large_and_small(raw_key):
     # that serializes requests on one thread).
     from tessera.asgi import api_asgi_app
 
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=api_asgi_app), base_url="http://testserver",
-                               headers={"Authorization": f"Bearer {raw_key}"}, timeout=60)
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=api_asgi_app),
+        base_url="http://testserver",
+        headers={"Authorization": f"Bearer {raw_key}"},
+        timeout=60,
+    )
     large_prompt = "hello " * (LARGE_BODY_BYTES // 6 + 1)  # over the size, and refused once admitted
-    large = asyncio.ensure_future(client.post("/v1/completions", json={"model": "tiny", "prompt": large_prompt,
-                                                                       "max_tokens": 2}))
+    large = asyncio.ensure_future(
+        client.post("/v1/completions", json={"model": "tiny", "prompt": large_prompt, "max_tokens": 2})
+    )
     small = await client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert small.status_code == 200, small.content
     assert not large.done(), "the large request was admitted while its thread was held"

@@ -1,4 +1,5 @@
 """The /v1 credential cache: a known key costs no query, and no change to a key, a user or a plan is missed."""
+
 from datetime import timedelta
 
 import pytest

@@ -4,6 +4,7 @@ Two more `manage.py engine` workers join the shared live stack: all-MiniLM-L6-v2
 `make install` brings) and a tiny random BERT trained-for-truncation (Matryoshka) folder. Answers
 must equal sentence-transformers' on the same weights within 1e-5 (cosine and per value).
 """
+
 from __future__ import annotations
 
 import base64
@@ -54,8 +55,11 @@ def stack(live_stack, tiny_dir):  # noqa: F811
     """The live stack plus the two embedding workers, until this module is done."""
     names = {f"embed-{MINILM}": (minilm_path(), MINILM), f"embed-{TINY}": (tiny_dir, TINY)}
     for process, (path, served) in names.items():
-        live_stack.spawn(process, [sys.executable, "manage.py", "engine", "--model", path], env={
-            "ENGINE_ARGS": json.dumps({**WORKER_ARGS, "served_model_name": served})})
+        live_stack.spawn(
+            process,
+            [sys.executable, "manage.py", "engine", "--model", path],
+            env={"ENGINE_ARGS": json.dumps({**WORKER_ARGS, "served_model_name": served})},
+        )
     try:
         wait_until_served(live_stack, {MINILM, TINY}, list(names))
         yield live_stack
@@ -91,8 +95,11 @@ def test_minilm_embeddings_equal_sentence_transformers_and_usage_counts_prompt_t
 
     tokens = sum(len(ids) for ids in AutoTokenizer.from_pretrained(minilm_path())(TEXTS)["input_ids"])
     assert reply.usage.prompt_tokens == tokens and reply.usage.total_tokens == tokens
-    [row] = stack.sql("SELECT endpoint, model, prompt_tokens, completion_tokens, status_code FROM usage_usagerecord "
-                      "WHERE endpoint = '/v1/embeddings' AND prompt_tokens = ? ORDER BY id DESC LIMIT 1", (tokens,))
+    [row] = stack.sql(
+        "SELECT endpoint, model, prompt_tokens, completion_tokens, status_code FROM usage_usagerecord "
+        "WHERE endpoint = '/v1/embeddings' AND prompt_tokens = ? ORDER BY id DESC LIMIT 1",
+        (tokens,),
+    )
     assert row == ("/v1/embeddings", MINILM, tokens, 0, 200)
 
 
@@ -109,8 +116,9 @@ def test_token_id_inputs_equal_their_text(client):
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(minilm_path())(TEXTS[:2])["input_ids"]
-    by_text = [d.embedding for d in client.embeddings.create(model=MINILM, input=TEXTS[:2],
-                                                             encoding_format="float").data]
+    by_text = [
+        d.embedding for d in client.embeddings.create(model=MINILM, input=TEXTS[:2], encoding_format="float").data
+    ]
     by_ids = [d.embedding for d in client.embeddings.create(model=MINILM, input=ids, encoding_format="float").data]
     one = client.embeddings.create(model=MINILM, input=ids[0], encoding_format="float").data[0].embedding
     assert by_ids == by_text and one == by_text[0]
@@ -129,16 +137,19 @@ def test_dimensions_truncate_a_matryoshka_model_and_are_refused_by_others(client
     assert refused.value.body["param"] == "dimensions" and "64, 32, 16" in refused.value.body["message"]
 
 
-@pytest.mark.parametrize("kwargs, param, code", [
-    ({"input": ""}, "input", None),
-    ({"input": []}, "input", None),
-    ({"input": ["fine", ""]}, "input", None),
-    ({"input": [[]]}, "input", None),
-    ({"input": " ".join(["word"] * 300)}, "input", "context_length_exceeded"),
-    ({"input": ["ok", " ".join(["word"] * 300)]}, "input[1]", "context_length_exceeded"),
-    ({"input": [[101, 10**6, 102]]}, "input", None),
-    ({"input": "x", "encoding_format": "int8"}, "encoding_format", None),
-])
+@pytest.mark.parametrize(
+    "kwargs, param, code",
+    [
+        ({"input": ""}, "input", None),
+        ({"input": []}, "input", None),
+        ({"input": ["fine", ""]}, "input", None),
+        ({"input": [[]]}, "input", None),
+        ({"input": " ".join(["word"] * 300)}, "input", "context_length_exceeded"),
+        ({"input": ["ok", " ".join(["word"] * 300)]}, "input[1]", "context_length_exceeded"),
+        ({"input": [[101, 10**6, 102]]}, "input", None),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", None),
+    ],
+)
 def test_bad_input_gets_the_openai_error_envelope(client, kwargs, param, code):
     with pytest.raises(openai.BadRequestError) as refused:
         client.embeddings.create(model=MINILM, **kwargs)
@@ -159,5 +170,7 @@ def test_models_are_routed_by_name_and_task(client, stack):
     with pytest.raises(openai.BadRequestError) as embed_model:
         client.completions.create(model=MINILM, prompt="hello", max_tokens=4)
     assert "embedding model" in embed_model.value.body["message"]
-    chat = client.completions.create(model=stack.model_name, prompt="hello", max_tokens=4)  # the chat model still answers
+    chat = client.completions.create(
+        model=stack.model_name, prompt="hello", max_tokens=4
+    )  # the chat model still answers
     assert chat.choices[0].text is not None

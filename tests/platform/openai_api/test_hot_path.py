@@ -1,4 +1,5 @@
 """What keeps /v1's time to first token short, checked for what it must not break."""
+
 from __future__ import annotations
 
 import threading
@@ -44,11 +45,17 @@ def test_shared_fields_validate_each_body_on_its_own_across_threads():
     def validate_many(offset: int):
         for i in range(200):
             n = offset + i
-            body = {"model": f"m{n}", "prompt": [n, n + 1], "max_tokens": n % 50 + 1,
-                    "stream_options": {"include_usage": bool(n % 2)}, "stream": True}
+            body = {
+                "model": f"m{n}",
+                "prompt": [n, n + 1],
+                "max_tokens": n % 50 + 1,
+                "stream_options": {"include_usage": bool(n % 2)},
+                "stream": True,
+            }
             data = calls.validate(CompletionRequestSerializer, body)
-            if (data["model"], data["prompt"], data["max_tokens"]) != (f"m{n}", [[n, n + 1]], n % 50 + 1) or \
-                    data["stream_options"]["include_usage"] != bool(n % 2):
+            if (data["model"], data["prompt"], data["max_tokens"]) != (f"m{n}", [[n, n + 1]], n % 50 + 1) or data[
+                "stream_options"
+            ]["include_usage"] != bool(n % 2):
                 failures.append((n, data))
             try:
                 calls.validate(CompletionRequestSerializer, {**body, "temperature": "hot"})

@@ -4,6 +4,7 @@ In-process /v1 (Django test client) against two engine worker threads on the tes
 answer must be its own model's offline greedy output, claimed by the worker serving that name;
 a name no live worker serves is a 404, never another model's answer.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,7 @@ from django.test import Client
 
 from accounts.services import create_api_key
 from engine_client import client as engine
-from inference import SamplingParams
-from inference import protocol
+from inference import SamplingParams, protocol
 from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
 from usage.models import UsageRecord
 
@@ -35,8 +35,10 @@ def llms(tiny_model_dir, model_factory):
 def expected(llms):
     """Each model's own offline greedy answer (computed before any worker thread steps its engine)."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return {name: llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)[0].outputs[0]
-            for name, llm in llms.items()}
+    return {
+        name: llm.generate(prompt_token_ids=[PROMPT], sampling_params=params, use_tqdm=False)[0].outputs[0]
+        for name, llm in llms.items()
+    }
 
 
 def _worker(llm, name: str, **config) -> ThreadedWorker:
@@ -46,12 +48,19 @@ def _worker(llm, name: str, **config) -> ThreadedWorker:
 
 @pytest.fixture
 def two_models(llms, expected, settings):
-    settings.QUOTA_DEFAULT_PLAN = {"tokens_per_day": 10**8, "tokens_per_month": 10**9, "requests_per_minute": 10**5,
-                                   "concurrent_requests": 100, "max_tokens_per_request": 1000}
+    settings.QUOTA_DEFAULT_PLAN = {
+        "tokens_per_day": 10**8,
+        "tokens_per_month": 10**9,
+        "requests_per_minute": 10**5,
+        "concurrent_requests": 100,
+        "max_tokens_per_request": 1000,
+    }
     r = redis.Redis.from_url(settings.REDIS_URL)
     clear_engine_keys(r)
-    workers = {"tiny-a": _worker(llms["tiny-a"], "tiny-a", aliases=("tiny-a-alias",)),
-               "tiny-b": _worker(llms["tiny-b"], "tiny-b")}
+    workers = {
+        "tiny-a": _worker(llms["tiny-a"], "tiny-a", aliases=("tiny-a-alias",)),
+        "tiny-b": _worker(llms["tiny-b"], "tiny-b"),
+    }
     wait_for(lambda: all(r.exists(protocol.heartbeat_key(w.worker.worker_id)) for w in workers.values()))
     user = User.objects.create_user("router", password="pw-long-enough")
     yield workers, create_api_key(user)[1], r
@@ -62,8 +71,9 @@ def two_models(llms, expected, settings):
 
 def _complete(raw_key: str, model: str):
     body = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    return Client().post("/v1/completions", body, content_type="application/json",
-                         HTTP_AUTHORIZATION=f"Bearer {raw_key}")
+    return Client().post(
+        "/v1/completions", body, content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {raw_key}"
+    )
 
 
 def _claimed_by(r, request_id: str) -> str:
@@ -74,7 +84,9 @@ def _claimed_by(r, request_id: str) -> str:
 
 def test_each_model_answers_only_its_own_requests_and_aliases_reach_their_model(expected, two_models):
     workers, raw_key, r = two_models
-    assert expected["tiny-a"].token_ids != expected["tiny-b"].token_ids, "the two tiny models must disagree for this test to mean anything"
+    assert expected["tiny-a"].token_ids != expected["tiny-b"].token_ids, (
+        "the two tiny models must disagree for this test to mean anything"
+    )
     listed = Client().get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {raw_key}").json()
     assert sorted(m["id"] for m in listed["data"]) == ["tiny-a", "tiny-a-alias", "tiny-b"]
 
@@ -88,7 +100,11 @@ def test_each_model_answers_only_its_own_requests_and_aliases_reach_their_model(
         assert body["choices"][0]["text"] == expected[served_by].text, asked
     rows = UsageRecord.objects.order_by("created_at")
     assert [(r.model, r.completion_tokens) for r in rows] == [
-        ("tiny-a", MAX_TOKENS), ("tiny-b", MAX_TOKENS), ("tiny-a-alias", MAX_TOKENS), ("tiny-b", MAX_TOKENS)]
+        ("tiny-a", MAX_TOKENS),
+        ("tiny-b", MAX_TOKENS),
+        ("tiny-a-alias", MAX_TOKENS),
+        ("tiny-b", MAX_TOKENS),
+    ]
     # both TTFTs are stored: from the HTTP request's arrival, and from the worker's acceptance (inside it)
     assert all(0 < r.engine_ttft_ms <= r.ttft_ms for r in rows), [(r.engine_ttft_ms, r.ttft_ms) for r in rows]
 

@@ -1,4 +1,5 @@
 """The served OpenAPI schema stays true: every route is in it, and real response bodies match it."""
+
 from __future__ import annotations
 
 import re
@@ -51,9 +52,14 @@ def _request_component(schema, path):
     return _component(schema, body)
 
 
-@pytest.mark.parametrize("path, serializer", [("/v1/chat/completions", ChatCompletionRequestSerializer),
-                                              ("/v1/completions", CompletionRequestSerializer),
-                                              ("/v1/responses", ResponseCreateRequestSerializer)])
+@pytest.mark.parametrize(
+    "path, serializer",
+    [
+        ("/v1/chat/completions", ChatCompletionRequestSerializer),
+        ("/v1/completions", CompletionRequestSerializer),
+        ("/v1/responses", ResponseCreateRequestSerializer),
+    ],
+)
 def test_request_bodies_are_the_serializers_that_validate(schema, path, serializer):
     component = _request_component(schema, path)
     assert set(component["properties"]) == set(serializer().fields)
@@ -76,20 +82,39 @@ def _check_body(schema, body: dict, component: dict, where: str):
 def _result(logprobs: bool) -> dict:
     entry = {"token_id": 1, "token": "hi", "logprob": -0.5, "top": [{"token_id": 1, "token": "hi", "logprob": -0.5}]}
     result = Result()
-    result.add({"type": "delta", "index": 0, "text": "hi", "token_ids": [1], "logprobs": [entry] if logprobs else [],
-                "finish_reason": "length", "stop_reason": None})
-    result.add({"type": "finish", "finish_reasons": ["length"],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0}, "metrics": {}})
+    result.add(
+        {
+            "type": "delta",
+            "index": 0,
+            "text": "hi",
+            "token_ids": [1],
+            "logprobs": [entry] if logprobs else [],
+            "finish_reason": "length",
+            "stop_reason": None,
+        }
+    )
+    result.add(
+        {
+            "type": "finish",
+            "finish_reasons": ["length"],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "cached_tokens": 0},
+            "metrics": {},
+        }
+    )
     return result
 
 
-@pytest.mark.parametrize("endpoint, path, build", [
-    ("chat", "/v1/chat/completions", formatting.chat_response),
-    ("completions", "/v1/completions", formatting.completion_response),
-])
+@pytest.mark.parametrize(
+    "endpoint, path, build",
+    [
+        ("chat", "/v1/chat/completions", formatting.chat_response),
+        ("completions", "/v1/completions", formatting.completion_response),
+    ],
+)
 def test_response_bodies_match_their_documented_components(schema, endpoint, path, build):
-    gen = Generation(source="api", endpoint=path, user=None, model="tiny", prompts=[[1, 2, 3]], sampling_params={},
-                     request_id="x")
+    gen = Generation(
+        source="api", endpoint=path, user=None, model="tiny", prompts=[[1, 2, 3]], sampling_params={}, request_id="x"
+    )
     body = build(ApiCall(kind=endpoint, gen=gen, logprobs=1), _result(logprobs=True))
     ok = schema["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     _check_body(schema, body, _component(schema, ok), path)

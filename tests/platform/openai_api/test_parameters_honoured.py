@@ -4,6 +4,7 @@ Black box, with the official openai client against the live stack. Honoured para
 with the bare engine in-process (the reference its own tests check against HF transformers) and
 shown to change the answer; refused ones must come back as a 400 whose error.param names them.
 """
+
 from __future__ import annotations
 
 import openai
@@ -27,26 +28,47 @@ def offline(tiny_model_dir):
 
 
 def offline_text(offline, max_tokens: int = 8, **params) -> str:
-    return offline.generate(prompt_token_ids=[PROMPT_IDS], use_tqdm=False, sampling_params=SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True, **params))[0].outputs[0].text
+    return (
+        offline.generate(
+            prompt_token_ids=[PROMPT_IDS],
+            use_tqdm=False,
+            sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
+        )[0]
+        .outputs[0]
+        .text
+    )
 
 
 def complete(client, live_stack, max_tokens: int | None = 8, **extra):
     kwargs = {} if max_tokens is None else {"max_tokens": max_tokens}
-    return client.completions.create(model=live_stack.model_name, prompt=PROMPT_IDS, temperature=0,
-                                     extra_body={"ignore_eos": True, **extra}, **kwargs)
+    return client.completions.create(
+        model=live_stack.model_name,
+        prompt=PROMPT_IDS,
+        temperature=0,
+        extra_body={"ignore_eos": True, **extra},
+        **kwargs,
+    )
 
 
 def chat(client, live_stack, messages, **kwargs):
-    return client.chat.completions.create(model=live_stack.model_name, messages=messages, temperature=0,
-                                          max_tokens=8, extra_body={"ignore_eos": True}, **kwargs)
+    return client.chat.completions.create(
+        model=live_stack.model_name,
+        messages=messages,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------- honoured
 
-@pytest.mark.parametrize("params", [{"logit_bias": {"42": 100}}, {"logit_bias": {"7": -100, "300": 8.5}},
-                                    {"allowed_token_ids": [20, 30, 40]}],
-                         ids=["logit_bias-forces", "logit_bias-mixed", "allowed_token_ids"])
+
+@pytest.mark.parametrize(
+    "params",
+    [{"logit_bias": {"42": 100}}, {"logit_bias": {"7": -100, "300": 8.5}}, {"allowed_token_ids": [20, 30, 40]}],
+    ids=["logit_bias-forces", "logit_bias-mixed", "allowed_token_ids"],
+)
 def test_token_restrictions_are_served_and_equal_the_bare_engine(client, live_stack, offline, params):
     reply = complete(client, live_stack, **params)
     engine_params = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in params.items()}
@@ -61,8 +83,15 @@ def test_logit_bias_through_the_chat_endpoint_forces_the_token(client, live_stac
 
 def a_word_the_model_writes(offline, tokenizer) -> str:
     """The text of one generated token that tokenizes back to that token (random weights write bytes)."""
-    ids = offline.generate(prompt_token_ids=[PROMPT_IDS], use_tqdm=False, sampling_params=SamplingParams(
-        temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    ids = (
+        offline.generate(
+            prompt_token_ids=[PROMPT_IDS],
+            use_tqdm=False,
+            sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     for token in ids:
         word = tokenizer.decode([token]).strip()
         if word and "\ufffd" not in word and [token] in bad_words_token_ids(tokenizer, [word]):
@@ -105,8 +134,13 @@ def test_user_is_recorded_on_the_usage_row(client, live_stack):
 
 def test_the_largest_64_bit_seed_is_honoured(client, live_stack):
     def sampled(seed):
-        return client.chat.completions.create(model=live_stack.model_name, messages=HELLO, temperature=1.0,
-                                              max_tokens=8, seed=seed).choices[0].message.content
+        return (
+            client.chat.completions.create(
+                model=live_stack.model_name, messages=HELLO, temperature=1.0, max_tokens=8, seed=seed
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sampled(2**64 - 1) == sampled(2**64 - 1) != sampled(2**64 - 2)
 
@@ -132,7 +166,7 @@ CHAT_REFUSALS = [
     ({"stop_token_ids": ["3"]}, "stop_token_ids[0]"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"seed": 2**70}, "seed"),
-    ({"seed": -2**63 - 1}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
     ({"logit_bias": {"five": 1}}, "logit_bias"),
     ({"logit_bias": {"²": 1}}, "logit_bias"),
@@ -155,13 +189,28 @@ CHAT_REFUSALS = [
     ({"web_search_options": {}}, "web_search_options"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c1"}]}, "messages[0].tool_call_id"),  # no call
-    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}]},
-     "messages[0].tool_calls[0].function"),
-    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "y",
-      "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls"),
+    (
+        {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}]},
+        "messages[0].tool_calls[0].function",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "x", "tool_calls": []},
+                {
+                    "role": "user",
+                    "content": "y",
+                    "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}],
+                },
+            ]
+        },
+        "messages[1].tool_calls",
+    ),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages[0].content",
+    ),
 ]
 
 
@@ -175,14 +224,24 @@ def refused(call) -> openai.BadRequestError:
 def test_chat_refuses_with_a_400_naming_the_parameter(client, live_stack, body, param):
     body = dict(body)
     messages = body.pop("messages", HELLO)
-    error = refused(lambda: client.chat.completions.create(model=live_stack.model_name, messages=messages,
-                                                           max_tokens=4, extra_body=body))
+    error = refused(
+        lambda: client.chat.completions.create(
+            model=live_stack.model_name, messages=messages, max_tokens=4, extra_body=body
+        )
+    )
     assert error.param == param, error.body
 
 
-@pytest.mark.parametrize("body, param", [({"max_tokens": "8"}, "max_tokens"), ({"top_k": 10**9}, "top_k"),
-                                         ({"stop_token_ids": [10**12]}, "stop_token_ids"),
-                                         ({"logprobs": "2"}, "logprobs"), ({"seed": 2**70}, "seed")])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"top_k": 10**9}, "top_k"),
+        ({"stop_token_ids": [10**12]}, "stop_token_ids"),
+        ({"logprobs": "2"}, "logprobs"),
+        ({"seed": 2**70}, "seed"),
+    ],
+)
 def test_completions_refuse_with_a_400_naming_the_parameter(client, live_stack, body, param):
     error = refused(lambda: client.completions.create(model=live_stack.model_name, prompt="hi", extra_body=body))
     assert error.param == param, error.body
@@ -214,6 +273,7 @@ def test_a_tokenizer_without_a_chat_template_is_a_400_that_says_so(tmp_path, tin
 
 # ---------------------------------------------------------------- the OpenAPI schema says the same
 
+
 @pytest.mark.django_db
 def test_the_schema_has_json_bodies_and_typed_message_content():
     from django.test import Client
@@ -227,5 +287,7 @@ def test_the_schema_has_json_bodies_and_typed_message_content():
     assert content[1]["items"]["properties"]["type"]["enum"] == ["text"]
     assert "tool_call_id" in message
     request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
-    assert {"logit_bias", "allowed_token_ids", "bad_words", "tools", "tool_choice", "parallel_tool_calls"} <= set(request)
+    assert {"logit_bias", "allowed_token_ids", "bad_words", "tools", "tool_choice", "parallel_tool_calls"} <= set(
+        request
+    )
     assert request["seed"]["maximum"] == 2**64 - 1

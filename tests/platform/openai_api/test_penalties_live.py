@@ -3,6 +3,7 @@
 Black box: only the public HTTP surface. The bare engine in-process is the reference (its own
 penalty tests check it against HF's logits processors and OpenAI's formula).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -30,15 +31,23 @@ def offline(tiny_model_dir):
 
 def offline_text(offline, penalties: dict, max_tokens: int = 12) -> str:
     params = {k: v for k, v in penalties.items() if k != "extra_body"} | penalties.get("extra_body", {})
-    return offline.generate(prompt_token_ids=[PROMPT_IDS], use_tqdm=False, sampling_params=SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True, **params))[0].outputs[0].text
+    return (
+        offline.generate(
+            prompt_token_ids=[PROMPT_IDS],
+            use_tqdm=False,
+            sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
+        )[0]
+        .outputs[0]
+        .text
+    )
 
 
 def complete(client, live_stack, penalties: dict, max_tokens: int = 12):
     extra = {"ignore_eos": True} | penalties.get("extra_body", {})
     kwargs = {k: v for k, v in penalties.items() if k != "extra_body"}
-    return client.completions.create(model=live_stack.model_name, prompt=PROMPT_IDS, max_tokens=max_tokens,
-                                     temperature=0, extra_body=extra, **kwargs)
+    return client.completions.create(
+        model=live_stack.model_name, prompt=PROMPT_IDS, max_tokens=max_tokens, temperature=0, extra_body=extra, **kwargs
+    )
 
 
 @pytest.mark.parametrize("penalties", PENALTIES, ids=["frequency", "presence", "repetition", "combined"])
@@ -51,9 +60,16 @@ def test_each_penalty_is_served_and_equals_the_bare_engine(client, live_stack, o
 
 def test_a_penalized_request_among_plain_streams_fails_nobody(client, live_stack, offline):
     """The issue's scene: 8 ordinary streams in flight plus one with a penalty; all nine must finish."""
+
     def plain_stream():
-        chunks = client.completions.create(model=live_stack.model_name, prompt=PROMPT_IDS, max_tokens=24,
-                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model=live_stack.model_name,
+            prompt=PROMPT_IDS,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         return "".join(c.choices[0].text for c in chunks if c.choices)
 
     with ThreadPoolExecutor(9) as pool:

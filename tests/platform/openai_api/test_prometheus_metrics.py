@@ -1,5 +1,6 @@
 """GET /metrics in vLLM's names: two real engine workers on tiny models serve /v1 requests on the test
 Redis; the exposition, parsed by prometheus_client's own parser, must count exactly those requests."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 MODEL = "tiny-metrics"
 MAX_TOKENS = 3
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [17, 18, 19, 20], [21, 22, 23, 24]]
-HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
-              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds")
+HISTOGRAMS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+)
 COUNTERS = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success", "vllm:num_preemptions")
 GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
@@ -31,8 +36,13 @@ def llms(tiny_model_dir):
 
 @pytest.fixture
 def raw_key(settings):
-    settings.QUOTA_DEFAULT_PLAN = {"tokens_per_day": 10**8, "tokens_per_month": 10**9, "requests_per_minute": 10**5,
-                                   "concurrent_requests": 100, "max_tokens_per_request": 1000}
+    settings.QUOTA_DEFAULT_PLAN = {
+        "tokens_per_day": 10**8,
+        "tokens_per_month": 10**9,
+        "requests_per_minute": 10**5,
+        "concurrent_requests": 100,
+        "max_tokens_per_request": 1000,
+    }
     return create_api_key(User.objects.create_user("scraper", password="pw-long-enough"))[1]
 
 
@@ -40,8 +50,15 @@ def raw_key(settings):
 def two_workers(llms):
     r = redis.Redis.from_url(settings.REDIS_URL)
     clear_engine_keys(r)
-    workers = [ThreadedWorker(llm.llm_engine, settings.REDIS_URL, model_name=MODEL,
-                              extra_info={"max_model_len": llm.llm_engine.max_model_len}).start() for llm in llms]
+    workers = [
+        ThreadedWorker(
+            llm.llm_engine,
+            settings.REDIS_URL,
+            model_name=MODEL,
+            extra_info={"max_model_len": llm.llm_engine.max_model_len},
+        ).start()
+        for llm in llms
+    ]
     wait_for(lambda: all(r.exists(protocol.heartbeat_key(w.worker.worker_id)) for w in workers))
     yield [w.worker.worker_id for w in workers]
     for worker in workers:
@@ -73,9 +90,12 @@ def scrape_once_finished(expected: int) -> dict | None:
 
 def test_engine_histograms_and_counters_count_the_served_requests(raw_key, two_workers):
     for prompt in PROMPTS:
-        response = Client().post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                     "temperature": 0, "ignore_eos": True},
-                                 content_type="application/json", HTTP_AUTHORIZATION=f"Bearer {raw_key}")
+        response = Client().post(
+            "/v1/completions",
+            {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+            content_type="application/json",
+            HTTP_AUTHORIZATION=f"Bearer {raw_key}",
+        )
         assert response.status_code == 200, response.content
     families = wait_for(lambda: scrape_once_finished(len(PROMPTS)), timeout=30)
 
@@ -88,8 +108,12 @@ def test_engine_histograms_and_counters_count_the_served_requests(raw_key, two_w
             assert values == sorted(values), (name, values)  # cumulative
             [count] = samples(families[name], name + "_count", worker=worker, model_name=MODEL)
             assert values[-1] == count.value
-    for name in ("vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
-                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:time_per_output_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+    ):
         assert total(families[name], name + "_count", model_name=MODEL) == len(PROMPTS), name
         assert total(families[name], name + "_sum", model_name=MODEL) > 0, name
 
@@ -116,8 +140,14 @@ def test_engine_histograms_and_counters_count_the_served_requests(raw_key, two_w
 def test_http_counters_are_labelled_by_web_replica(raw_key):
     def models_200s() -> float:
         family = scrape()["tessera_http_requests"]
-        return total(family, "tessera_http_requests_total", route="/v1/models", method="GET", status="200",
-                     replica=metrics.REPLICA)
+        return total(
+            family,
+            "tessera_http_requests_total",
+            route="/v1/models",
+            method="GET",
+            status="200",
+            replica=metrics.REPLICA,
+        )
 
     before = models_200s()
     for _ in range(3):

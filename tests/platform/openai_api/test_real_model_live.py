@@ -1,8 +1,7 @@
 """The whole stack serving the real default model (SmolLM2-135M-Instruct GGUF, MODEL unset): the
 official openai client at temperature 0 gets HF transformers' greedy answer token for token."""
-from __future__ import annotations
 
-from pathlib import Path
+from __future__ import annotations
 
 import openai
 import pytest
@@ -37,12 +36,17 @@ def hf_answers():
     model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
     answers = []
     for question in QUESTIONS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False)
-        tokens = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+            )
+        tokens = out[0, len(ids) :].tolist()
         answers.append((len(ids), tokens, tokenizer.decode(tokens, skip_special_tokens=True)))
     return answers
 
@@ -55,12 +59,13 @@ def test_the_default_model_is_served_under_its_own_name(client):
 def test_chat_at_temperature_0_equals_hf_transformers(client, hf_answers, index):
     prompt_tokens, tokens, text = hf_answers[index]
     messages = [{"role": "user", "content": QUESTIONS[index]}]
-    reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
-                                           max_tokens=MAX_TOKENS)
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=MAX_TOKENS
+    )
     assert reply.choices[0].message.content == text
     assert reply.usage.prompt_tokens == prompt_tokens and reply.usage.completion_tokens == len(tokens)
     assert reply.choices[0].finish_reason == ("stop" if len(tokens) < MAX_TOKENS else "length")
-    chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
-                                            max_tokens=MAX_TOKENS, stream=True)
+    chunks = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=MAX_TOKENS, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-

@@ -1,6 +1,7 @@
 """The Responses event stream from engine events, in process: the SDK's own stream accumulator takes
 every sequence (text, hermes tool calls, an engine failure mid-stream), the streamed items equal the
 JSON answer's, and the bodies match the documented OpenAPI component."""
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,18 @@ TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "obj
 
 
 def response_call(tool_use: ToolUse | None = None, **data) -> ResponseCall:
-    gen = Generation(source="api", endpoint="/v1/responses", user=None, model="tiny", prompts=[[1, 2, 3]],
-                     sampling_params={}, request_id="resp_test")
-    return ResponseCall(call=ApiCall(kind="chat", gen=gen, tools=tool_use), data={"model": "tiny", **data},
-                        conversation=[])
+    gen = Generation(
+        source="api",
+        endpoint="/v1/responses",
+        user=None,
+        model="tiny",
+        prompts=[[1, 2, 3]],
+        sampling_params={},
+        request_id="resp_test",
+    )
+    return ResponseCall(
+        call=ApiCall(kind="chat", gen=gen, tools=tool_use), data={"model": "tiny", **data}, conversation=[]
+    )
 
 
 def run(rc: ResponseCall, texts: list[str], finish: str | None = "stop", error: dict | None = None):
@@ -40,8 +49,13 @@ def run(rc: ResponseCall, texts: list[str], finish: str | None = "stop", error: 
         rc.call.gen.result.add(event)
         chunks += writer.delta(event)
     if error is None:
-        rc.call.gen.result.add({"type": "finish", "finish_reasons": [finish],
-                                "usage": {"prompt_tokens": 3, "completion_tokens": len(texts), "cached_tokens": 0}})
+        rc.call.gen.result.add(
+            {
+                "type": "finish",
+                "finish_reasons": [finish],
+                "usage": {"prompt_tokens": 3, "completion_tokens": len(texts), "cached_tokens": 0},
+            }
+        )
         body, closing = writer.finish(rc.call.gen.result)
         chunks += closing
     else:
@@ -66,11 +80,20 @@ def test_a_text_stream_ends_with_the_json_answer(schema):
     final = payloads[-1]["response"]
     assert payloads[-1]["type"] == "response.completed" and sdk_events[-1].response.output_text == "Hello there"
     whole = responses_format.response_body(rc, rc.call.gen.result)
-    assert [(i["type"], i["content"][0]["text"]) for i in final["output"]] == \
-        [(i["type"], i["content"][0]["text"]) for i in whole["output"]]
-    assert final["usage"] == whole["usage"] == {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0},
-                                                "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
-                                                "total_tokens": 6}
+    assert [(i["type"], i["content"][0]["text"]) for i in final["output"]] == [
+        (i["type"], i["content"][0]["text"]) for i in whole["output"]
+    ]
+    assert (
+        final["usage"]
+        == whole["usage"]
+        == {
+            "input_tokens": 3,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": 3,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": 6,
+        }
+    )
     ok = schema["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
     _check_body(schema, whole, _component(schema, ok), "/v1/responses")
     _check_body(schema, final, _component(schema, ok), "/v1/responses stream")
@@ -92,8 +115,9 @@ def test_hermes_tool_calls_stream_as_function_call_items():
 
 
 def test_parallel_tool_calls_false_streams_the_first_call_only():
-    rc = response_call(ToolUse(tool_choice="auto", parser="hermes", parallel=False), tools=TOOLS,
-                       parallel_tool_calls=False)
+    rc = response_call(
+        ToolUse(tool_choice="auto", parser="hermes", parallel=False), tools=TOOLS, parallel_tool_calls=False
+    )
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
     _, sdk_events = run(rc, [call % "Paris", call % "Rome"])
     assert [item.type for item in sdk_events[-1].response.output] == ["function_call"]
@@ -103,10 +127,18 @@ def test_parallel_tool_calls_false_streams_the_first_call_only():
 def test_an_engine_failure_mid_stream_is_an_error_event_then_response_failed():
     payloads, _ = run(response_call(), ["partial"], error={"code": "engine_error", "message": "boom"})
     kinds = [p["type"] for p in payloads]
-    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.content_part.added", "response.output_text.delta", "error",
-                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
-                     "response.failed"]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "error",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.failed",
+    ]
     error = payloads[kinds.index("error")]
     assert (error["code"], error["message"]) == ("engine_error", "boom")
     failed = payloads[-1]

@@ -1,4 +1,5 @@
 """What happens to a stream when its client leaves, or its engine worker dies."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,14 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_kv_blocks(live_stack)
     before = live_stack.worker_stats()[0]
     # As long a generation as the stack's max_model_len (512) allows; the client hangs up right
     # after the first chunks, while the tiny model is still far from done.
-    body = {"model": live_stack.model_name, "prompt": [5, 6, 7], "max_tokens": 500, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": live_stack.model_name,
+        "prompt": [5, 6, 7],
+        "max_tokens": 500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {live_stack.api_key}"}
     with httpx.stream("POST", live_stack.base_url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
         assert r.status_code == 200
@@ -38,12 +45,23 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_kv_blocks(live_stack)
         first = [next(lines) for _ in range(6)]  # a few chunks, then hang up
         assert any(line.startswith("data: ") for line in first)
     # the response is closed here, mid-generation: the worker aborts it and frees its blocks
-    stats = wait_for(lambda: (s := live_stack.worker_stats()[0]) and s["aborts_total"] == before["aborts_total"] + 1
-                     and s["inflight"] == 0 and s["num_running"] == 0 and s["blocks_used"] == 0 and s)
+    stats = wait_for(
+        lambda: (
+            (s := live_stack.worker_stats()[0])
+            and s["aborts_total"] == before["aborts_total"] + 1
+            and s["inflight"] == 0
+            and s["num_running"] == 0
+            and s["blocks_used"] == 0
+            and s
+        )
+    )
     assert stats["generation_tokens_total"] < before["generation_tokens_total"] + 500
-    rows = wait_for(lambda: live_stack.sql(
-        "SELECT status_code, error_code, completion_tokens FROM usage_usagerecord "
-        "WHERE endpoint = '/v1/completions' ORDER BY id DESC LIMIT 1"))
+    rows = wait_for(
+        lambda: live_stack.sql(
+            "SELECT status_code, error_code, completion_tokens FROM usage_usagerecord "
+            "WHERE endpoint = '/v1/completions' ORDER BY id DESC LIMIT 1"
+        )
+    )
     assert rows[0][:2] == (499, "client_disconnected") and 0 < rows[0][2] < 500
 
 
@@ -51,12 +69,19 @@ def test_a_streamed_request_is_submitted_with_its_web_processs_lease(live_stack)
     """The submit runs on the bookkeeping thread, with the event loop's lease: a web process that
     dies mid-stream still gets its requests aborted (tests/chaos: test_web_kill_mid_stream)."""
     client = openai.OpenAI(base_url=live_stack.base_url + "/v1", api_key=live_stack.api_key, max_retries=0)
-    stream = client.completions.create(model=live_stack.model_name, prompt=[4, 5, 6], max_tokens=50,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=live_stack.model_name,
+        prompt=[4, 5, 6],
+        max_tokens=50,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     first = next(iter(stream))
     r = live_stack.redis()
-    submitted = [protocol.decode(fields[b"data"]) for _id, fields in
-                 r.xrange(protocol.request_stream(live_stack.model_name))]
+    submitted = [
+        protocol.decode(fields[b"data"]) for _id, fields in r.xrange(protocol.request_stream(live_stack.model_name))
+    ]
     [request] = [m for m in submitted if m["request_id"] == first.id]
     assert request["lease_id"] and r.pttl(protocol.lease_key(request["lease_id"])) > 0
     for _chunk in stream:  # to its end: the next test starts with nothing running
@@ -78,8 +103,14 @@ def _process_running(stack: LiveStack, worker_id: str) -> str:
 def test_worker_death_and_shutdown_never_leave_a_client_waiting(doomed_stack):
     stack = doomed_stack
     client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
-    stream = client.completions.create(model=stack.model_name, prompt=[4, 5, 6], max_tokens=400,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=stack.model_name,
+        prompt=[4, 5, 6],
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     first = next(iter(stream))
     [(_id, fields)] = stack.redis().xrange(f"tessera:engine:out:{first.id}", count=1)
     victim_id = json.loads(fields[b"events"])[0]["worker_id"]
@@ -105,7 +136,10 @@ def test_worker_death_and_shutdown_never_leave_a_client_waiting(doomed_stack):
     assert process.wait(30) == 0
     r = stack.redis()
     assert not r.exists(f"tessera:engine:worker:{survivor_id}")
-    consumers = {c["name"].decode() for c in r.xinfo_consumers(protocol.request_stream(stack.model_name), protocol.CONSUMER_GROUP)}
+    consumers = {
+        c["name"].decode()
+        for c in r.xinfo_consumers(protocol.request_stream(stack.model_name), protocol.CONSUMER_GROUP)
+    }
     assert survivor_id not in consumers
     assert httpx.get(stack.base_url + "/health").status_code == 503
     with pytest.raises(openai.InternalServerError) as info:

@@ -2,6 +2,7 @@
 official client and LangChain's ChatOpenAI unchanged: forced choices are enforced by the grammar, so
 even a 135M model emits a valid call; streamed argument deltas add up to the call; the tool's
 result goes back into the prompt."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,27 @@ from tests.platform.live_stack import real_model_stack
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The local time in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -46,8 +60,15 @@ def check_weather_call(call) -> dict:
 
 def test_a_named_tool_choice_always_gets_a_valid_call(client):
     for seed in range(4):
-        reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED,
-                                               temperature=1.0, seed=seed, max_tokens=60)
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=NAMED,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=60,
+        )
         choice = reply.choices[0]
         assert choice.message.content is None and len(choice.message.tool_calls) == 1
         check_weather_call(choice.message.tool_calls[0])
@@ -55,24 +76,35 @@ def test_a_named_tool_choice_always_gets_a_valid_call(client):
 
 
 def test_required_gets_calls_of_the_offered_tools_and_parallel_false_gets_one(client):
-    reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                           temperature=0, max_tokens=120)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=120
+    )
     calls = reply.choices[0].message.tool_calls
     assert calls and reply.choices[0].finish_reason == "tool_calls"
     assert {c.function.name for c in calls} <= {"get_weather", "get_time"}
     for call in calls:
         assert isinstance(json.loads(call.function.arguments), dict)
-    single = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                            parallel_tool_calls=False, temperature=1.0, seed=3, max_tokens=120)
+    single = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=3,
+        max_tokens=120,
+    )
     assert len(single.choices[0].message.tool_calls) == 1
 
 
 @pytest.mark.parametrize("tool_choice", [NAMED, "required"])
 def test_streamed_argument_deltas_add_up_to_the_whole_answers_call(client, tool_choice):
-    whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=tool_choice,
-                                           temperature=0, max_tokens=80)
-    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=tool_choice,
-                                            temperature=0, max_tokens=80, stream=True)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, temperature=0, max_tokens=80
+    )
+    stream = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=tool_choice, temperature=0, max_tokens=80, stream=True
+    )
     names, arguments, ids, finish, content = {}, {}, {}, None, ""
     for chunk in stream:
         choice = chunk.choices[0]
@@ -90,13 +122,18 @@ def test_streamed_argument_deltas_add_up_to_the_whole_answers_call(client, tool_
 
 
 def test_the_tool_result_goes_back_into_the_prompt(client):
-    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=NAMED,
-                                           temperature=0, max_tokens=60)
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=NAMED, temperature=0, max_tokens=60
+    )
     call = first.choices[0].message.tool_calls[0]
-    follow_up = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"}]
-    answer = client.chat.completions.create(model=MODEL, messages=follow_up, tools=[WEATHER], temperature=0,
-                                            max_tokens=40)
+    follow_up = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=follow_up, tools=[WEATHER], temperature=0, max_tokens=40
+    )
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # the prompt grew by the call and its result: the model saw both
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 8
@@ -119,8 +156,15 @@ def test_langchain_bind_tools_round_trip(live):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=MODEL, base_url=live.base_url + "/v1", api_key=live.api_key, temperature=0,
-                     max_tokens=60, max_retries=0, timeout=120)
+    llm = ChatOpenAI(
+        model=MODEL,
+        base_url=live.base_url + "/v1",
+        api_key=live.api_key,
+        temperature=0,
+        max_tokens=60,
+        max_retries=0,
+        timeout=120,
+    )
 
     def get_weather(city: str, unit: str) -> str:
         """The current weather in a city (unit: celsius or fahrenheit)."""
@@ -134,5 +178,8 @@ def test_langchain_bind_tools_round_trip(live):
         assert isinstance(args["city"], str) and isinstance(args["unit"], str)
     result = ToolMessage(get_weather(**args), tool_call_id=called.tool_calls[0]["id"])
     answer = llm.bind_tools([get_weather]).invoke([question, called, result])
-    assert isinstance(answer.content, str) and answer.response_metadata["finish_reason"] in ("stop", "length",
-                                                                                             "tool_calls")
+    assert isinstance(answer.content, str) and answer.response_metadata["finish_reason"] in (
+        "stop",
+        "length",
+        "tool_calls",
+    )

@@ -3,6 +3,7 @@
 Pure functions: no engine, no HTTP, no database. The central property is that a stream fed any
 chunking of an output sends the same content and the same calls that parse() finds in it.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,25 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from errors import InvalidRequest
-from openai_api.tool_calls import (PARSERS, ParsedOutput, choose_parser, forced_spec, forced_stream,
-                                   parse_forced, validate_tools)
+from openai_api.tool_calls import (
+    PARSERS,
+    ParsedOutput,
+    choose_parser,
+    forced_spec,
+    forced_stream,
+    parse_forced,
+    validate_tools,
+)
 
 WS = " \t\n\r"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 NOW = {"type": "function", "function": {"name": "now"}}
 TOOLS = [WEATHER, NOW]
 
@@ -37,18 +50,24 @@ def calls(parsed: ParsedOutput) -> list[tuple[str, dict]]:
 
 # ---------------------------------------------------------------- hermes
 
+
 def test_hermes_one_call_is_only_a_call():
     parsed = parse("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
     assert parsed.content is None
     assert [(c.name, c.arguments) for c in parsed.tool_calls] == [("get_weather", '{"city": "Paris"}')]
     assert re.fullmatch(r"call_[0-9a-f]{24}", parsed.tool_calls[0].id)
-    assert parsed.tool_calls[0].as_openai() == {"id": parsed.tool_calls[0].id, "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert parsed.tool_calls[0].as_openai() == {
+        "id": parsed.tool_calls[0].id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
 
 
 def test_hermes_two_calls_with_content_before_them():
-    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"arguments": {}, "name": "now"}\n</tool_call>\n')
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"arguments": {}, "name": "now"}\n</tool_call>\n'
+    )
     parsed = parse("hermes", text)
     assert parsed.content == "Let me look."  # whitespace around the blocks is theirs
     assert calls(parsed) == [("get_weather", {"city": "Paris"}), ("now", {})]
@@ -61,15 +80,18 @@ def test_hermes_arguments_are_compact_json_of_the_object():
     assert parsed.tool_calls[0].arguments == json.dumps(json.loads(raw), ensure_ascii=False)
 
 
-@pytest.mark.parametrize("text", [
-    '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>',  # broken JSON
-    '<tool_call>\nnot json at all\n</tool_call>',
-    '<tool_call>\n{"name": "f"}\n</tool_call>',  # no arguments
-    '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',  # a name that is not a string
-    '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>',  # arguments that are not an object
-    'Sure <tool_call>\n{"name": "f", "arguments": {}}\n junk </tool_call>',  # text inside the block
-    '<tool_call>\n{"name": "f", "arguments": {"a": 1}',  # cut off mid-call
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>',  # broken JSON
+        "<tool_call>\nnot json at all\n</tool_call>",
+        '<tool_call>\n{"name": "f"}\n</tool_call>',  # no arguments
+        '<tool_call>\n{"name": 3, "arguments": {}}\n</tool_call>',  # a name that is not a string
+        '<tool_call>\n{"name": "f", "arguments": "{}"}\n</tool_call>',  # arguments that are not an object
+        'Sure <tool_call>\n{"name": "f", "arguments": {}}\n junk </tool_call>',  # text inside the block
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}',  # cut off mid-call
+    ],
+)
 def test_hermes_malformed_block_makes_the_whole_output_content(text):
     assert parse("hermes", text) == ParsedOutput(content=text, tool_calls=[])
 
@@ -86,19 +108,34 @@ def test_hermes_last_block_may_stop_before_its_end_tag():
 
 # ---------------------------------------------------------------- llama3_json and mistral
 
-@pytest.mark.parametrize("text, expected", [
-    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
-    ('<|python_tag|>{"name": "now", "arguments": {}}', [("now", {})]),
-    ('{"name": "now", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}',
-     [("now", {}), ("get_weather", {"city": "Oslo"})]),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
+        ('<|python_tag|>{"name": "now", "arguments": {}}', [("now", {})]),
+        (
+            '{"name": "now", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "Oslo"}}',
+            [("now", {}), ("get_weather", {"city": "Oslo"})],
+        ),
+    ],
+)
 def test_llama3_json_calls(text, expected):
     parsed = parse("llama3_json", text)
     assert parsed.content is None and calls(parsed) == expected
 
 
-@pytest.mark.parametrize("text", ['The answer is 4.', '{"answer": 42}', '{"name": "f", "parameters": {"a": ', '',
-                                  '<|python_tag|>print(1)', '  {"name": "f"}'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The answer is 4.",
+        '{"answer": 42}',
+        '{"name": "f", "parameters": {"a": ',
+        "",
+        "<|python_tag|>print(1)",
+        '  {"name": "f"}',
+    ],
+)
 def test_llama3_json_text_that_is_not_a_call_is_content(text):
     assert parse("llama3_json", text) == ParsedOutput(content=text, tool_calls=[])
 
@@ -108,23 +145,39 @@ def test_llama3_json_text_after_the_calls_is_content():
     assert parsed.content == " I called it." and calls(parsed) == [("now", {})]
 
 
-@pytest.mark.parametrize("text, content, expected", [
-    ('[TOOL_CALLS] [{"name": "now", "arguments": {}}]', None, [("now", {})]),
-    ('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
-     '{"name": "now", "arguments": {}}]', "Checking.", [("get_weather", {"city": "Rome"}), ("now", {})]),
-])
+@pytest.mark.parametrize(
+    "text, content, expected",
+    [
+        ('[TOOL_CALLS] [{"name": "now", "arguments": {}}]', None, [("now", {})]),
+        (
+            'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+            '{"name": "now", "arguments": {}}]',
+            "Checking.",
+            [("get_weather", {"city": "Rome"}), ("now", {})],
+        ),
+    ],
+)
 def test_mistral_calls(text, content, expected):
     parsed = parse("mistral", text)
     assert parsed.content == content and calls(parsed) == expected
 
 
-@pytest.mark.parametrize("text", ["No tools needed.", "[TOOL_CALLS] not a list", "[TOOL_CALLS] []",
-                                  '[TOOL_CALLS] [{"name": "f", "arguments": {]', "[TOOL"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "No tools needed.",
+        "[TOOL_CALLS] not a list",
+        "[TOOL_CALLS] []",
+        '[TOOL_CALLS] [{"name": "f", "arguments": {]',
+        "[TOOL",
+    ],
+)
 def test_mistral_without_calls_or_malformed_is_content(text):
     assert parse("mistral", text) == ParsedOutput(content=text, tool_calls=[])
 
 
 # ---------------------------------------------------------------- streaming
+
 
 def run_stream(stream, pieces: list[str]) -> list[dict]:
     deltas = []
@@ -165,23 +218,50 @@ def assert_stream_agrees(stream, pieces: list[str], parsed: ParsedOutput) -> Non
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**20), 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-    max_leaves=8)
+    max_leaves=8,
+)
 arguments_objects = st.dictionaries(st.text(max_size=6), json_values, max_size=4)
 names = st.from_regex(r"[a-zA-Z0-9_-]{1,12}", fullmatch=True)
 # Content built from pieces that look like the formats' markers, so hold-back is exercised.
-content_pieces = st.sampled_from(["Hi", " ", "\n", "é😀", "<", "<tool", "<tool_call", "</tool_call>", "[",
-                                  "[TOOL", "[TOOL_CALLS", "<|python", "{", "}", '"', "x", "\t"])
+content_pieces = st.sampled_from(
+    [
+        "Hi",
+        " ",
+        "\n",
+        "é😀",
+        "<",
+        "<tool",
+        "<tool_call",
+        "</tool_call>",
+        "[",
+        "[TOOL",
+        "[TOOL_CALLS",
+        "<|python",
+        "{",
+        "}",
+        '"',
+        "x",
+        "\t",
+    ]
+)
 contents = st.lists(content_pieces, max_size=6).map("".join)
 
 
 @st.composite
 def json_text(draw, value) -> str:
     """value as JSON the way some model might write it: any of json.dumps' layouts and escapes."""
-    return json.dumps(value, ensure_ascii=draw(st.booleans()), indent=draw(st.sampled_from([None, 1])),
-                      separators=draw(st.sampled_from([None, (",", ":"), (", ", ": ")])))
+    return json.dumps(
+        value,
+        ensure_ascii=draw(st.booleans()),
+        indent=draw(st.sampled_from([None, 1])),
+        separators=draw(st.sampled_from([None, (",", ":"), (", ", ": ")])),
+    )
 
 
 @st.composite
@@ -265,9 +345,18 @@ def test_any_chunking_of_well_formed_output_streams_what_parse_finds(parser, dat
     assert_stream_agrees(PARSERS[parser]().stream(), split(text, cuts), parsed)
 
 
-malformed_blocks = st.sampled_from(['<tool_call>\n{"name": 3}</tool_call>', "<tool_call>oops</tool_call>",
-                                    '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>\n{",
-                                    '[TOOL_CALLS] [{"name": "f"}]', "[TOOL_CALLS] nope", "{not json", "{}"])
+malformed_blocks = st.sampled_from(
+    [
+        '<tool_call>\n{"name": 3}</tool_call>',
+        "<tool_call>oops</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        "<tool_call>\n{",
+        '[TOOL_CALLS] [{"name": "f"}]',
+        "[TOOL_CALLS] nope",
+        "{not json",
+        "{}",
+    ]
+)
 
 
 @pytest.mark.parametrize("parser", list(PARSERS))
@@ -312,18 +401,22 @@ def test_a_call_broken_after_its_header_went_out_is_flagged_not_raised():
 
 # ---------------------------------------------------------------- choosing a parser
 
+
 def fake_tokenizer(vocab=(), template=""):
     return SimpleNamespace(get_vocab=lambda: {token: i for i, token in enumerate(vocab)}, chat_template=template)
 
 
-@pytest.mark.parametrize("tokenizer, expected", [
-    (fake_tokenizer(["a", "[TOOL_CALLS]"]), "mistral"),
-    (fake_tokenizer(["a", "<|python_tag|>"]), "llama3_json"),
-    (fake_tokenizer(template="{% if message.role == 'ipython' %}"), "llama3_json"),
-    (fake_tokenizer(template={"default": "x", "tool_use": "<|python_tag|>"}), "llama3_json"),
-    (fake_tokenizer(["<tool_call>"], "<|im_start|>"), "hermes"),
-    (SimpleNamespace(), "hermes"),
-])
+@pytest.mark.parametrize(
+    "tokenizer, expected",
+    [
+        (fake_tokenizer(["a", "[TOOL_CALLS]"]), "mistral"),
+        (fake_tokenizer(["a", "<|python_tag|>"]), "llama3_json"),
+        (fake_tokenizer(template="{% if message.role == 'ipython' %}"), "llama3_json"),
+        (fake_tokenizer(template={"default": "x", "tool_use": "<|python_tag|>"}), "llama3_json"),
+        (fake_tokenizer(["<tool_call>"], "<|im_start|>"), "hermes"),
+        (SimpleNamespace(), "hermes"),
+    ],
+)
 def test_choose_parser_by_tokenizer(tokenizer, expected):
     assert choose_parser(tokenizer) == expected
 
@@ -342,6 +435,7 @@ def test_the_tiny_test_tokenizer_is_hermes(tiny_model_dir):
 
 # ---------------------------------------------------------------- forced choices
 
+
 def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
@@ -352,9 +446,12 @@ def test_forced_spec_shapes():
     assert forced_spec(TOOLS, named("now")) == {"json": {"type": "object"}}
     spec = forced_spec(TOOLS, "required")["json"]
     assert spec["type"] == "array" and spec["minItems"] == 1 and "maxItems" not in spec
-    assert spec["items"]["anyOf"][1] == {"type": "object", "properties": {
-        "name": {"const": "now"}, "parameters": {"type": "object"}},
-        "required": ["name", "parameters"], "additionalProperties": False}
+    assert spec["items"]["anyOf"][1] == {
+        "type": "object",
+        "properties": {"name": {"const": "now"}, "parameters": {"type": "object"}},
+        "required": ["name", "parameters"],
+        "additionalProperties": False,
+    }
     assert forced_spec(TOOLS, "required", parallel_tool_calls=False)["json"]["maxItems"] == 1
 
 
@@ -382,9 +479,11 @@ def test_the_grammar_compiles_forced_specs_and_its_output_parses_back(choice, pa
 def test_parse_forced():
     one = parse_forced('{"city":"Paris"}', named("get_weather"))
     assert one.content is None and [(c.name, c.arguments) for c in one.tool_calls] == [
-        ("get_weather", '{"city": "Paris"}')]
-    many = parse_forced('[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]',
-                        "required")
+        ("get_weather", '{"city": "Paris"}')
+    ]
+    many = parse_forced(
+        '[{"name": "now", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "Oslo"}}]', "required"
+    )
     assert many.content is None and calls(many) == [("now", {}), ("get_weather", {"city": "Oslo"})]
     assert parse_forced("", "required") == ParsedOutput(content=None, tool_calls=[])
 
@@ -418,6 +517,7 @@ def test_any_chunking_of_a_forced_output_streams_what_parse_forced_finds(data):
 
 # ---------------------------------------------------------------- validation
 
+
 def refused_param(tools, choice, parallel) -> str | None:
     """The param validate_tools names when it refuses the request; None when it accepts it."""
     try:
@@ -431,8 +531,21 @@ VALID_TOOL_REQUESTS = [
     *[(TOOLS, choice, None) for choice in (None, "none", "auto", "required", named("now"))],
     (None, None, None),
     ([], "none", True),  # the neutral values of a request that offers no tools
-    ([{"type": "function", "function": {"name": "f", "strict": True, "description": "d",
-                                        "parameters": {"type": "object", "properties": {}}}}], "auto", False),
+    (
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "strict": True,
+                    "description": "d",
+                    "parameters": {"type": "object", "properties": {}},
+                },
+            }
+        ],
+        "auto",
+        False,
+    ),
 ]
 
 
@@ -440,29 +553,50 @@ def test_valid_tool_requests_pass():
     assert [refused_param(*request) for request in VALID_TOOL_REQUESTS] == [None] * len(VALID_TOOL_REQUESTS)
 
 
-@pytest.mark.parametrize("tools, choice, parallel, param", [
-    ({"type": "function"}, None, None, "tools"),
-    ([{"type": "retrieval"}], None, None, "tools[0].type"),
-    ([{"type": "function"}], None, None, "tools[0].function"),
-    ([NOW, {"type": "function", "function": {"name": "has space"}}], None, None, "tools[1].function.name"),
-    ([{"type": "function", "function": {"name": "x" * 65}}], None, None, "tools[0].function.name"),
-    ([{"type": "function", "function": {"name": "f", "parameters": "{}"}}], None, None, "tools[0].function.parameters"),
-    ([{"type": "function", "function": {"name": "f", "description": 3}}], None, None, "tools[0].function.description"),
-    ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], None, None, "tools[0].function.strict"),
-    ([NOW, NOW], None, None, "tools[1].function.name"),
-    (TOOLS, "always", None, "tool_choice"),
-    (TOOLS, {"type": "function", "function": {}}, None, "tool_choice"),
-    (TOOLS, {"type": "function", "name": "now"}, None, "tool_choice"),
-    (TOOLS, named("missing"), None, "tool_choice"),
-    (None, "required", None, "tool_choice"),
-    ([], "required", None, "tool_choice"),
-    (None, named("now"), None, "tool_choice"),
-    (TOOLS, "auto", "yes", "parallel_tool_calls"),
-    ([NOW, {"type": "function", "function": {"name": "f", "parameters": {"type": "teapot"}}}], "required", None,
-     "tools[1].function.parameters"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/gone"}}}], named("f"), None,
-     "tools[0].function.parameters"),
-])
+@pytest.mark.parametrize(
+    "tools, choice, parallel, param",
+    [
+        ({"type": "function"}, None, None, "tools"),
+        ([{"type": "retrieval"}], None, None, "tools[0].type"),
+        ([{"type": "function"}], None, None, "tools[0].function"),
+        ([NOW, {"type": "function", "function": {"name": "has space"}}], None, None, "tools[1].function.name"),
+        ([{"type": "function", "function": {"name": "x" * 65}}], None, None, "tools[0].function.name"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+            None,
+            None,
+            "tools[0].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "description": 3}}],
+            None,
+            None,
+            "tools[0].function.description",
+        ),
+        ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], None, None, "tools[0].function.strict"),
+        ([NOW, NOW], None, None, "tools[1].function.name"),
+        (TOOLS, "always", None, "tool_choice"),
+        (TOOLS, {"type": "function", "function": {}}, None, "tool_choice"),
+        (TOOLS, {"type": "function", "name": "now"}, None, "tool_choice"),
+        (TOOLS, named("missing"), None, "tool_choice"),
+        (None, "required", None, "tool_choice"),
+        ([], "required", None, "tool_choice"),
+        (None, named("now"), None, "tool_choice"),
+        (TOOLS, "auto", "yes", "parallel_tool_calls"),
+        (
+            [NOW, {"type": "function", "function": {"name": "f", "parameters": {"type": "teapot"}}}],
+            "required",
+            None,
+            "tools[1].function.parameters",
+        ),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/gone"}}}],
+            named("f"),
+            None,
+            "tools[0].function.parameters",
+        ),
+    ],
+)
 def test_invalid_tool_requests_name_the_param(tools, choice, parallel, param):
     with pytest.raises(InvalidRequest) as caught:
         validate_tools(tools, choice, parallel)
@@ -479,12 +613,17 @@ def test_a_schema_only_the_model_reads_is_not_compiled():
 
 # ---------------------------------------------------------------- tools in the prompt
 
-WEATHER_CALL = {"id": "call_1", "type": "function",
-                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-ROUND_TRIP = [{"role": "user", "content": "Weather in Paris?"},
-              {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
-              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-              {"role": "tool", "tool_call_id": "call_2", "content": "windy"}]
+WEATHER_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "windy"},
+]
 
 
 def rendered(path: str, messages: list[dict], tools=None) -> str:
@@ -498,8 +637,9 @@ def test_prompt_without_tools_is_unchanged(tiny_model_dir):
 
     messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     tok = tokenization.tokenizer_for(tiny_model_dir)
-    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, messages[1]],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, messages[1]], add_generation_prompt=True, tokenize=False
+    )
     assert tokenization.chat_prompt_ids(tiny_model_dir, messages) == tok.encode(text, add_special_tokens=False)
 
 
@@ -526,7 +666,8 @@ def test_a_template_that_knows_tools_gets_them_and_argument_objects(tiny_model_d
         "{% for tool in tools or [] %}[tool {{ tool.function.name }}]{% endfor %}"
         "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
         "{% for call in m.tool_calls or [] %}(call {{ call.function.name }} {{ call.function.arguments.city }}"
-        " {{ call.id }}){% endfor %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+        " {{ call.id }}){% endfor %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     text = rendered(str(folder), ROUND_TRIP, TOOLS)
     assert text.startswith("[tool get_weather][tool now]")
     assert "(call get_weather Paris call_1)" in text and "<tool>sunny<tool>windy" in text

@@ -2,6 +2,7 @@
 
 argv: redis_url prefix user_id threads tokens start_at limits_json; prints one JSON list of outcomes.
 """
+
 import json
 import sys
 import threading
@@ -23,8 +24,11 @@ def main() -> None:
     def one() -> None:
         time.sleep(max(0.0, float(start_at) - time.time()))
         result = ledger.reserve(int(user_id), limits, int(tokens))
-        row = {"ok": True, "reservation": result.as_dict()} if isinstance(result, Reservation) else \
-            {"ok": False, "limit": result.limit, "retry_after": result.retry_after_s}
+        row = (
+            {"ok": True, "reservation": result.as_dict()}
+            if isinstance(result, Reservation)
+            else {"ok": False, "limit": result.limit, "retry_after": result.retry_after_s}
+        )
         with lock:
             outcomes.append(row)
 

@@ -1,5 +1,6 @@
 """A plan's fair share: validated in the admin and the model, carried on every engine request as the
 user's weight with the user as tenant."""
+
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
@@ -37,8 +38,15 @@ def test_full_clean_refuses_a_non_positive_share(bad):
 def test_engine_requests_carry_the_user_as_tenant_and_the_plan_share_as_weight(isolated_quota_prefix):
     user = get_user_model().objects.create_user("share-user", password="pw-123456!")
     UserPlan.objects.create(user=user, plan=Plan.objects.create(name="gold", share=3.0))
-    gen = Generation(source="api", endpoint="/v1/completions", user=user, model="m", prompts=[[1, 2]],
-                     sampling_params={"max_tokens": 4}, request_id="cmpl-share")
+    gen = Generation(
+        source="api",
+        endpoint="/v1/completions",
+        user=user,
+        model="m",
+        prompts=[[1, 2]],
+        sampling_params={"max_tokens": 4},
+        request_id="cmpl-share",
+    )
     generation.admit(gen)
     [request] = generation._engine_requests(gen)
     built = protocol.EngineRequest.build(**request)

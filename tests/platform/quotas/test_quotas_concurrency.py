@@ -1,4 +1,5 @@
 """Admission is atomic across processes: two OS processes x 10 threads race against one Redis."""
+
 import json
 import os
 import subprocess
@@ -19,8 +20,10 @@ def race(prefix: str, limits: dict, tokens: int = 10, processes: int = 2, thread
     start_at = time.time() + 1.5  # time for both interpreters to start and import
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'platform'}"}
     args = [settings.REDIS_URL, prefix, "7", str(threads), str(tokens), str(start_at), json.dumps(limits)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, env=env, text=True)
-             for _ in range(processes)]
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), *args], stdout=subprocess.PIPE, env=env, text=True)
+        for _ in range(processes)
+    ]
     outcomes = []
     for proc in procs:
         out, _ = proc.communicate(timeout=60)

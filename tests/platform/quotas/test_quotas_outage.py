@@ -1,5 +1,6 @@
 """Settlement survives a Redis outage: a request that ends while Redis is away gets its concurrency
 slot back as soon as Redis answers again, not when its lease runs out (chaos: Redis kill under load)."""
+
 from __future__ import annotations
 
 import subprocess

@@ -1,4 +1,5 @@
 """quotas.services and selectors against the real test Redis and database."""
+
 import time
 
 import pytest
@@ -20,8 +21,15 @@ def user():
 
 @pytest.fixture
 def small_plan(user):
-    plan = Plan.objects.create(name="small", tokens_per_day=300, tokens_per_month=1000, requests_per_minute=3,
-                               concurrent_requests=2, max_tokens_per_request=100, allowed_models=["tiny"])
+    plan = Plan.objects.create(
+        name="small",
+        tokens_per_day=300,
+        tokens_per_month=1000,
+        requests_per_minute=3,
+        concurrent_requests=2,
+        max_tokens_per_request=100,
+        allowed_models=["tiny"],
+    )
     UserPlan.objects.create(user=user, plan=plan)
     return plan
 
@@ -47,8 +55,12 @@ def test_concurrency_refusal_is_rate_limit_exceeded_with_headers(user, small_pla
     assert err.headers["Retry-After"] == "1"
     assert err.headers["x-ratelimit-limit-requests"] == "3"
     assert err.headers["x-ratelimit-remaining-requests"] == "1"
-    assert error_body(err)["error"] == {"message": err.message, "type": "rate_limit_error", "param": None,
-                                       "code": "rate_limit_exceeded"}
+    assert error_body(err)["error"] == {
+        "message": err.message,
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
 
 
 def test_token_budget_refusal_is_insufficient_quota(user, small_plan, isolated_quota_prefix):
@@ -67,7 +79,10 @@ def test_plan_violations_are_not_quota_refusals(user, small_plan, isolated_quota
     with pytest.raises(PlanViolation) as wrong_model:
         services.reserve(user, "big", 1, 1, source="test")
     assert (wrong_model.value.code, wrong_model.value.param, wrong_model.value.status) == (
-        "model_not_allowed", "model", 403)
+        "model_not_allowed",
+        "model",
+        403,
+    )
     with pytest.raises(PlanViolation) as too_long:
         services.reserve(user, "tiny", 1, 101, source="test")
     assert too_long.value.param == "max_tokens"
@@ -144,8 +159,13 @@ def test_an_admission_carries_the_headers_a_read_back_would_give(user, small_pla
     """The reservation script returns the counters it just wrote: the /v1 headers need no second read."""
     services.reserve(user, "tiny", 5, 5, source="test")
     second = services.reserve(user, "tiny", 20, 30, source="test")
-    assert second.usage == Usage(requests_last_minute=2, concurrent=2, tokens_today=60, tokens_this_month=60,
-                                 requests_reset_s=second.usage.requests_reset_s)
+    assert second.usage == Usage(
+        requests_last_minute=2,
+        concurrent=2,
+        tokens_today=60,
+        tokens_this_month=60,
+        requests_reset_s=second.usage.requests_reset_s,
+    )
     assert 50 < second.usage.requests_reset_s <= 60  # the oldest admission leaves the window a minute on
     plan = selectors.plan_for(user)
     from_admission = services.rate_limit_headers(user, plan, second.usage)

@@ -1,4 +1,5 @@
 """Requests through the real ASGI application (tessera.asgi: the lean API handler for /v1), in process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,11 +32,25 @@ def raw_call(scope_overrides: dict, body_chunks: list[bytes], unread: list | Non
 async def _raw_call(scope_overrides, body_chunks, unread):
     from tessera.asgi import application
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": "/", "raw_path": b"/", "query_string": b"", "root_path": "", "headers": [],
-             "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), **scope_overrides}
-    messages = [{"type": "http.request", "body": chunk, "more_body": i < len(body_chunks) - 1}
-                for i, chunk in enumerate(body_chunks or [b""])]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/",
+        "raw_path": b"/",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+        **scope_overrides,
+    }
+    messages = [
+        {"type": "http.request", "body": chunk, "more_body": i < len(body_chunks) - 1}
+        for i, chunk in enumerate(body_chunks or [b""])
+    ]
     sent, finished = [], asyncio.Event()
 
     async def receive():

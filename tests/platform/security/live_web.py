@@ -1,5 +1,6 @@
 """The web server (as `make run` starts it) on the real ASGI app (dev settings), with its own SQLite
 file and a redis-server a test may stop."""
+
 from __future__ import annotations
 
 import os
@@ -27,26 +28,49 @@ class Server:
         self.redis_url, self.redis = embedded_redis.start(data_dir=str(work_dir))
         self.redis_port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
         self.port = embedded_redis.free_port()
-        self.env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tessera.settings.dev", "DEBUG": "1",
-                    "REDIS_URL": self.redis_url, "DATABASE_URL": f"sqlite:///{work_dir / 'db.sqlite3'}",
-                    "TESSERA_VAR_DIR": str(work_dir), "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}",
-                    **env}
+        self.env = {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "tessera.settings.dev",
+            "DEBUG": "1",
+            "REDIS_URL": self.redis_url,
+            "DATABASE_URL": f"sqlite:///{work_dir / 'db.sqlite3'}",
+            "TESSERA_VAR_DIR": str(work_dir),
+            "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}",
+            **env,
+        }
         self.log_path = work_dir / "web.log"
         self.web = None
 
     def manage(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=REPO_DIR, env=self.env, capture_output=True,
-                              text=True, timeout=300, check=True)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=REPO_DIR,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
         return done.stdout
 
     def start(self) -> str:
         self.manage("migrate", "--noinput")
-        self.manage("shell", "-c", "from django.contrib.auth.models import User; "
-                                   f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r})")
+        self.manage(
+            "shell",
+            "-c",
+            "from django.contrib.auth.models import User; "
+            f"User.objects.create_user({USERNAME!r}, password={PASSWORD!r})",
+        )
         api_key = self.manage("create_api_key", USERNAME).strip().splitlines()[-1]
         with open(self.log_path, "wb") as log:
-            self.web = subprocess.Popen(web_command(WEB_SERVERS[0], port=self.port), cwd=REPO_DIR, env=self.env,
-                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.web = subprocess.Popen(
+                web_command(WEB_SERVERS[0], port=self.port),
+                cwd=REPO_DIR,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.web.poll() is None, self.log_path.read_text()
@@ -81,7 +105,8 @@ class Server:
         with httpx.Client(base_url=self.url(""), timeout=30) as client:
             page = client.get("/accounts/login/")
             token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
-            done = client.post("/accounts/login/", data={"username": USERNAME, "password": PASSWORD,
-                                                          "csrfmiddlewaretoken": token})
+            done = client.post(
+                "/accounts/login/", data={"username": USERNAME, "password": PASSWORD, "csrfmiddlewaretoken": token}
+            )
             assert done.status_code == 302, done.text[:500]
             return "; ".join(f"{name}={value}" for name, value in client.cookies.items())

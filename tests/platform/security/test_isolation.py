@@ -2,6 +2,7 @@
 (pages, exports, /v1, websockets), every session POST needs its CSRF token, API keys are stored hashed,
 and server-rendered pages escape what users wrote.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,7 @@ from usage.services import record_usage
 
 pytestmark = pytest.mark.django_db(transaction=True)
 PASSWORD = "a-Long-pass-123"
-XSS = '<script>alert(1)</script><img src=x onerror=alert(2)>[link](javascript:alert(3))'
+XSS = "<script>alert(1)</script><img src=x onerror=alert(2)>[link](javascript:alert(3))"
 
 
 @pytest.fixture
@@ -37,20 +38,47 @@ def owner_objects():
     alice = get_user_model().objects.create_user("alice", password=PASSWORD)
     conversation = Conversation.objects.create(user=alice, title="Title " + XSS, system_prompt="System " + XSS)
     question = Message.objects.create(conversation=conversation, role="user", content="Question " + XSS)
-    answer = Message.objects.create(conversation=conversation, parent=question, role="assistant",
-                                    content="**Answer** " + XSS)
+    answer = Message.objects.create(
+        conversation=conversation, parent=question, role="assistant", content="**Answer** " + XSS
+    )
     conversation.current_leaf = answer
     conversation.save()
     key, raw_key = create_api_key(alice, "alice's key")
-    record = record_usage(user=alice, source="api", endpoint="/v1/chat/completions", model="tiny",
-                          request_id="req-alice", prompt_tokens=3, completion_tokens=4, latency_ms=5.0)
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}
+    record = record_usage(
+        user=alice,
+        source="api",
+        endpoint="/v1/chat/completions",
+        model="tiny",
+        request_id="req-alice",
+        prompt_tokens=3,
+        completion_tokens=4,
+        latency_ms=5.0,
+    )
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+    }
     file = upload_file(alice, content=(json.dumps(line) + "\n").encode(), filename=XSS + ".jsonl", purpose="batch")
-    batch = Batch.objects.create(user=alice, input_file=file, input_file_public_id=file.public_id,
-                                 endpoint="/v1/chat/completions", expires_at=timezone.now() + timedelta(days=1))
-    return {"user": alice, "conversation": conversation, "question": question, "answer": answer, "key": key,
-            "raw_key": raw_key, "record": record, "file": file, "batch": batch}
+    batch = Batch.objects.create(
+        user=alice,
+        input_file=file,
+        input_file_public_id=file.public_id,
+        endpoint="/v1/chat/completions",
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    return {
+        "user": alice,
+        "conversation": conversation,
+        "question": question,
+        "answer": answer,
+        "key": key,
+        "raw_key": raw_key,
+        "record": record,
+        "file": file,
+        "batch": batch,
+    }
 
 
 @pytest.fixture
@@ -63,22 +91,29 @@ def intruder():
 
 def _page_urls(o) -> list[tuple[str, str]]:
     c, file, batch = o["conversation"].pk, o["file"].public_id, o["batch"].public_id
-    return [("get", reverse("chat:conversation", args=[c])),
-            ("get", reverse("history:export_json", args=[c])),
-            ("get", reverse("history:export_markdown", args=[c])),
-            ("post", reverse("history:rename", args=[c])),
-            ("post", reverse("history:delete", args=[c])),
-            ("get", reverse("history:request_detail", args=[o["record"].pk])),
-            ("post", reverse("accounts:api_key_revoke", args=[o["key"].pk])),
-            ("get", reverse("batches:detail", args=[batch])),
-            ("post", reverse("batches:cancel", args=[batch])),
-            ("get", reverse("batches:download", args=[file]))]
+    return [
+        ("get", reverse("chat:conversation", args=[c])),
+        ("get", reverse("history:export_json", args=[c])),
+        ("get", reverse("history:export_markdown", args=[c])),
+        ("post", reverse("history:rename", args=[c])),
+        ("post", reverse("history:delete", args=[c])),
+        ("get", reverse("history:request_detail", args=[o["record"].pk])),
+        ("post", reverse("accounts:api_key_revoke", args=[o["key"].pk])),
+        ("get", reverse("batches:detail", args=[batch])),
+        ("post", reverse("batches:cancel", args=[batch])),
+        ("get", reverse("batches:download", args=[file])),
+    ]
 
 
 def _api_urls(o) -> list[tuple[str, str]]:
     file, batch = o["file"].public_id, o["batch"].public_id
-    return [("GET", f"/v1/files/{file}"), ("DELETE", f"/v1/files/{file}"), ("GET", f"/v1/files/{file}/content"),
-            ("GET", f"/v1/batches/{batch}"), ("POST", f"/v1/batches/{batch}/cancel")]
+    return [
+        ("GET", f"/v1/files/{file}"),
+        ("DELETE", f"/v1/files/{file}"),
+        ("GET", f"/v1/files/{file}/content"),
+        ("GET", f"/v1/batches/{batch}"),
+        ("POST", f"/v1/batches/{batch}/cancel"),
+    ]
 
 
 def test_every_object_of_another_user_is_404_on_the_pages(owner_objects, intruder):
@@ -124,18 +159,21 @@ def _socket(user, path: str) -> WebsocketCommunicator:
     cookie = f"sessionid={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
     from tessera.asgi import application
 
-    return WebsocketCommunicator(application, path, headers=[(b"origin", b"http://testserver"),
-                                                             (b"host", b"testserver"), (b"cookie", cookie)])
+    return WebsocketCommunicator(
+        application, path, headers=[(b"origin", b"http://testserver"), (b"host", b"testserver"), (b"cookie", cookie)]
+    )
 
 
 def test_the_websockets_treat_another_users_ids_as_missing(owner_objects, intruder):
     o = owner_objects
-    frames = [{"type": "send", "conversation_id": str(o["conversation"].pk), "content": "hi", "settings": {}},
-              {"type": "edit", "message_id": o["question"].pk, "content": "changed", "settings": {}},
-              {"type": "regenerate", "message_id": o["answer"].pk, "settings": {}},
-              {"type": "resume", "message_id": o["answer"].pk},
-              {"type": "stop", "message_id": o["answer"].pk},
-              {"type": "select_branch", "conversation_id": str(o["conversation"].pk), "message_id": o["question"].pk}]
+    frames = [
+        {"type": "send", "conversation_id": str(o["conversation"].pk), "content": "hi", "settings": {}},
+        {"type": "edit", "message_id": o["question"].pk, "content": "changed", "settings": {}},
+        {"type": "regenerate", "message_id": o["answer"].pk, "settings": {}},
+        {"type": "resume", "message_id": o["answer"].pk},
+        {"type": "stop", "message_id": o["answer"].pk},
+        {"type": "select_branch", "conversation_id": str(o["conversation"].pk), "message_id": o["question"].pk},
+    ]
 
     async def scenario():
         chat = await sync_to_async(_socket)(intruder["user"], "/ws/chat/")
@@ -169,9 +207,14 @@ def _browser_routes(patterns=None, prefix="/"):
 
 
 def _filled(route: str, o) -> str:
-    for name, value in {"<uuid:conversation_id>": o["conversation"].pk, "<int:record_id>": o["record"].pk,
-                        "<int:key_id>": o["key"].pk, "<str:batch_id>": o["batch"].public_id,
-                        "<str:file_id>": o["file"].public_id, "<int:user_id>": o["user"].pk}.items():
+    for name, value in {
+        "<uuid:conversation_id>": o["conversation"].pk,
+        "<int:record_id>": o["record"].pk,
+        "<int:key_id>": o["key"].pk,
+        "<str:batch_id>": o["batch"].public_id,
+        "<str:file_id>": o["file"].public_id,
+        "<int:user_id>": o["user"].pk,
+    }.items():
         route = route.replace(name, str(value))
     assert "<" not in route, route
     return route
@@ -189,9 +232,13 @@ def test_every_session_post_needs_its_csrf_token(owner_objects):
     # With the token the same POST goes through: the 403s were the CSRF check, not the views.
     client.get(reverse("accounts:api_keys"))  # a page with a form sets the CSRF cookie
     token = client.cookies[settings.CSRF_COOKIE_NAME].value
-    renamed = client.post(reverse("history:rename", args=[owner_objects["conversation"].pk]),
-                          {"title": "Renamed", "csrfmiddlewaretoken": token})
-    assert renamed.status_code == 302 and Conversation.objects.get(pk=owner_objects["conversation"].pk).title == "Renamed"
+    renamed = client.post(
+        reverse("history:rename", args=[owner_objects["conversation"].pk]),
+        {"title": "Renamed", "csrfmiddlewaretoken": token},
+    )
+    assert (
+        renamed.status_code == 302 and Conversation.objects.get(pk=owner_objects["conversation"].pk).title == "Renamed"
+    )
 
 
 def test_api_keys_are_stored_only_as_a_hash(owner_objects):
@@ -201,7 +248,7 @@ def test_api_keys_are_stored_only_as_a_hash(owner_objects):
     key = ApiKey.objects.get(user=owner_objects["user"], name="laptop")
     assert key.hashed_key == hashlib.sha256(raw.encode()).hexdigest()
     stored = " ".join(str(getattr(key, field.attname)) for field in ApiKey._meta.fields)
-    assert raw not in stored and raw[len(key.prefix):] not in stored
+    assert raw not in stored and raw[len(key.prefix) :] not in stored
     assert raw not in client.get(reverse("accounts:api_keys")).content.decode()
 
 
@@ -213,10 +260,12 @@ def _assert_escaped(html: str, where: str) -> None:
 def test_server_rendered_pages_escape_what_users_wrote(owner_objects):
     o, client = owner_objects, Client()
     client.force_login(o["user"])
-    pages = {"playground": reverse("chat:conversation", args=[o["conversation"].pk]),
-             "history": reverse("history:conversations"),
-             "batches": reverse("batches:list"),
-             "batch": reverse("batches:detail", args=[o["batch"].public_id])}
+    pages = {
+        "playground": reverse("chat:conversation", args=[o["conversation"].pk]),
+        "history": reverse("history:conversations"),
+        "batches": reverse("batches:list"),
+        "batch": reverse("batches:detail", args=[o["batch"].public_id]),
+    }
     for where, url in pages.items():
         response = client.get(url)
         assert response.status_code == 200 and response["Content-Type"].startswith("text/html"), where
@@ -227,5 +276,7 @@ def test_server_rendered_pages_escape_what_users_wrote(owner_objects):
         # Exports carry the text as written, but never as a page a browser would render or sniff.
         assert not response["Content-Type"].startswith("text/html") and response["X-Content-Type-Options"] == "nosniff"
         assert response["Content-Disposition"].startswith("attachment")
-        assert "Question " + XSS in response.content.decode() or json.dumps("Question " + XSS)[1:-1] in \
-            response.content.decode()
+        assert (
+            "Question " + XSS in response.content.decode()
+            or json.dumps("Question " + XSS)[1:-1] in response.content.decode()
+        )

@@ -1,4 +1,5 @@
 """/metrics has a bounded label set: no method name or path a client sends becomes a new series."""
+
 from __future__ import annotations
 
 import secrets
@@ -15,8 +16,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 def _series() -> set[tuple[str, str, str]]:
     families = text_string_to_metric_families(call("GET", "/metrics").text)
-    return {(s.labels["route"], s.labels["method"], s.labels["status"])
-            for family in families for s in family.samples if s.name == "tessera_http_requests_total"}
+    return {
+        (s.labels["route"], s.labels["method"], s.labels["status"])
+        for family in families
+        for s in family.samples
+        if s.name == "tessera_http_requests_total"
+    }
 
 
 def _route_templates(patterns=None, prefix="/") -> set[str]:

@@ -1,6 +1,7 @@
 """Redis going away under a live web server (dev settings, DEBUG on, as `make run` serves): the machine paths
 answer 503 in the envelope, never a 500 or a DEBUG page, and recover once Redis is back, without a restart.
 """
+
 from __future__ import annotations
 
 import httpx
@@ -21,11 +22,13 @@ def server(tmp_path):
 def _requests(api_key: str) -> list[tuple[str, str, dict]]:
     auth = {"Authorization": f"Bearer {api_key}"}
     chat = {"model": "tessera-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    return [("GET", "/v1/models", {"headers": auth}),
-            ("POST", "/v1/chat/completions", {"headers": auth, "json": chat}),
-            ("POST", "/v1/chat/completions", {"headers": auth, "json": {**chat, "stream": True}}),
-            ("POST", "/v1/completions", {"headers": auth, "json": {"model": "tessera-demo", "prompt": "hi"}}),
-            ("GET", "/metrics", {})]
+    return [
+        ("GET", "/v1/models", {"headers": auth}),
+        ("POST", "/v1/chat/completions", {"headers": auth, "json": chat}),
+        ("POST", "/v1/chat/completions", {"headers": auth, "json": {**chat, "stream": True}}),
+        ("POST", "/v1/completions", {"headers": auth, "json": {"model": "tessera-demo", "prompt": "hi"}}),
+        ("GET", "/metrics", {}),
+    ]
 
 
 def test_redis_down_is_a_503_envelope_and_the_web_tier_recovers(server):
@@ -55,13 +58,25 @@ def test_redis_down_creating_a_batch_is_a_503(server):
 
     api_key = server.start()
     auth = {"Authorization": f"Bearer {api_key}"}
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
-    uploaded = httpx.post(server.url("/v1/files"), headers=auth, data={"purpose": "batch"},
-                          files={"file": ("in.jsonl", json.dumps(line).encode())}).json()
+    line = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    }
+    uploaded = httpx.post(
+        server.url("/v1/files"),
+        headers=auth,
+        data={"purpose": "batch"},
+        files={"file": ("in.jsonl", json.dumps(line).encode())},
+    ).json()
     server.stop_redis()
-    response = httpx.post(server.url("/v1/batches"), headers=auth, timeout=30, json={
-        "input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+    response = httpx.post(
+        server.url("/v1/batches"),
+        headers=auth,
+        timeout=30,
+        json={"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert response.status_code == 503 and response.json()["error"]["code"] == "redis_unavailable", response.text
     server.restart_redis()  # no batch row was left behind: a retry cannot make a second batch
     listed = httpx.get(server.url("/v1/batches"), headers=auth, timeout=30)

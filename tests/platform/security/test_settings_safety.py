@@ -1,4 +1,5 @@
 """Prod settings: DEBUG off and SECRET_KEY required. `make run`: DEBUG never on a network-facing bind."""
+
 from __future__ import annotations
 
 import os
@@ -12,15 +13,27 @@ import pytest
 from tessera import exposure
 
 REPO_DIR = Path(__file__).resolve().parents[3]
-PRINT_SETTINGS = ("import django; django.setup(); from django.conf import settings as s; "
-                  "print(s.DEBUG, s.ALLOW_SIGNUP, s.SECRET_KEY == 'dev-insecure-change-me')")
+PRINT_SETTINGS = (
+    "import django; django.setup(); from django.conf import settings as s; "
+    "print(s.DEBUG, s.ALLOW_SIGNUP, s.SECRET_KEY == 'dev-insecure-change-me')"
+)
 
 
 def _settings(module: str, **env) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("SECRET_KEY", "DEBUG", "ALLOW_SIGNUP")}
-    return subprocess.run([sys.executable, "-c", PRINT_SETTINGS], cwd=REPO_DIR, capture_output=True, text=True,
-                          timeout=120, env={**clean, "DJANGO_SETTINGS_MODULE": module,
-                                            "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}", **env})
+    return subprocess.run(
+        [sys.executable, "-c", PRINT_SETTINGS],
+        cwd=REPO_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **clean,
+            "DJANGO_SETTINGS_MODULE": module,
+            "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}",
+            **env,
+        },
+    )
 
 
 @pytest.mark.parametrize("secret", [None, "", exposure.DEV_SECRET_KEY])
@@ -70,10 +83,17 @@ def test_the_dev_settings_under_those_changes_have_debug_off(tmp_path):
 
 
 def test_make_run_refuses_host_0000_with_debug_on_before_starting_anything(tmp_path):
-    env = {**os.environ, "HOST": "0.0.0.0", "DEBUG": "1", "TESSERA_VAR_DIR": str(tmp_path),
-           "MODEL": str(tmp_path / "no-model"), "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}"}
-    done = subprocess.run([sys.executable, "-m", "tessera.run"], cwd=REPO_DIR, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **os.environ,
+        "HOST": "0.0.0.0",
+        "DEBUG": "1",
+        "TESSERA_VAR_DIR": str(tmp_path),
+        "MODEL": str(tmp_path / "no-model"),
+        "PYTHONPATH": f"{REPO_DIR}{os.pathsep}{REPO_DIR / 'platform'}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tessera.run"], cwd=REPO_DIR, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode != 0 and "refusing to serve HOST=0.0.0.0 with DEBUG=1" in done.stderr
     assert "is not a folder" not in done.stderr + done.stdout  # refused before looking at the model
 

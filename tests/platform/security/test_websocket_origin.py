@@ -1,6 +1,7 @@
 """The websockets accept only pages of this site: a cross-site page (or none) cannot open one with the
 user's cookie. Against a live web server whose ALLOWED_HOSTS are set as in a deployment.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,9 @@ async def _open(server: Server, origin: str | None, cookie: str) -> int | dict:
     headers = {"Cookie": cookie, **({"Origin": origin} if origin is not None else {})}
     async with aiohttp.ClientSession() as session:
         try:
-            async with session.ws_connect(f"ws://127.0.0.1:{server.port}/ws/chat/", headers=headers,
-                                          timeout=aiohttp.ClientWSTimeout(ws_close=10)) as ws:
+            async with session.ws_connect(
+                f"ws://127.0.0.1:{server.port}/ws/chat/", headers=headers, timeout=aiohttp.ClientWSTimeout(ws_close=10)
+            ) as ws:
                 return await ws.receive_json(timeout=10)
         except aiohttp.WSServerHandshakeError as refused:
             return refused.status

@@ -1,4 +1,5 @@
 """`python manage.py create_api_key USERNAME [--name NAME]`: prints the new key alone on its last line."""
+
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 

@@ -1,4 +1,5 @@
 """python manage.py generate_usage [--days 30] [--users 12] [--requests-per-day 2000] [--seed 0] [--batches 10]"""
+
 from django.core.management.base import BaseCommand
 
 from dashboard import services, synthetic
@@ -21,8 +22,9 @@ class Command(BaseCommand):
             self.stdout.flush()
 
         self.stdout.write(f"Generating {days} days of usage for {users} demo users (seed {seed})")
-        rows = synthetic.generate(days=days, users=users, requests_per_day=requests_per_day, seed=seed,
-                                  progress=progress)
+        rows = synthetic.generate(
+            days=days, users=users, requests_per_day=requests_per_day, seed=seed, progress=progress
+        )
         self.stdout.write("")
         if batches:
             synthetic.generate_batches(count=batches, seed=seed)

@@ -9,6 +9,7 @@ aliases (--alias, repeatable, or ENGINE_SERVED_MODEL_ALIASES=a,b): it reads only
 request streams. SIGTERM/SIGINT drain the
 in-flight requests (ENGINE_DRAIN_TIMEOUT seconds) and exit; a second signal exits at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,8 @@ def worker_config_from_env(env=os.environ) -> dict:
         "output_ttl": ("ENGINE_OUTPUT_TTL", int),
         "stream_interval": ("ENGINE_STREAM_INTERVAL", int),
         "worker_id": ("ENGINE_WORKER_ID", str),
-        "aliases": ("ENGINE_SERVED_MODEL_ALIASES", _names)}
+        "aliases": ("ENGINE_SERVED_MODEL_ALIASES", _names),
+    }
     return {field: cast(env[var]) for field, (var, cast) in spec.items() if env.get(var)}
 
 
@@ -69,10 +71,20 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--model", help="HF model folder (default: settings.MODEL)")
-        parser.add_argument("--arg", action="append", default=[], metavar="NAME=VALUE",
-                            help="an engine argument, e.g. --arg max_num_seqs=64 (repeatable)")
-        parser.add_argument("--alias", action="append", default=[], metavar="NAME",
-                            help="another name this model is served under (repeatable)")
+        parser.add_argument(
+            "--arg",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="an engine argument, e.g. --arg max_num_seqs=64 (repeatable)",
+        )
+        parser.add_argument(
+            "--alias",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="another name this model is served under (repeatable)",
+        )
         parser.add_argument("--worker-id", help="consumer name in the Redis group (default: host-pid-random)")
 
     def handle(self, *args, **options):
@@ -89,8 +101,9 @@ class Command(BaseCommand):
             engine_args[name] = _parse_value(value)
         engine_args.pop("model", None)
         llm = self.load(model, engine_args)
-        worker = self.build_worker(llm, model, engine_args, options, connections.sync_redis(),
-                                   EngineWorker, WorkerConfig)
+        worker = self.build_worker(
+            llm, model, engine_args, options, connections.sync_redis(), EngineWorker, WorkerConfig
+        )
         self.install_signal_handlers(worker)
         where = settings.REDIS_URL.rsplit("@", 1)[-1]  # host:port/db, never the URL's password
         self.stdout.write(f"engine worker {worker.worker_id} ready on redis {where}", ending="\n")
@@ -113,10 +126,17 @@ class Command(BaseCommand):
 
     def build_worker(self, llm, model, engine_args, options, client, worker_cls, config_cls):
         engine = llm.llm_engine
-        served = (engine_args.get("served_model_name") or getattr(settings, "SERVED_MODEL_NAME", "")
-                  or os.path.basename(os.path.normpath(model)))
-        info = {"engine_args": engine_args, "model_path": model, "max_model_len": _max_model_len(engine),
-                "memory": getattr(engine, "memory", None)}
+        served = (
+            engine_args.get("served_model_name")
+            or getattr(settings, "SERVED_MODEL_NAME", "")
+            or os.path.basename(os.path.normpath(model))
+        )
+        info = {
+            "engine_args": engine_args,
+            "model_path": model,
+            "max_model_len": _max_model_len(engine),
+            "memory": getattr(engine, "memory", None),
+        }
         info.update(getattr(engine, "served_info", dict)())  # an embedding model: its task and sizes
         config = config_cls(model_name=served, extra_info=info, **worker_config_from_env())
         if options.get("alias"):
@@ -138,7 +158,11 @@ class Command(BaseCommand):
 def _max_model_len(engine) -> int | None:
     if isinstance(getattr(engine, "max_model_len", None), int):
         return engine.max_model_len
-    for holder in (getattr(engine, "args", None), getattr(engine, "engine_args", None), getattr(engine, "config", None)):
+    for holder in (
+        getattr(engine, "args", None),
+        getattr(engine, "engine_args", None),
+        getattr(engine, "config", None),
+    ):
         value = getattr(holder, "max_model_len", None)
         if isinstance(value, int):
             return value
