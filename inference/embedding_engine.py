@@ -31,6 +31,7 @@ from inference.loader import (
     load_weights,
     packed_gemms,
     process_weights_after_loading,
+    tokenize_prompt,
 )
 from inference.metrics import EngineMetrics
 from inference.models.bert import BertConfig, BertModel, is_encoder_config
@@ -207,18 +208,11 @@ class EmbeddingEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.pooling.check_dimensions(params.dimensions)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self._validate_prompt(token_ids)
         request = PoolingRequest(request_id, text, token_ids, params, priority, arrival_time, tenant, weight)
         self.requests[request_id] = request
         self.scheduler.add_request(request)
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

@@ -14,7 +14,7 @@ from inference.executor import create_executor
 from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
 from inference.kv_cache_manager import KVCacheManager
-from inference.loader import check_model_path, end_of_turn_token_ids, load_model, load_tokenizer
+from inference.loader import check_model_path, end_of_turn_token_ids, load_model, load_tokenizer, tokenize_prompt
 from inference.metrics import EngineMetrics
 from inference.model_runner import ModelRunner
 from inference.outputs import CompletionOutput, RequestOutput
@@ -178,7 +178,7 @@ class LLMEngine:
         params = params.bind_tokenizer(self.tokenizer, self.model_config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self._validate_prompt(token_ids)
         request = Request(request_id, text, token_ids, params, priority, arrival_time, tenant=tenant, weight=weight)
         request.detok = self._detokenizer(request)
@@ -188,13 +188,6 @@ class LLMEngine:
         # with structured outputs: scheduled once its grammar is compiled, which runs off this thread
         if params.structured_outputs is None or self.structured.hold(request):
             self.scheduler.add_request(request)
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -407,6 +400,7 @@ class LLMEngine:
                 if item.logprobs is not None:
                     self._decode_logprobs(item.logprobs)
                 may_stop = seq.num_output_tokens + 1 >= seq.params.min_tokens  # counting this token
+                assert seq.detok is not None  # every accepted request has one
                 item.stop_string = seq.detok.add_token(item.token, check_stop=may_stop)
                 if item.stop_string is not None:
                     stopped.add(seq)
@@ -473,6 +467,7 @@ class LLMEngine:
     @staticmethod
     def _completion(seq: Request) -> CompletionOutput:
         finished = seq.is_finished
+        assert seq.detok is not None  # every accepted request has one
         return CompletionOutput(
             index=seq.index,
             text=seq.detok.visible_text(finished),

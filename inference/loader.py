@@ -201,6 +201,16 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """An engine prompt as (its text if known, its token ids): text, or {"prompt_token_ids": [...]}
+    (optionally with "prompt" text too)."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    raise ValueError("prompt must be a string or a dict with 'prompt_token_ids'")
+
+
 def end_of_turn_token_ids(tokenizer) -> set[int]:
     """The tokenizer's EOS and every END_OF_TURN_TOKENS entry its vocabulary holds."""
     vocab = tokenizer.get_vocab()

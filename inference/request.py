@@ -73,7 +73,7 @@ class Request:
         )
         self.cumulative_logprob = 0.0
         self.group: list[Request] = [self]
-        self.detok: IncrementalDetokenizer = None  # type: ignore[assignment]  # set by the engine at once
+        self.detok: IncrementalDetokenizer | None = None  # set by the engine when it accepts the request
         self.grammar = None  # structured outputs: a Future of the compiled grammar, and this sequence's matcher
         self.matcher = None
         self.spec_token_ids: list[int] = []  # this step's proposed next tokens (speculative decoding)
