@@ -5,7 +5,7 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from .serializers import TOKEN_IDS, RequestSerializer
+from .serializers import TOKEN_IDS, PromptField, RequestSerializer
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 ENCODING_FORMATS = ["float", "base64"]
@@ -21,35 +21,13 @@ ENCODING_FORMATS = ["float", "base64"]
         ]
     }
 )
-class EmbeddingInputField(serializers.Field):
+class EmbeddingInputField(PromptField):
     """input: a string, a list of token ids, or several: a list of strings or of token-id lists.
 
-    Always validated as a list of inputs (each a non-empty string or a non-empty list of token ids)."""
+    Always validated as a list of inputs (each a non-empty string or a non-empty list of token ids),
+    as /v1/completions' prompt is."""
 
-    def to_internal_value(self, data):
-        if _is_input(data):
-            return [data]
-        if isinstance(data, list) and data and all(_is_input(i) for i in data) and len({type(i) for i in data}) == 1:
-            if len(data) > MAX_INPUTS:
-                raise serializers.ValidationError(f"at most {MAX_INPUTS} inputs per request")
-            return data
-        raise serializers.ValidationError(
-            "must be a non-empty string, a list of token ids, or a list of "
-            "non-empty strings or of token-id lists (not both)"
-        )
-
-    def to_representation(self, value):
-        return value
-
-
-def _is_input(data) -> bool:
-    if isinstance(data, str):
-        return bool(data)
-    return (
-        isinstance(data, list)
-        and bool(data)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in data)
-    )
+    max_items, noun = MAX_INPUTS, "inputs"
 
 
 class EmbeddingRequestSerializer(RequestSerializer):

@@ -65,12 +65,14 @@ class PromptField(serializers.Field):
 
     Always validated as a list of prompts (each a string or a list of token ids)."""
 
+    max_items, noun = MAX_PROMPTS, "prompts"
+
     def to_internal_value(self, data):
         if _is_prompt(data):
             return [data]
         if isinstance(data, list) and data and all(_is_prompt(p) for p in data) and len({type(p) for p in data}) == 1:
-            if len(data) > MAX_PROMPTS:
-                raise serializers.ValidationError(f"at most {MAX_PROMPTS} prompts per request")
+            if len(data) > self.max_items:
+                raise serializers.ValidationError(f"at most {self.max_items} {self.noun} per request")
             return data
         raise serializers.ValidationError(
             "must be a non-empty string, a list of token ids, or a list of "
