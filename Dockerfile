@@ -15,13 +15,13 @@ FROM python:3.11-slim
 ARG TORCH_INDEX_URL=
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PYTHONPATH=/app:/app/platform \
+    PYTHONPATH=/app:/app/platform:/app/kernels \
     DJANGO_SETTINGS_MODULE=tessera.settings.prod \
     TESSERA_VAR_DIR=/app/var \
     TESSERA_CACHE_DIR=/app/var/cache
 WORKDIR /app
 
-# gcc: kernels/native_cpu.py compiles the CPU decode-attention kernel on first use (without a
+# gcc: kernels/tessera_kernels/native_cpu.py compiles the CPU decode-attention kernel on first use (without a
 # compiler the engine falls back to the torch path).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 # torch first, pinned, in its own layer: the largest download changes least often.

@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-export PYTHONPATH := $(CURDIR):$(CURDIR)/platform
+export PYTHONPATH := $(CURDIR):$(CURDIR)/platform:$(CURDIR)/kernels
 FUZZ_MAX_EXAMPLES ?= 25
 FUZZ_RANDOM ?= 0
 

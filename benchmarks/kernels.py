@@ -42,8 +42,8 @@ def bench(fn):
 
 
 def decode_rows(args, device, gen):
-    from kernels import torch_ref
-    from kernels.decode_attention import paged_decode_attention, pick_num_splits
+    from tessera_kernels import torch_ref
+    from tessera_kernels.decode_attention import paged_decode_attention, pick_num_splits
 
     hq, hkv, d, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     batches = [64, 256] if args.quick else [64, 128, 256]
@@ -95,8 +95,8 @@ def decode_rows(args, device, gen):
 
 
 def prefill_rows(args, device, gen):
-    from kernels import torch_ref
-    from kernels.prefill_attention import paged_prefill_attention
+    from tessera_kernels import torch_ref
+    from tessera_kernels.prefill_attention import paged_prefill_attention
 
     hq, hkv, d, bs = args.num_heads, args.num_kv_heads, args.head_dim, args.block_size
     # (sequences, new tokens each, cached prefix each): fresh prompts and an extend over a prefix.

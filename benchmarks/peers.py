@@ -91,7 +91,7 @@ def engine_command(engine: str) -> tuple[list[str], dict] | None:
 
 def run_offline(engine: str, model_dir: str, dtype: str, workload_file: str) -> dict:
     python, env = engine_command(engine)
-    # -P: the script's folder (benchmarks/, with its kernels.py) must not shadow the kernels package.
+    # -P: the script's folder (benchmarks/, with its kernels.py) must not shadow HF's kernels (transformers imports it).
     cmd = python + [
         "-P",
         str(PEER_ENGINE),

@@ -1,4 +1,4 @@
-"""No import cycles: inference/ and kernels/ counting every import (a lazy import that closes a cycle
+"""No import cycles: inference/ and kernels/tessera_kernels/ counting every import (a lazy import that closes a cycle
 is still a cycle, only hidden until that function runs); platform/ counting module-level imports
 (Celery task bodies import their services inside the function, by design: those run after every
 module has loaded). And inference/ never imports Django.
@@ -7,6 +7,7 @@ module has loaded). And inference/ never imports Django.
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,8 +36,14 @@ def imported_names(path: Path, module: str, module_level_only: bool = False) -> 
     return names
 
 
-def import_graph(root: Path, files: list[Path], module_level_only: bool = False) -> dict[str, set[str]]:
-    modules = {module_name(p, root): p for p in files}
+def import_graph(packages: list[Path], module_level_only: bool = False) -> dict[str, set[str]]:
+    """The graph of these packages' modules, each named from the source root that holds its package."""
+    modules = {
+        module_name(p, package.parent): p
+        for package in packages
+        for p in package.rglob("*.py")
+        if "migrations" not in p.parts
+    }
     return {
         name: {m for m in imported_names(path, name, module_level_only) if m in modules and m != name}
         for name, path in modules.items()
@@ -44,13 +51,12 @@ def import_graph(root: Path, files: list[Path], module_level_only: bool = False)
 
 
 def engine_graph() -> dict[str, set[str]]:
-    return import_graph(REPO, [p for pkg in ("inference", "kernels") for p in (REPO / pkg).rglob("*.py")])
+    return import_graph([REPO / "inference", REPO / "kernels" / "tessera_kernels"])
 
 
 def platform_graph() -> dict[str, set[str]]:
     platform = REPO / "platform"
-    files = [p for p in platform.rglob("*.py") if "migrations" not in p.parts]
-    return import_graph(platform, files, module_level_only=True)
+    return import_graph([p for p in platform.iterdir() if (p / "__init__.py").exists()], module_level_only=True)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -79,6 +85,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles_in_inference_and_kernels():
     graph = engine_graph()
     assert "inference.executor" in graph["inference.engine"]  # the graph is real
+    assert "tessera_kernels._triton_utils" in graph["tessera_kernels.norm"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -126,3 +133,13 @@ def test_apps_never_import_the_project_package():
         }
     assert "common.http_guards" in imports and "batches.validation" in imports, "the apps are read"
     assert {name: found for name, found in imports.items() if found} == {}
+
+
+def test_kernels_folder_is_a_source_root_not_a_package_named_kernels():
+    """transformers imports Hugging Face's `kernels` package (its dependency); a kernels/ package of ours on
+    sys.path, as the repository root is, would shadow it and break `import transformers`."""
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    importlib.import_module("transformers.activations")  # imports `kernels` where transformers depends on it
+    import tessera_kernels
+
+    assert Path(tessera_kernels.__file__).parent == REPO / "kernels" / "tessera_kernels"

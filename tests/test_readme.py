@@ -17,7 +17,7 @@ NOT_CONFIGURATION = {"PYTHONPATH", "PATH", "HOME", "HOSTNAME"}
 
 def env_vars_read_by_the_code() -> set[str]:
     found = set()
-    for root in ("platform", "inference", "kernels"):
+    for root in ("platform", "inference", "kernels/tessera_kernels"):
         for path in (REPO / root).rglob("*.py"):
             for match in ENV_READ.finditer(path.read_text()):
                 found.add(next(g for g in match.groups() if g))

@@ -8,7 +8,7 @@ from torch import nn
 from inference.distributed import SINGLE, ParallelConfig, all_gather_last_dim, all_reduce
 from inference.layers import onednn
 from inference.layers.linear import copy_checked, with_loader
-from kernels import quant_cpu
+from tessera_kernels import quant_cpu
 
 
 def packed_kind(loaded) -> str | None:
@@ -62,7 +62,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     On CPU the logits GEMM reads a oneDNN-packed copy of the weight (layers/onednn.py); the dense
     weight stays, because tied embeddings look tokens up in it. A GGUF table kept as its blocks
-    (weights="packed") is multiplied as it is, by kernels/quant_cpu.py.
+    (weights="packed") is multiplied as it is, by kernels/tessera_kernels/quant_cpu.py.
     """
 
     packed = None

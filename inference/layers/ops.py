@@ -2,8 +2,8 @@
 
 A backend is chosen once at start-up ("torch" on CPU, "triton" on CUDA, overridable with
 `attention_backend=`); layers never branch on the device themselves. Both backends are the same
-Ops class over a different set of primitives with identical signatures: kernels/torch_ref.py
-(what the CPU runs) or the Triton launchers in kernels/.
+Ops class over a different set of primitives with identical signatures: kernels/tessera_kernels/torch_ref.py
+(what the CPU runs) or the Triton launchers in tessera_kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Per-step layout of the flattened batch (see kernels/torch_ref.py for the conventions).
+    """Per-step layout of the flattened batch (see kernels/tessera_kernels/torch_ref.py for the conventions).
 
     Sequences with one new token (decodes) come first, so attention runs them as one batched
     decode and only the rest (prefill chunks) through the ragged prefill path.
@@ -82,12 +82,12 @@ PRIMITIVES = (
 
 
 def torch_primitives():
-    """kernels/torch_ref.py, with the C kernels on CPU where they build (kernels/native_cpu.py).
+    """tessera_kernels/torch_ref.py, with the C kernels on CPU where they build (tessera_kernels/native_cpu.py).
 
     Each C kernel takes float32 and bfloat16 on CPU; any other input goes to its reference.
     """
     from inference.layers import onednn
-    from kernels import native_cpu, torch_ref
+    from tessera_kernels import native_cpu, torch_ref
 
     if native_cpu.load() is None:
         return torch_ref
@@ -142,13 +142,13 @@ def torch_primitives():
 
 def triton_primitives():
     # _triton_utils first: on a CUDA-less machine it selects the interpreter before triton loads.
-    from kernels import _triton_utils  # noqa: F401
-    from kernels.activation import silu_and_mul
-    from kernels.cache import store_kv_cache
-    from kernels.decode_attention import paged_decode_attention
-    from kernels.norm import fused_add_rms_norm
-    from kernels.prefill_attention import paged_prefill_attention
-    from kernels.rotary import rotary_embedding
+    from tessera_kernels import _triton_utils  # noqa: F401
+    from tessera_kernels.activation import silu_and_mul
+    from tessera_kernels.cache import store_kv_cache
+    from tessera_kernels.decode_attention import paged_decode_attention
+    from tessera_kernels.norm import fused_add_rms_norm
+    from tessera_kernels.prefill_attention import paged_prefill_attention
+    from tessera_kernels.rotary import rotary_embedding
 
     return SimpleNamespace(
         store_kv_cache=store_kv_cache,

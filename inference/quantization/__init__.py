@@ -4,7 +4,7 @@
 - "gptq" / "awq": 4-bit checkpoints whose config.json carries a quantization_config; detected
   automatically, or named with quantization="gptq" / "awq" (which must then match the folder).
 - "gguf": a GGUF file's quantized matrices kept as its blocks (engine option weights="packed", the
-  default for GGUF files on CPU), multiplied by the C kernels of kernels/quant_cpu.py.
+  default for GGUF files on CPU), multiplied by the C kernels of kernels/tessera_kernels/quant_cpu.py.
 
 Only the decoder's linear layers are quantized; embeddings, the LM head and norms stay in the
 model dtype (as GPTQ and AWQ checkpoints store them).

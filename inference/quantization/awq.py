@@ -1,5 +1,5 @@
 """AWQ 4-bit checkpoints (AutoAWQ "gemm" version): qweight, qzeros and scales; layouts in
-kernels/quant_ref.py. Groups always follow the inputs in order, so row-parallel shards split the
+kernels/tessera_kernels/quant_ref.py. Groups always follow the inputs in order, so row-parallel shards split the
 scales and zeros with the inputs.
 """
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from inference.quantization.packed_int4 import PACK, bind_loaders, group_layout, local_g_idx, packed_param, use_triton
-from kernels.quant_ref import awq_linear
+from tessera_kernels.quant_ref import awq_linear
 
 
 class AWQLinearMethod:
@@ -43,7 +43,7 @@ class AWQLinearMethod:
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if use_triton(x):
-            from kernels.dequant_gemm import dequant_gemm
+            from tessera_kernels.dequant_gemm import dequant_gemm
 
             return dequant_gemm(x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, "awq", 0, bias)
         return awq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.quant_group_size, bias)

@@ -1,7 +1,7 @@
 """Write GPTQ- or AWQ-format checkpoints from a float HF folder (round-to-nearest, no calibration).
 
 Nothing can be downloaded here, so tests and benchmarks make their 4-bit folders with this: the
-tensors and quantization_config follow the formats' specs (kernels/quant_ref.py), so the same
+tensors and quantization_config follow the formats' specs (kernels/tessera_kernels/quant_ref.py), so the same
 loader path reads them as it reads AutoGPTQ / AutoAWQ output.
 
     python -m inference.quantization.export SRC DST --format gptq --group-size 128 [--desc-act]
@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kernels.quant_ref import act_order_g_idx, awq_pack, gptq_pack
+from tessera_kernels.quant_ref import act_order_g_idx, awq_pack, gptq_pack
 
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -1,5 +1,5 @@
 """GGUF weights kept in their block formats (`weights="packed"`): the linear layers multiply the file's
-blocks directly with the C kernels of kernels/quant_cpu.py; nothing is dequantized at load.
+blocks directly with the C kernels of kernels/tessera_kernels/quant_cpu.py; nothing is dequantized at load.
 
 A layer's checkpoint tensors arrive as PackedTensor (the file's bytes, [rows, row_bytes] uint8, and
 the ggml type) or, for F32/F16/BF16 matrices, as float tensors. Merged layers (QKV, gate/up) often
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from inference.layers.linear import with_loader
-from kernels import quant_cpu
+from tessera_kernels import quant_cpu
 
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
 REPACK_TYPE = "Q8_0"

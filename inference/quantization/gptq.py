@@ -1,6 +1,6 @@
 """GPTQ 4-bit checkpoints (AutoGPTQ / GPTQModel "gptq" format): qweight, qzeros, scales, g_idx.
 
-Layouts in kernels/quant_ref.py. Act-order (desc_act) checkpoints give every input row a group
+Layouts in kernels/tessera_kernels/quant_ref.py. Act-order (desc_act) checkpoints give every input row a group
 through g_idx; the kernels look groups up through g_idx, so no reordering is needed. Row-parallel
 shards of an act-order layer keep all the groups' scales and zeros (a rank's inputs may belong to
 any group); otherwise scales and zeros are split with the inputs.
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from inference.quantization.packed_int4 import PACK, bind_loaders, group_layout, local_g_idx, packed_param, use_triton
-from kernels.quant_ref import gptq_linear
+from tessera_kernels.quant_ref import gptq_linear
 
 
 class GPTQLinearMethod:
@@ -60,7 +60,7 @@ class GPTQLinearMethod:
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if use_triton(x):
-            from kernels.dequant_gemm import dequant_gemm
+            from tessera_kernels.dequant_gemm import dequant_gemm
 
             return dequant_gemm(
                 x, layer.qweight, layer.qzeros, layer.scales, layer.g_idx, "gptq", self.zero_offset, bias

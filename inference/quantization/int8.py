@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.quant_ref import int8_linear, quantize_int8_per_channel
+from tessera_kernels.quant_ref import int8_linear, quantize_int8_per_channel
 
 
 class Int8LinearMethod:

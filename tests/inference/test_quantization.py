@@ -3,7 +3,7 @@
 No quantized checkpoint can be downloaded, so the tests write GPTQ- and AWQ-format folders from a
 tiny float model (inference/quantization/export.py packs per the formats' specs). Layer outputs
 are checked against a dequantize-then-matmul written out element by element here, independently
-of kernels/quant_ref.py.
+of kernels/tessera_kernels/quant_ref.py.
 """
 
 import json
@@ -30,7 +30,7 @@ from inference.quantization.awq import AWQLinearMethod
 from inference.quantization.export import write_quantized_folder
 from inference.quantization.gptq import GPTQLinearMethod
 from inference.quantization.int8 import Int8LinearMethod
-from kernels.quant_ref import act_order_g_idx, awq_dequantize, awq_pack, gptq_dequantize, gptq_pack
+from tessera_kernels.quant_ref import act_order_g_idx, awq_dequantize, awq_pack, gptq_dequantize, gptq_pack
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble j of a word holds output column 8c + AWQ_ORDER[j]
 

@@ -19,7 +19,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import activation, cache, decode_attention, norm, prefill_attention, rotary  # noqa: E402
+from tessera_kernels import activation, cache, decode_attention, norm, prefill_attention, rotary  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 232448  # bytes of shared memory a block may opt into on sm_90

@@ -1,11 +1,11 @@
-"""kernels.activation.silu_and_mul against torch_ref.silu_and_mul."""
+"""tessera_kernels.activation.silu_and_mul against torch_ref.silu_and_mul."""
 
 import pytest
 import torch
 from _kernel_testlib import DEVICE, assert_close, randn
 
-from kernels import torch_ref
-from kernels.activation import silu_and_mul
+from tessera_kernels import torch_ref
+from tessera_kernels.activation import silu_and_mul
 
 pytestmark = pytest.mark.cuda
 

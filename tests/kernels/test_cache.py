@@ -1,11 +1,11 @@
-"""kernels.cache.store_kv_cache against torch_ref.store_kv_cache."""
+"""tessera_kernels.cache.store_kv_cache against torch_ref.store_kv_cache."""
 
 import pytest
 import torch
 from _kernel_testlib import DEVICE, randn
 
-from kernels import torch_ref
-from kernels.cache import store_kv_cache
+from tessera_kernels import torch_ref
+from tessera_kernels.cache import store_kv_cache
 
 pytestmark = pytest.mark.cuda
 

@@ -1,4 +1,4 @@
-"""kernels.decode_attention.paged_decode_attention against torch_ref.paged_decode_attention.
+"""tessera_kernels.decode_attention.paged_decode_attention against torch_ref.paged_decode_attention.
 
 Caches come from make_paged_kv: shuffled block ids and NaN in every slot no sequence owns, so a
 read past a sequence's used length (block-table padding, unwritten tail slots) fails the test.
@@ -8,8 +8,8 @@ import pytest
 import torch
 from _kernel_testlib import assert_close, make_paged_kv, randn
 
-from kernels import torch_ref
-from kernels.decode_attention import paged_decode_attention
+from tessera_kernels import torch_ref
+from tessera_kernels.decode_attention import paged_decode_attention
 
 pytestmark = pytest.mark.cuda
 

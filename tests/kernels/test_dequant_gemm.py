@@ -1,4 +1,4 @@
-"""kernels.dequant_gemm (int4 GPTQ / AWQ dequantize-GEMM) against kernels.quant_ref.
+"""tessera_kernels.dequant_gemm (int4 GPTQ / AWQ dequantize-GEMM) against tessera_kernels.quant_ref.
 
 In Triton's interpreter on a machine without a GPU, so the shapes stay tiny; natively on CUDA.
 K and N are chosen to leave partial tiles (K % 32 != 0, N % BLOCK_N != 0) so masking is exercised.
@@ -8,8 +8,8 @@ import pytest
 import torch
 from _kernel_testlib import DEVICE, randn
 
-from kernels import quant_ref
-from kernels.dequant_gemm import dequant_gemm
+from tessera_kernels import quant_ref
+from tessera_kernels.dequant_gemm import dequant_gemm
 
 pytestmark = pytest.mark.cuda
 

@@ -1,4 +1,4 @@
-"""kernels/native_cpu.py (the C kernels) against their kernels/torch_ref.py twins.
+"""kernels/tessera_kernels/native_cpu.py (the C kernels) against their kernels/tessera_kernels/torch_ref.py twins.
 
 Caches come from make_paged_kv: shuffled block ids and NaN in every slot no sequence owns, so a
 read past a sequence's used length fails. This machine has a C compiler, so a library that does
@@ -18,7 +18,7 @@ import torch
 from _kernel_testlib import assert_close, make_paged_kv, randn
 
 from inference.layers.ops import get_ops
-from kernels import native_cpu, torch_ref
+from tessera_kernels import native_cpu, torch_ref
 
 
 def compiler() -> str:
@@ -31,7 +31,7 @@ def compiler() -> str:
 def lib(request):
     if request.param == "engine build":
         built = native_cpu.load()
-        assert built is not None, "kernels/csrc failed to build"
+        assert built is not None, "kernels/tessera_kernels/csrc failed to build"
         return built
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512f is an x86 flag; elsewhere the engine build is already the portable one")
@@ -221,7 +221,7 @@ def test_loading_the_library_leaves_the_process_float_environment_alone(tmp_path
     """A subnormal must survive in a process that loaded the kernel (fast-math's flush-to-zero would
     flush it, for torch and every other library in the process)."""
     script = (
-        "from kernels import native_cpu\n"
+        "from tessera_kernels import native_cpu\n"
         "assert native_cpu.load() is not None\n"
         "print(2.2250738585072014e-308 / 2 != 0.0)\n"
     )

@@ -1,11 +1,11 @@
-"""kernels.norm.fused_add_rms_norm / rms_norm against the torch references."""
+"""tessera_kernels.norm.fused_add_rms_norm / rms_norm against the torch references."""
 
 import pytest
 import torch
 from _kernel_testlib import assert_close, randn
 
-from kernels import torch_ref
-from kernels.norm import fused_add_rms_norm, rms_norm
+from tessera_kernels import torch_ref
+from tessera_kernels.norm import fused_add_rms_norm, rms_norm
 
 pytestmark = pytest.mark.cuda
 

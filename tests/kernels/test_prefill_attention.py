@@ -1,4 +1,4 @@
-"""kernels.prefill_attention.paged_prefill_attention against torch_ref.paged_prefill_attention.
+"""tessera_kernels.prefill_attention.paged_prefill_attention against torch_ref.paged_prefill_attention.
 
 A ragged batch mixing fresh prompts, extends over a cached prefix, single tokens and a sequence
 with no new tokens; caches are NaN-poisoned outside what each sequence owns (see make_paged_kv).
@@ -8,8 +8,8 @@ import pytest
 import torch
 from _kernel_testlib import assert_close, make_paged_kv, randn
 
-from kernels import torch_ref
-from kernels.prefill_attention import paged_prefill_attention
+from tessera_kernels import torch_ref
+from tessera_kernels.prefill_attention import paged_prefill_attention
 
 pytestmark = pytest.mark.cuda
 

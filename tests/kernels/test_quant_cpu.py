@@ -1,4 +1,4 @@
-"""kernels/quant_cpu.py (csrc/quant_gemm.c) against the gguf package's dequantization.
+"""kernels/tessera_kernels/quant_cpu.py (csrc/quant_gemm.c) against the gguf package's dequantization.
 
 Every kernel type, on three builds of the library: as the engine builds it (AVX-512 VNNI on the
 machines we run on), without AVX-512 (the AVX2 loop) and without AVX2 (the plain C loop).
@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_native_cpu import compiler
 
-from kernels import native_cpu, quant_cpu
+from tessera_kernels import native_cpu, quant_cpu
 
 # The gguf package quantizes these five; K-quant blocks are random bytes with sane f16 scales at
 # these byte offsets (random bytes there would give scales up to 65504 or NaN).
@@ -36,7 +36,7 @@ BUILDS = {
 def lib(request):
     if request.param == "engine build":
         built = native_cpu.load()
-        assert built is not None, "kernels/csrc failed to build"
+        assert built is not None, "kernels/tessera_kernels/csrc failed to build"
         return built
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the -mno-* flags are x86 flags; elsewhere the engine build is already the portable one")

@@ -1,4 +1,4 @@
-"""kernels.rotary.rotary_embedding (neox, in place) against torch_ref.rotary_embedding."""
+"""tessera_kernels.rotary.rotary_embedding (neox, in place) against torch_ref.rotary_embedding."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from _kernel_testlib import DEVICE, assert_close, randn
 
-from kernels import torch_ref
-from kernels.rotary import rotary_embedding
+from tessera_kernels import torch_ref
+from tessera_kernels.rotary import rotary_embedding
 
 pytestmark = pytest.mark.cuda
 

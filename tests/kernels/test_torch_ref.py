@@ -7,7 +7,7 @@ import pytest
 import torch
 from _kernel_testlib import cdiv, make_paged_kv, naive_attention
 
-from kernels import torch_ref
+from tessera_kernels import torch_ref
 
 SCALE = 0.125
 

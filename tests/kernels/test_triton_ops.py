@@ -6,7 +6,7 @@ import torch
 from _kernel_testlib import DEVICE, assert_close, randn
 
 from inference.layers.ops import BACKENDS, AttentionMetadata, get_ops
-from kernels import torch_ref
+from tessera_kernels import torch_ref
 
 pytestmark = pytest.mark.cuda
 

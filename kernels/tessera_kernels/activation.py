@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 # First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
+from tessera_kernels import _triton_utils  # noqa: F401,I001
 
 
 @triton.jit

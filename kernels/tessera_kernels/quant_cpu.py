@@ -23,7 +23,7 @@ import threading
 import numpy as np
 import torch
 
-from kernels import native_cpu
+from tessera_kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DEQUANTIZE_FROM_ROWS = 16  # the crossover measured on SmolLM2's and Qwen2.5-0.5B's layers (docs/kernels.md)

@@ -1,5 +1,5 @@
 /* Paged decode attention for the CPU: one query token per sequence, reading K/V through the
- * block tables one sequence at a time (no gathered copy of the whole batch). Meaning: kernels/torch_ref.py paged_decode_attention.
+ * block tables one sequence at a time (no gathered copy of the whole batch). Meaning: kernels/tessera_kernels/torch_ref.py paged_decode_attention.
  *
  * Layouts (all contiguous): q, out [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D];
  * block_tables int32 [B, table_width]; seq_lens int32 [B].

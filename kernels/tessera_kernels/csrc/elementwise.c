@@ -1,5 +1,5 @@
 /* The elementwise steps between the GEMMs, each one pass over its rows: residual add + RMSNorm,
- * SiLU-and-multiply, rotary embedding and the K/V store into the paged caches. Meaning: kernels/torch_ref.py functions of the same
+ * SiLU-and-multiply, rotary embedding and the K/V store into the paged caches. Meaning: kernels/tessera_kernels/torch_ref.py functions of the same
  * names. In torch each is a chain of operators (casts to float32, pow, mean, rsqrt, mul, cast
  * back) with a temporary tensor per step; in a prefill step of 2048 tokens those chains took a
  * third of the forward. bfloat16 results are rounded where the reference rounds,

@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 # First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
-from kernels._triton_utils import check_last_dim_contiguous, next_pow2, num_sms, upcast_dot_inputs
+from tessera_kernels import _triton_utils  # noqa: F401,I001
+from tessera_kernels._triton_utils import check_last_dim_contiguous, next_pow2, num_sms, upcast_dot_inputs
 
 
 @triton.jit

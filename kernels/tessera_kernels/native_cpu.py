@@ -9,7 +9,7 @@
 - csrc/elementwise.c: residual add + RMSNorm, SiLU-and-multiply and rotary, one pass each where
   torch runs a chain of operators with a temporary per step; and the K/V store into the caches.
 - csrc/quant_gemm.c: linear layers on GGUF block-format weights (int8 activations, integer dot
-  products) and the dequantized gather of their rows; wrapped by kernels/quant_cpu.py.
+  products) and the dequantized gather of their rows; wrapped by kernels/tessera_kernels/quant_cpu.py.
 
 The library is compiled on first use with the system C compiler (`cc`, or $CC) for this
 machine's CPU and cached under $TESSERA_KERNEL_CACHE (default ~/.cache/tessera/kernels). When

@@ -1,4 +1,4 @@
-"""int4 dequantize-GEMM: y = x @ dequant(W) for GPTQ and AWQ weights (kernels/quant_ref.py is the
+"""int4 dequantize-GEMM: y = x @ dequant(W) for GPTQ and AWQ weights (kernels/tessera_kernels/quant_ref.py is the
 reference and documents the layouts).
 
 One program computes a [BLOCK_M, BLOCK_N] tile of y, walking K in BLOCK_K steps: it loads the
@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 # First, before triton: decides between native CUDA and the interpreter (see _triton_utils).
-from kernels import _triton_utils  # noqa: F401,I001
-from kernels._triton_utils import upcast_dot_inputs
+from tessera_kernels import _triton_utils  # noqa: F401,I001
+from tessera_kernels._triton_utils import upcast_dot_inputs
 
 LAYOUTS = ("gptq", "awq")
 

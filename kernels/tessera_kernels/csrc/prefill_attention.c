@@ -1,5 +1,5 @@
 /* Paged prefill attention for the CPU: a ragged batch of new tokens, each attending causally to its
- * sequence's cached prefix and to the new tokens up to itself. Meaning: kernels/torch_ref.py
+ * sequence's cached prefix and to the new tokens up to itself. Meaning: kernels/tessera_kernels/torch_ref.py
  * paged_prefill_attention. It replaces torch's SDPA, one call per sequence on K/V gathered out of
  * the blocks, which was a large share of a long prefill step (docs/kernels.md).
  *
