@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import tomllib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from django.core.management import get_commands
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
-APP_SERVICES = ("migrate", "web", "engine", "worker", "beat")
+APP_SERVICES = ("migrate", "web", "engine", "embed", "worker", "beat")
 
 
 def _module_exists(name: str) -> bool:
@@ -43,7 +44,7 @@ def check_entry_point(argv: list[str]) -> None:
 
 
 def test_the_production_services_exist():
-    assert {"postgres", "redis", "migrate", "web", "engine", "worker", "beat"} <= set(SERVICES)
+    assert {"postgres", "redis", "migrate", "web", "engine", "embed", "worker", "beat"} <= set(SERVICES)
     assert SERVICES["postgres"]["image"].startswith("postgres:")
     assert SERVICES["redis"]["image"].startswith("redis:")
 
@@ -60,7 +61,7 @@ def test_app_services_run_real_entry_points_of_one_image(name):
         check_entry_point(test[1].split())
 
 
-@pytest.mark.parametrize("name", ["postgres", "redis", "web", "engine", "worker"])
+@pytest.mark.parametrize("name", ["postgres", "redis", "web", "engine", "embed", "worker"])
 def test_long_running_services_have_health_checks(name):
     assert SERVICES[name]["healthcheck"]["test"]
 
@@ -84,8 +85,30 @@ def test_engine_reserves_a_gpu_and_reads_the_model_from_a_volume():
     assert engine["environment"]["ENGINE_WORKER_ID"]  # its health check looks for this heartbeat
 
 
+def test_the_embedding_worker_is_make_runs_embed_worker_on_a_model_volume():
+    from inference.embedding_models import BUNDLED_NAME, EmbeddingModel
+    from tessera.run import RunConfig, embedding_command
+
+    embed, engine = SERVICES["embed"], SERVICES["engine"]
+    assert embed["image"] == engine["image"] and embed["build"] == engine["build"]
+    assert any(v.endswith(":/models:ro") for v in embed["volumes"])
+    # make run's own command line for its "embed" worker, on the folder and name compose reads from its env.
+    model = EmbeddingModel(
+        f"/models/${{EMBEDDING_MODEL_NAME:-{BUNDLED_NAME}}}", f"${{EMBEDDING_SERVED_MODEL_NAME:-{BUNDLED_NAME}}}"
+    )
+    cfg = replace(RunConfig.from_env({"EMBEDDING_MODEL": "off"}), embedding=model)
+    [make_run_argv] = embedding_command(cfg).values()
+    assert embed["command"] == ["python", "manage.py", *make_run_argv[2:]]
+    env = embed["environment"]
+    assert env["ENGINE_WORKER_ID"] and env["ENGINE_WORKER_ID"] != engine["environment"]["ENGINE_WORKER_ID"]
+    # Its engine arguments are its own, never the chat model's (as make run's embedding_env).
+    assert env["ENGINE_ARGS"] == "${EMBEDDING_ENGINE_ARGS:-}" and "ENGINE_SPECULATIVE_CONFIG" not in env
+    assert env["REDIS_URL"] == "redis://redis:6379/0" and "deploy" not in embed  # no GPU reserved
+    assert embed["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
 def test_web_and_workers_wait_for_migrations_and_their_backends():
-    for name in ("web", "engine", "worker", "beat"):
+    for name in ("web", "engine", "embed", "worker", "beat"):
         depends = SERVICES[name]["depends_on"]
         assert depends["migrate"]["condition"] == "service_completed_successfully"
         assert depends["postgres"]["condition"] == depends["redis"]["condition"] == "service_healthy"
