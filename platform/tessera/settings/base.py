@@ -179,7 +179,9 @@ QUOTA_DEFAULT_PLAN = {
     "tokens_per_day": int(os.environ.get("QUOTA_TOKENS_PER_DAY", 200_000)),
     "tokens_per_month": int(os.environ.get("QUOTA_TOKENS_PER_MONTH", 2_000_000)),
     "requests_per_minute": int(os.environ.get("QUOTA_REQUESTS_PER_MINUTE", 60)),
-    "concurrent_requests": int(os.environ.get("QUOTA_CONCURRENT_REQUESTS", 4)),
+    # 16, not 4: the engine's fair share (scheduling_policy fair) keeps one user from crowding out others,
+    # so the quota only bounds what one user may hold (docs/architecture.md, Fair share).
+    "concurrent_requests": int(os.environ.get("QUOTA_CONCURRENT_REQUESTS", 16)),
     "max_tokens_per_request": int(os.environ.get("QUOTA_MAX_TOKENS_PER_REQUEST", 2048)),
     "allowed_models": [],
 }
