@@ -12,6 +12,8 @@ from collections import Counter
 
 from engine_client import client
 
+from . import selectors
+
 # One letter per block in the map sent to the browser.
 FREE, CACHED, USED, SHARED = "f", "c", "u", "s"
 # engine.block_map() codes each block as a digit: 0 free, 1 cached (free, keeps its prefix hash),
@@ -31,11 +33,14 @@ _STATE_NAMES = {
 }
 MEMORY_KEYS = ("memory", "memory_budget")
 TOP_REQUESTS = 8
+TOP_TENANTS = 5  # the fair share panel's named tenants; the rest are summed
 
 
 def engine_snapshot() -> dict:
-    """{"workers": [...], "totals": {...}, "at": unix s} from every live worker."""
-    return summarize(client.workers(), client.block_maps(), now=time.time())
+    """{"workers": [...], "totals": {...}, "tenant_shares": {...}, "at": unix s} from every live worker."""
+    snapshot = summarize(client.workers(), client.block_maps(), now=time.time())
+    name_tenants(snapshot["tenant_shares"])
+    return snapshot
 
 
 def summarize(workers: list[dict], block_maps: dict, now: float) -> dict:
@@ -43,7 +48,43 @@ def summarize(workers: list[dict], block_maps: dict, now: float) -> dict:
         _worker_row(w, block_maps.get(w.get("worker_id")), now)
         for w in sorted(workers, key=lambda w: w.get("worker_id", ""))
     ]
-    return {"at": now, "workers": rows, "totals": _totals(rows)}
+    return {"at": now, "workers": rows, "totals": _totals(rows), "tenant_shares": tenant_shares(workers)}
+
+
+def tenant_shares(workers: list[dict], top: int = TOP_TENANTS) -> dict:
+    """Every worker's last-minute service per tenant (the heartbeat's `tenant_shares`: each worker's top
+    tenants and the rest summed) merged into one view: the `top` tenants by served tokens with their
+    share and weight, everyone else summed in `others`, so the panel stays small however many users."""
+    tokens: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    rest, window_s = 0.0, 0
+    for worker in workers:
+        shares = (worker.get("stats") or {}).get("tenant_shares") or {}
+        window_s = max(window_s, int(shares.get("window_s") or 0))
+        for row in shares.get("tenants") or []:
+            tenant = str(row["tenant"])
+            tokens[tenant] = tokens.get(tenant, 0.0) + float(row.get("tokens") or 0)
+            weights[tenant] = float(row.get("weight") or 1.0)
+        rest += float((shares.get("others") or {}).get("tokens") or 0)
+    total = sum(tokens.values()) + rest
+    ranked = sorted(tokens, key=lambda t: (-tokens[t], t))
+    rest += sum(tokens[t] for t in ranked[top:])
+    return {
+        "window_s": window_s,
+        "total_tokens": round(total),
+        "tenants": [
+            {"tenant": t, "name": t, "tokens": round(tokens[t]), "share": tokens[t] / total, "weight": weights[t]}
+            for t in ranked[:top]
+        ],
+        "others": {"tokens": round(rest), "share": rest / total if total else 0.0},
+    }
+
+
+def name_tenants(shares: dict) -> None:
+    """The platform's tenant is the user's id: show the username instead."""
+    names = selectors.usernames(user_ids=[row["tenant"] for row in shares["tenants"]])
+    for row in shares["tenants"]:
+        row["name"] = names.get(row["tenant"], row["tenant"])
 
 
 def _worker_row(info: dict, block_map, now: float) -> dict:

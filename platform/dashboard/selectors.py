@@ -227,6 +227,15 @@ def user_drilldown(user, window: Window) -> dict:
 # ---------------------------------------------------------------- quotas
 
 
+def usernames(*, user_ids: list[str]) -> dict[str, str]:
+    """{str(user id): username} for the ids that are users (the engine's tenants are user ids as text)."""
+    ids = [int(i) for i in user_ids if str(i).isdigit()]
+    if not ids:
+        return {}
+    users = get_user_model().objects.filter(pk__in=ids)
+    return {str(user.pk): user.get_username() for user in users}
+
+
 def _budget_windows(now: datetime) -> tuple[Window, Window]:
     day = floor_to(now, "day")
     month = day.replace(day=1)

@@ -25,6 +25,7 @@ def fake_heartbeat(
     states: str = "0011222233",
     ttl_s: float = 5.0,
     redis_url: str | None = None,
+    tenant_shares: dict | None = None,
 ) -> None:
     """Publish what an engine worker publishes (docs/protocol.md "Heartbeat"), with a short TTL."""
     r = redis.Redis.from_url(redis_url or settings.REDIS_URL)
@@ -45,6 +46,8 @@ def fake_heartbeat(
             "max_concurrency_at_max_model_len": 12.5,
         },
     }
+    if tenant_shares is not None:
+        stats["tenant_shares"] = tenant_shares
     key = protocol.heartbeat_key(worker_id)
     pipe = r.pipeline()
     pipe.hset(

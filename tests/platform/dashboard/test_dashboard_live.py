@@ -1,13 +1,18 @@
 """Live engine state: block-map decoding, totals across workers, and the staff-only websocket."""
 
+import time
+
 import pytest
 from asgiref.sync import async_to_sync
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
+from dashboard_testing import clear_heartbeat, fake_heartbeat
 from django.contrib.auth.models import AnonymousUser
+from django.urls import reverse
 
 from dashboard import live
 from dashboard.routing import websocket_urlpatterns
+from inference.fairness import ServiceWindow
 
 
 def test_block_map_from_the_engine_format():
@@ -102,3 +107,49 @@ def test_websocket_streams_snapshots_to_staff(staff_user, fake_worker, settings)
         worker = next(w for w in frame["workers"] if w["worker_id"] == fake_worker)
         assert worker["num_running"] == 3 and worker["block_map"]["counts"]["used"] == 4
     assert frames[1]["at"] > frames[0]["at"]
+
+
+def _window_shares(served: dict) -> dict:
+    """A worker's heartbeat `tenant_shares`, made by the engine's own one-minute window."""
+    window = ServiceWindow(clock=lambda: 1000.0)
+    for tenant, (tokens, weight) in served.items():
+        window.add(tenant, tokens, weight)
+    return window.shares()
+
+
+def test_tenant_shares_merge_workers_top_tenants_and_the_rest_summed():
+    first = _window_shares({"1": (600, 1.0), "2": (300, 2.0), None: (100, 1.0)})
+    second = _window_shares({"1": (200, 1.0), "3": (100, 1.0), **{str(t): (10, 1.0) for t in range(10, 17)}})
+    assert len(second["tenants"]) == 5 and second["others"]["tokens"] == 40  # the engine's own bound
+    workers = [
+        {"worker_id": "a", "stats": {"tenant_shares": first}},
+        {"worker_id": "b", "stats": {"tenant_shares": second}},
+    ]
+    shares = live.summarize(workers, {}, now=0.0)["tenant_shares"]
+    assert shares["window_s"] == 60 and shares["total_tokens"] == 1370
+    named = [(r["tenant"], r["tokens"], r["weight"]) for r in shares["tenants"]]
+    assert named[:3] == [("1", 800, 1.0), ("2", 300, 2.0), ("3", 100, 1.0)]
+    assert len(named) == live.TOP_TENANTS and all(tokens == 10 for _, tokens, _ in named[3:])
+    # No tenant (100), the second worker's own rest (40) and its one small tenant past the merged top five.
+    assert shares["others"]["tokens"] == 150
+    assert sum(r["share"] for r in shares["tenants"]) + shares["others"]["share"] == pytest.approx(1.0)
+    assert shares["tenants"][0]["share"] == pytest.approx(800 / 1370)
+
+
+def test_tenant_shares_empty_without_service():
+    shares = live.summarize([{"worker_id": "idle", "stats": {}}], {}, now=0.0)["tenant_shares"]
+    assert shares == {"window_s": 0, "total_tokens": 0, "tenants": [], "others": {"tokens": 0, "share": 0.0}}
+
+
+@pytest.mark.django_db
+def test_engine_feed_names_tenants_by_username(client, staff_user, plain_user):
+    worker_id = f"dash-fair-{time.monotonic_ns()}"
+    shares = _window_shares({str(plain_user.pk): (300, 2.0), str(staff_user.pk): (100, 1.0), "not-a-user": (50, 1.0)})
+    fake_heartbeat(worker_id, tenant_shares=shares)
+    try:
+        client.force_login(staff_user)
+        data = client.get(reverse("dashboard:engine-json")).json()
+    finally:
+        clear_heartbeat(worker_id)
+    rows = {r["name"]: (r["tokens"], r["weight"]) for r in data["tenant_shares"]["tenants"]}
+    assert rows == {"alice": (300, 2.0), "ops": (100, 1.0), "not-a-user": (50, 1.0)}

@@ -220,11 +220,20 @@
     fillTable("workers-table", snap.workers, (w) => [w.worker_id, w.model, w.host, fmtAge(w.heartbeat_age_s) + " ago",
       fmtAge(w.uptime_s), fmtInt(w.num_running), fmtInt(w.num_waiting), fmtPct(w.kv_usage), w.tokens_per_s.toFixed(1),
       memoryCell(w.memory, w.max_model_len)], "no engine worker has a fresh heartbeat");
+    renderTenantShares(snap.tenant_shares);
     renderBlockMaps(snap.workers);
     state.ticks += 1;
     root().dataset.liveTicks = String(state.ticks);
     $("live-status").textContent = "live · " + new Date(snap.at * 1000).toISOString().slice(11, 19) + " UTC";
     $("live-status").className = "status ok";
+  }
+
+  // The top tenants by share of the last minute's service, the rest summed (docs/architecture.md, Fair share).
+  function renderTenantShares(shares) {
+    if (!shares) return;
+    const rows = shares.tenants.map((r) => [r.name, fmtInt(r.tokens), fmtPct(r.share), r.weight.toLocaleString("en-US")]);
+    if (shares.others.tokens) rows.push(["others", fmtInt(shares.others.tokens), fmtPct(shares.others.share), "–"]);
+    fillTable("tenant-shares", rows, (r) => r, "no tokens served in the last minute");
   }
 
   function memoryCell(memory, maxLen) {
