@@ -20,7 +20,7 @@ from inference import protocol
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "deploy" / "base"
 SETTINGS = [REPO / "platform" / "tessera" / "settings" / name for name in ("base.py", "prod.py")]
-APP_WORKLOADS = ("tessera-web", "tessera-engine", "tessera-worker", "tessera-beat", "tessera-migrate")
+APP_WORKLOADS = ("tessera-web", "tessera-engine", "tessera-embed", "tessera-worker", "tessera-beat", "tessera-migrate")
 # KEDA's ScaledObject (keda.sh/v1alpha1) is a custom resource, so Kubernetes' schemas do not cover it;
 # its fields are checked against KEDA's documentation (keda.sh/docs/latest/reference/scaledobject-spec,
 # .../scalers/redis-streams) instead.
@@ -193,6 +193,28 @@ def test_the_engine_is_ready_only_once_its_own_heartbeat_exists(objects):
     startup = engine["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # time to load a model
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_the_embedding_worker_is_make_runs_embed_worker_with_its_own_heartbeat(objects):
+    from dataclasses import replace
+
+    from inference.embedding_models import BUNDLED_NAME, EmbeddingModel
+    from tessera.run import RunConfig, embedding_command
+
+    embed = pod_spec(workloads(objects)["tessera-embed"])["containers"][0]
+    env = {e["name"]: e for e in embed["env"]}
+    # make run's own command line for its "embed" worker, on the folder and name this container sets.
+    model = EmbeddingModel("$(EMBEDDING_MODEL)", "$(EMBEDDING_SERVED_MODEL_NAME)")
+    [make_run_argv] = embedding_command(
+        replace(RunConfig.from_env({"EMBEDDING_MODEL": "off"}), embedding=model)
+    ).values()
+    assert embed["command"] == ["python", "manage.py", *make_run_argv[2:]]
+    assert env["EMBEDDING_SERVED_MODEL_NAME"]["value"] == BUNDLED_NAME
+    assert env["ENGINE_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["ENGINE_ARGS"]["value"] == "{}"  # its own engine arguments, never the chat model's
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe_command(embed[probe]) == ["python", "-m", "tessera.healthcheck", "engine"]
+    assert "nvidia.com/gpu" not in embed["resources"].get("limits", {})
 
 
 def test_web_and_celery_have_probes_and_beat_runs_exactly_once(objects):
