@@ -25,6 +25,7 @@ import redis
 from dashboard_testing import clear_heartbeat, fake_heartbeat
 
 from inference import protocol as redis_keys
+from inference.fairness import ServiceWindow
 from tessera import embedded_redis
 from tessera.embedded_redis import free_port
 from tessera.run import WEB_SERVERS, web_command
@@ -185,6 +186,17 @@ def server(tmp_path_factory, tiny_model_dir):
         redis_proc.terminate()
 
 
+def _fake_tenant_shares() -> dict:
+    """The second worker's last minute of service, in the engine's own format (its ServiceWindow)."""
+    window = ServiceWindow(clock=lambda: 1000.0)
+    window.add("fake-tenant", 500, 3.0)
+    window.add(None, 100, 1.0)
+    return window.shares()
+
+
+FAKE_TENANT_SHARES = _fake_tenant_shares()
+
+
 class HeartbeatPublisher(threading.Thread):
     """Plays a second engine worker: a new heartbeat every 0.4 s with a changing load."""
 
@@ -207,6 +219,7 @@ class HeartbeatPublisher(threading.Thread):
                 tokens_per_s=80.0 + 7 * (n % 9),
                 states=states,
                 redis_url=self.redis_url,
+                tenant_shares=FAKE_TENANT_SHARES,
             )
             self.stopped.wait(0.4)
 
@@ -315,6 +328,15 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             assert heartbeat.worker_id in page.inner_text("#workers-table")
             assert _chart_points(page, "chart-live") > 0
             assert "GiB" in page.inner_text("#workers-table")  # the fake worker's memory budget
+            # Fair share: the fake worker's tenant with its weight, and the staff user's own traffic as the
+            # real worker served it (the tenant is the user id; the panel shows the username).
+            fake_row = page.locator("#tenant-shares tbody tr", has_text="fake-tenant").locator("td").all_inner_texts()
+            assert fake_row[0] == "fake-tenant" and fake_row[1] == "500" and fake_row[3] == "3", fake_row
+            page.wait_for_function(
+                "[...document.querySelectorAll('#tenant-shares tbody tr td:first-child')]"
+                ".some((td) => td.textContent === 'staff')",
+                timeout=60000,
+            )
 
             # The real engine worker: its heartbeat, start-up memory budget and its 96-block KV map.
             real = next(
