@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/platform:$(CURDIR)/kernels
 FUZZ_MAX_EXAMPLES ?= 25
 FUZZ_RANDOM ?= 0
 
-.PHONY: install browser postgres-server netfilter assets test chaos screenshots security bench run cluster lint clean
+.PHONY: install browser postgres-server netfilter assets test chaos compat screenshots security bench run cluster lint clean
 
 # torch is pinned and installed first so pip takes the local CPU build, not a CUDA one.
 $(STAMP): pyproject.toml
@@ -52,12 +52,17 @@ $(ASSETS): package.json package-lock.json
 # DB=postgres (the default): a throwaway PostgreSQL server for the session
 # (platform/tessera/embedded_postgres.py); DB=sqlite: SQLite, for a quick run.
 test: install lint browser assets $(if $(filter sqlite,$(DB)),,postgres-server)
-	TESSERA_DB=$(or $(DB),postgres) $(BIN)/python -m pytest -m "not chaos or chaos_fast"
+	TESSERA_DB=$(or $(DB),postgres) $(BIN)/python -m pytest -m "(not chaos or chaos_fast) and not compat"
 
 # Faults injected into the real stack on loopback (tests/chaos): prints the table of scenarios and
 # figures (the README's "Reliability" section) and writes it to var/chaos-report.md.
 chaos: install postgres-server netfilter
 	$(BIN)/python -m pytest -m chaos tests/chaos
+
+# Clients against the real stack (tests/compat): LiteLLM's proxy and the openai-agents SDK, each installed
+# into its own virtualenv under var/compat/; prints what passed and writes it to var/compat-report.md.
+compat: install
+	$(BIN)/python -m pytest -m compat tests/compat
 
 # The README's screenshots (docs/screenshots/) are refreshed only here; a plain test run writes them
 # to var/test-screenshots/ (tests/platform/browser_output.py), so tests never touch tracked files.
