@@ -4,17 +4,25 @@ Two tenants, B arriving at twice A's rate, fixed prompt and output lengths, the 
 full (max_num_seqs small) so both stay backlogged; then four tenants with weights 1:2:3:4. Service is
 the paper's weighted tokens (prompt x1 when the first token comes, output x2 as they come).
 
-This runs the bare engine in this process (no web tier, Redis or worker): the served-stack version the
-issue asks for is still to be built (docs/benchmarks.md says so).
+Without --stack this runs the bare engine in this process. With --stack it drives `make run`'s stack
+(the web tier, Redis and one engine worker, as tests/platform/live_stack.py starts them) over HTTP with
+two users' API keys, one fresh stack per policy: per-user served tokens over time (each request's
+service spread over [first token, last token] as the paper's artifact does), max |W_A - W_B|, the final
+ratio, throughput and TTFT p50/p99 per user; then, on the `fair` stack, an interactive user's TTFT
+alone and under another user's flood.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
+import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.common import bench_model_dir, print_table
 from inference import LLM, SamplingParams
@@ -82,12 +90,20 @@ def pct(values: list[float], q: float) -> float:
 
 def main(argv: list[str]) -> str:
     parser = argparse.ArgumentParser(prog="fairness")
-    parser.add_argument("--seconds", type=float, default=180.0)
+    parser.add_argument("--seconds", type=float, default=None, help="each run's length (180; 60 with --stack)")
     parser.add_argument("--rate", type=float, default=4.0, help="A's requests/s (B sends twice as many)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--stack", action="store_true", help="through the served stack over HTTP, two API keys")
+    parser.add_argument("--rounds", type=int, default=1, help="--stack: FCFS and fair stacks, alternating")
+    parser.add_argument("--max-inflight", type=int, default=512, help="--stack: requests the worker may hold")
+    parser.add_argument("--interactive-interval", type=float, default=2.0)
+    parser.add_argument("--interactive-seconds", type=float, default=30.0)
     args = parser.parse_args(argv)
+    args.seconds = args.seconds or (60.0 if args.stack else 180.0)
+    if args.stack:
+        return main_stack(args)
     rows = []
     for policy in ("fcfs", "fair"):
         result = run(
@@ -145,6 +161,225 @@ def main(argv: list[str]) -> str:
             "Four tenants, weights 1:2:3:4, each at 2x A's rate (fair)",
             ["tenant", "weight", "share", "target"],
             [[t, w, result["served"][t] / total, w / 10] for t, w in weights.items()],
+        )
+    )
+    return "\n".join(tables)
+
+
+# ---------------------------------------------------------------- through the served stack (--stack)
+
+
+@dataclass
+class Streamed:
+    user: str
+    sent: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+
+def launch(policy: str, args, work_dir: Path):
+    from tests.platform.live_stack import LiveStack
+
+    print(f"starting the stack (scheduling_policy {policy}) ...", flush=True)
+    engine_args = {
+        "dtype": "float32",
+        "device": "cpu",
+        "max_model_len": 1024,
+        "max_num_seqs": args.max_num_seqs,
+        "scheduling_policy": policy,
+        "seed": 0,
+    }
+    env = {
+        "SERVED_MODEL_NAME": "bench",
+        "ENGINE_HEARTBEAT_INTERVAL": "1",
+        "ENGINE_HEARTBEAT_TTL": "5",
+        "ENGINE_MAX_INFLIGHT": str(args.max_inflight),
+    }
+    return LiveStack.start(bench_model_dir(), work_dir, engine_args=engine_args, env=env)
+
+
+def key_for(stack, username: str) -> str:
+    """A second user with an API key of their own (the stack's first user is stack.username)."""
+    stack.manage(
+        "shell",
+        "-c",
+        f"from django.contrib.auth.models import User; User.objects.create_user({username!r}, password='bench-pw-123')",
+    )
+    return stack.manage("create_api_key", username, "--name", "fairness").strip().splitlines()[-1]
+
+
+async def stream_one(session, url: str, key: str, prompt: list[int], max_tokens: int, record: Streamed) -> None:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}"
+                return
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    record.tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.monotonic()
+                    record.first = record.first or now
+                    record.last = now
+                    record.tokens += 0 if chunk.get("usage") else 1
+    except asyncio.CancelledError:
+        record.error = "cut at the end of the window"
+        raise
+    except Exception as exc:  # a failed request is counted, not fatal
+        record.error = repr(exc)
+
+
+async def open_loop(base_url: str, keys: dict, rates: dict, seconds: float, args, seed: int) -> tuple[list, float]:
+    """Poisson arrivals per user for `seconds`; then every request still open is cut (aborted)."""
+    import aiohttp
+
+    rng = random.Random(seed)
+    url = base_url + "/v1/completions"
+    records: list[Streamed] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        start = time.monotonic()
+        next_at = {user: start + rng.expovariate(rate) for user, rate in rates.items()}
+        tasks = []
+        while (now := time.monotonic()) < start + seconds:
+            for user, rate in rates.items():
+                while next_at[user] <= now:
+                    record = Streamed(user, now)
+                    prompt = [rng.randrange(3, 8192) for _ in range(args.prompt)]
+                    tasks.append(asyncio.create_task(stream_one(session, url, keys[user], prompt, args.output, record)))
+                    records.append(record)
+                    next_at[user] += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, min(min(next_at.values()), start + seconds) - time.monotonic()))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return records, start
+
+
+def service_curves(records: list[Streamed], start: float, seconds: float, prompt: int, step: float = 0.5) -> dict:
+    """W_user(t): prompt x1 + output x2 of each request, spread evenly over [first token, last token]."""
+    grid = [start + step * i for i in range(int(seconds / step) + 1)]
+    curves = {user: [0.0] * len(grid) for user in {r.user for r in records}}
+    for r in records:
+        if r.first is None or r.last is None:
+            continue
+        weight = prompt + 2 * r.tokens
+        span = max(r.last - r.first, 1e-9)
+        for i, t in enumerate(grid):
+            curves[r.user][i] += weight * min(max((t - r.first) / span, 0.0), 1.0)
+    return curves
+
+
+def stack_run(policy: str, args, work_dir: Path) -> dict:
+    with launch(policy, args, work_dir) as stack:
+        keys = {"A": key_for(stack, "user-a"), "B": stack.api_key}
+        rates = {"A": args.rate, "B": 2 * args.rate}
+        records, start = asyncio.run(open_loop(stack.base_url, keys, rates, args.seconds, args, seed=1))
+        result = summarize_stack(records, start, args)
+        result["preemptions"] = sum(int(w.get("num_preemptions", 0)) for w in stack.worker_stats())
+        if policy == "fair":
+            result["interactive"] = interactive(stack, keys, args)
+    return result
+
+
+def summarize_stack(records: list[Streamed], start: float, args) -> dict:
+    curves = service_curves(records, start, args.seconds, args.prompt)
+    a, b = curves.get("A", [0.0]), curves.get("B", [0.0])
+    tokens = sum(r.tokens for r in records)
+    ttft = {u: [(r.first - r.sent) * 1000 for r in records if r.user == u and r.first] for u in ("A", "B")}
+    points = [int(len(a) * k / 6) for k in range(1, 7)]
+    return {
+        "served": {"A": a[-1], "B": b[-1]},
+        "over_time": [
+            (round(k * args.seconds / 6), a[min(i, len(a) - 1)], b[min(i, len(b) - 1)])
+            for k, i in zip(range(1, 7), points)
+        ],
+        "max_diff": max(abs(x - y) for x, y in zip(a, b)),
+        "tok_s": tokens / args.seconds,
+        "sent": {u: sum(r.user == u for r in records) for u in ("A", "B")},
+        "finished": sum(r.last is not None and not r.error for r in records) / args.seconds,
+        "ttft": ttft,
+    }
+
+
+def interactive(stack, keys: dict, args) -> dict:
+    """User A sends one short request every `interval` s, alone and then while user B floods."""
+    probe = {"A": 1.0 / args.interactive_interval}
+    alone, _ = asyncio.run(open_loop(stack.base_url, keys, probe, args.interactive_seconds, args, seed=2))
+    flood = {**probe, "B": 3 * args.rate}
+    loaded, _ = asyncio.run(open_loop(stack.base_url, keys, flood, args.interactive_seconds, args, seed=3))
+    ttft = lambda rs: [(r.first - r.sent) * 1000 for r in rs if r.user == "A" and r.first]  # noqa: E731
+    return {"alone": ttft(alone), "flood": ttft(loaded)}
+
+
+def main_stack(args) -> str:
+    import tempfile
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
+        for round_ in range(args.rounds):
+            for policy in ("fcfs", "fair"):
+                results.setdefault(policy, []).append(stack_run(policy, args, Path(tmp) / f"{policy}-{round_}"))
+    rows, over_time = [], []
+    for policy, runs in results.items():
+        for run_ in runs:
+            served, ttft = run_["served"], run_["ttft"]
+            rows.append(
+                [
+                    policy,
+                    round(served["A"]),
+                    round(served["B"]),
+                    served["B"] / max(served["A"], 1.0),
+                    round(run_["max_diff"]),
+                    run_["tok_s"],
+                    run_["finished"],
+                    run_["preemptions"],
+                    pct(ttft["A"], 50),
+                    pct(ttft["A"], 99),
+                    pct(ttft["B"], 50),
+                    pct(ttft["B"], 99),
+                ]
+            )
+            over_time += [[policy, t, round(wa), round(wb)] for t, wa, wb in run_["over_time"]]
+    sent = results["fair"][0]["sent"]
+    tables = [
+        print_table(
+            f"Through the stack: B at 2x A's rate ({args.rate}/s and {2 * args.rate}/s; {sent['A']} and {sent['B']} "
+            f"requests sent in {args.seconds:.0f} s), prompt {args.prompt}, output {args.output}, max_num_seqs "
+            f"{args.max_num_seqs}, worker max_inflight {args.max_inflight}; service = prompt x1 + output x2, "
+            "spread over [first token, last token]",
+            [
+                "policy",
+                "W_A",
+                "W_B",
+                "W_B/W_A",
+                "max |W_A-W_B|",
+                "output tok/s",
+                "finished req/s",
+                "A TTFT p50 ms",
+                "A p99",
+                "B TTFT p50 ms",
+                "B p99",
+            ],
+            rows,
+        ),
+        print_table("Served weighted tokens over time", ["policy", "t s", "W_A", "W_B"], over_time),
+    ]
+    inter = results["fair"][0]["interactive"]
+    tables.append(
+        print_table(
+            f"Interactive user: one request every {args.interactive_interval} s, {args.interactive_seconds:.0f} s "
+            f"alone, then as long with another user flooding at {3 * args.rate}/s (fair)",
+            ["phase", "requests", "TTFT p50 ms", "TTFT p99 ms"],
+            [[phase, len(v), pct(v, 50), pct(v, 99)] for phase, v in inter.items()],
         )
     )
     return "\n".join(tables)
