@@ -364,6 +364,7 @@ def main_stack(args) -> str:
                 "max |W_A-W_B|",
                 "output tok/s",
                 "finished req/s",
+                "preemptions",
                 "A TTFT p50 ms",
                 "A p99",
                 "B TTFT p50 ms",
