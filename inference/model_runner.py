@@ -44,25 +44,29 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling_requests, prompt_rows = [], {}
         bs = self.block_size
-        # Decodes first: attention runs them as one batch and only the rest as ragged prefill.
-        order = sorted(plan.scheduled.items(), key=lambda item: item[1] != 1)
-        num_decodes = sum(1 for _, n in order if n == 1)
+        # Decodes first: attention runs them as one batch and only the rest as ragged prefill. A
+        # speculating decode (its last token and its k proposals) is 1 + k one-token decodes, each
+        # attending to the positions up to its own: every row gets the arithmetic of a plain decode
+        # step, so verification scores exactly what decoding without speculation would.
+        order = sorted(plan.scheduled.items(), key=lambda item: item[1] != 1 and item[0] not in plan.spec_tokens)
         for request, num_new in order:
             start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
             table = plan.block_tables[request]
-            # a speculating decode: its last token and its proposals, laid out like a short prefill
             drafts = plan.spec_tokens.get(request, [])
+            first_row = len(input_ids)
             input_ids.extend(request.token_ids[start:end] if not drafts else request.token_ids[start:] + drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if request.prompt_logprobs is not None and start < request.num_prompt_tokens:
-                prompt_rows[request] = (query_start[-1], num_new, start)
-            query_start.append(query_start[-1] + num_new)
-            seq_lens.append(end)
-            tables.append(table)
+                prompt_rows[request] = (first_row, num_new, start)
+            for seq_len in range(start + 1, end + 1) if drafts else (end,):
+                query_start.append(first_row + seq_len - start)
+                seq_lens.append(seq_len)
+                tables.append(table)
             if end == request.num_tokens + len(drafts):
-                sample_rows.extend(range(query_start[-1] - 1 - len(drafts), query_start[-1]))
+                sample_rows.extend(range(len(input_ids) - 1 - len(drafts), len(input_ids)))
                 sampling_requests.append(request)
+        num_decodes = sum(1 for first, last in zip(query_start, query_start[1:]) if last - first == 1)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
