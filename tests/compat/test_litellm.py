@@ -3,6 +3,7 @@ Tessera's /v1 with an API key; the official openai client talks to the proxy onl
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -124,7 +125,7 @@ def test_a_tool_call_through_the_proxy(proxy, tessera, compat_report):
     )
     [call] = reply.choices[0].message.tool_calls
     assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
-    assert isinstance(yaml.safe_load(call.function.arguments)["city"], str)
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
     # The result goes back through the proxy as a tool message answering the call.
     messages += [reply.choices[0].message.model_dump(exclude_none=True)]
     messages += [{"role": "tool", "tool_call_id": call.id, "content": "sunny and 23 degrees"}]
