@@ -88,6 +88,17 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else float("nan")
 
 
+def served_cells(run: dict) -> list:
+    """W_A, W_B, their ratio and max |W_A - W_B| of one run."""
+    served = run["served"]
+    return [round(served["A"]), round(served["B"]), served["B"] / max(served["A"], 1.0), round(run["max_diff"])]
+
+
+def ttft_cells(run: dict) -> list:
+    """TTFT p50 and p99 of A, then of B."""
+    return [pct(run["ttft"][user], q) for user in ("A", "B") for q in (50, 99)]
+
+
 def main(argv: list[str]) -> str:
     parser = argparse.ArgumentParser(prog="fairness")
     parser.add_argument("--seconds", type=float, default=None, help="each run's length (180; 60 with --stack)")
@@ -115,22 +126,7 @@ def main(argv: list[str]) -> str:
             args.output,
             args.max_num_seqs,
         )
-        served, ttft = result["served"], result["ttft"]
-        rows.append(
-            [
-                policy,
-                round(served["A"]),
-                round(served["B"]),
-                served["B"] / max(served["A"], 1.0),
-                round(result["max_diff"]),
-                round(result["bound"]),
-                result["tok_s"],
-                pct(ttft["A"], 50),
-                pct(ttft["A"], 99),
-                pct(ttft["B"], 50),
-                pct(ttft["B"], 99),
-            ]
-        )
+        rows.append([policy, *served_cells(result), round(result["bound"]), result["tok_s"], *ttft_cells(result)])
     tables = [
         print_table(
             f"Two tenants, B at 2x A's rate ({args.rate}/s and {2 * args.rate}/s), prompt {args.prompt}, output "
@@ -331,22 +327,8 @@ def main_stack(args) -> str:
     rows, over_time = [], []
     for policy, runs in results.items():
         for run_ in runs:
-            served, ttft = run_["served"], run_["ttft"]
             rows.append(
-                [
-                    policy,
-                    round(served["A"]),
-                    round(served["B"]),
-                    served["B"] / max(served["A"], 1.0),
-                    round(run_["max_diff"]),
-                    run_["tok_s"],
-                    run_["finished"],
-                    run_["preemptions"],
-                    pct(ttft["A"], 50),
-                    pct(ttft["A"], 99),
-                    pct(ttft["B"], 50),
-                    pct(ttft["B"], 99),
-                ]
+                [policy, *served_cells(run_), run_["tok_s"], run_["finished"], run_["preemptions"], *ttft_cells(run_)]
             )
             over_time += [[policy, t, round(wa), round(wb)] for t, wa, wb in run_["over_time"]]
     sent = results["fair"][0]["sent"]

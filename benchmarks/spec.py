@@ -45,9 +45,18 @@ CHAT_QUESTIONS = (
 @dataclass
 class Run:
     tokens: dict[int, list[int]]  # request index -> output token ids
-    decode_tok_s: float
-    tpot_ms: float
+    decode_s: float  # from the first token to the last
+    tpots_ms: list[float]  # per request
     spec: dict  # the engine's spec_decode() counters for this run
+
+    @property
+    def decode_tok_s(self) -> float:
+        decoded = sum(len(ids) - 1 for ids in self.tokens.values())
+        return decoded / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def tpot_ms(self) -> float:
+        return statistics.mean(self.tpots_ms)
 
 
 def grounded_prompts(count: int) -> list[str]:
@@ -86,11 +95,15 @@ def chat_prompts(count: int) -> list[str]:
 
 
 def prompt_ids(llm, text: str) -> list[int]:
-    tokenizer = llm.get_tokenizer()
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    """The prompt a chat request gives (LLM.chat's own templating)."""
+    return llm._chat_prompt_ids(
+        [{"role": "user", "content": text}],
+        chat_template=None,
+        add_generation_prompt=True,
+        continue_final_message=False,
+        tools=None,
+        chat_template_kwargs=None,
     )
-    return list(tokenizer.encode(chat, add_special_tokens=False))
 
 
 def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> Run:
@@ -115,25 +128,18 @@ def run_batch(llm, prompts: list[list[int]], max_tokens: int) -> Run:
                 first[index] = now
             if ids:
                 last[index], tokens[index] = now, ids
-    decoded = sum(len(ids) - 1 for ids in tokens.values())
     span = max(last.values()) - min(first.values())
-    tpots = [(last[i] - first[i]) / (len(tokens[i]) - 1) for i in tokens if len(tokens[i]) > 1]
-    after = engine.metrics.spec_decode()
-    return Run(tokens, decoded / span if span else 0.0, 1000 * statistics.mean(tpots), spec_delta(before, after))
+    tpots = [1000 * (last[i] - first[i]) / (len(tokens[i]) - 1) for i in tokens if len(tokens[i]) > 1]
+    return Run(tokens, span, tpots, spec_delta(before, engine.metrics.spec_decode()))
 
 
 def run_one_at_a_time(llm, prompts: list[list[int]], max_tokens: int) -> Run:
     runs = [run_batch(llm, [ids], max_tokens) for ids in prompts]
-    decoded = sum(len(run.tokens[0]) - 1 for run in runs)
-    decode_time = sum((len(run.tokens[0]) - 1) / run.decode_tok_s for run in runs if run.decode_tok_s)
-    spec = runs[0].spec
-    for run in runs[1:]:
-        spec = {key: spec[key] + run.spec[key] for key in spec}
     return Run(
         {i: run.tokens[0] for i, run in enumerate(runs)},
-        decoded / decode_time if decode_time else 0.0,
-        statistics.mean(run.tpot_ms for run in runs),
-        spec,
+        sum(run.decode_s for run in runs),
+        [tpot for run in runs for tpot in run.tpots_ms],
+        {key: sum(run.spec[key] for run in runs) for key in runs[0].spec},
     )
 
 
@@ -175,7 +181,7 @@ def model_pairs(names: list[str]) -> dict[str, tuple[str, dict]]:
     return pairs
 
 
-def engines(model: str, config: dict, max_tokens: int, max_batch: int):
+def engines(model: str, config: dict, max_batch: int):
     from inference import LLM
 
     common = dict(
@@ -193,7 +199,7 @@ def engines(model: str, config: dict, max_tokens: int, max_batch: int):
 
 
 def rows_for_pair(name: str, model: str, config: dict, args) -> tuple[list[list], str]:
-    plain, speculating = engines(model, config, args.max_tokens, max(args.batches))
+    plain, speculating = engines(model, config, max(args.batches))
     code, origin = code_prompts(args.prompts)
     workloads = {
         "input-grounded": grounded_prompts(args.prompts),

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_report import write_report
+
 REPORT = Path(__file__).resolve().parents[2] / "var" / "chaos-report.md"
 _ROWS: list[tuple[str, str, str]] = []
 
@@ -25,18 +27,11 @@ def chaos_report(request):
     return record
 
 
-def report_table(rows: list[tuple[str, str, str]]) -> str:
-    lines = ["| fault injected | outcome | measured |", "|---|---|---|"]
-    lines += [f"| {fault} | {outcome} | {figures} |" for fault, outcome, figures in rows]
-    return "\n".join(lines) + "\n"
-
-
 def pytest_terminal_summary(terminalreporter):
-    if not _ROWS:
-        return
-    table = report_table(_ROWS)
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text(table)
-    terminalreporter.section("chaos: scenarios and figures")
-    terminalreporter.write(table)
-    terminalreporter.write_line(f"(written to {REPORT})")
+    write_report(
+        terminalreporter,
+        section="chaos: scenarios and figures",
+        headers=["fault injected", "outcome", "measured"],
+        rows=_ROWS,
+        path=REPORT,
+    )

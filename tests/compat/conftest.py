@@ -19,6 +19,7 @@ from openai import OpenAI
 
 from inference.embedding_models import BUNDLED_NAME
 from tests.platform.run_stack import RunStack, make_run_env
+from tests.run_report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 REPORT = REPO / "var" / "compat-report.md"
@@ -71,18 +72,11 @@ def compat_report(request):
     return record
 
 
-def report_table(rows: list[tuple[str, str, str, str]]) -> str:
-    lines = ["| client | version | tried | outcome |", "|---|---|---|---|"]
-    lines += [f"| {client} | {version} | {tried} | {outcome} |" for client, version, tried, outcome in rows]
-    return "\n".join(lines) + "\n"
-
-
 def pytest_terminal_summary(terminalreporter):
-    if not _ROWS:
-        return
-    table = report_table(_ROWS)
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text(table)
-    terminalreporter.section("compat: clients against Tessera")
-    terminalreporter.write(table)
-    terminalreporter.write_line(f"(written to {REPORT})")
+    write_report(
+        terminalreporter,
+        section="compat: clients against Tessera",
+        headers=["client", "version", "tried", "outcome"],
+        rows=_ROWS,
+        path=REPORT,
+    )
