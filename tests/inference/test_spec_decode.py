@@ -100,6 +100,23 @@ def test_seeded_sampling_n_and_logprobs_equal_plain_decoding(plain, self_drafted
     assert self_drafted.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
 
 
+def test_greedy_speculation_scores_each_token_with_plain_decodings_bits(plain, tiny_model_dir):
+    """Verification lays its 1 + k rows out as one-token decodes, so every token is scored exactly as a
+    plain decode step scores it: equal logprobs, not merely the same argmax (a real model's near ties
+    would otherwise flip)."""
+    speculating = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    for prompt in repetitive_prompts(2)[:2]:  # one at a time: a plain step then holds one row
+        [a] = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+        [b] = speculating.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+        x, y = a.outputs[0], b.outputs[0]
+        assert y.token_ids == x.token_ids
+        assert [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)] == [
+            e[t].logprob for e, t in zip(x.logprobs, x.token_ids)
+        ]
+    assert speculating.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+
 def test_stops_cut_the_accepted_tokens(plain, self_drafted):
     prompt = repetitive_prompts()[:1]
     free = generate(plain, prompt, temperature=0, max_tokens=40)[0]

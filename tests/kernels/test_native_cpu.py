@@ -289,6 +289,39 @@ def test_rotary_on_views_of_the_fused_qkv_output(lib, dtype):
     assert torch.equal(v, untouched_v)  # rows are strided: nothing outside q and k is written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 40])
+def test_each_row_comes_out_as_it_does_alone(lib, dtype, dim):
+    """Speculative verification scores 1 + k rows in one step and must give each the bits a one-row
+    decode step gives it: every per-row kernel is invariant to the rows beside it."""
+    from inference.layers.rotary import cos_sin_cache
+
+    rows, heads, kv_heads, hidden = 6, 9, 3, 576
+    qkv = randn(rows, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=7, device="cpu")
+    positions = torch.arange(40, 40 + rows)
+    cache = cos_sin_cache(dim, 2048, 10000.0, None, torch.float32)
+
+    def rotated(x, at):
+        x = x.clone()
+        q = x[:, : heads * dim].reshape(len(x), heads, dim)
+        k = x[:, heads * dim : (heads + kv_heads) * dim].reshape(len(x), kv_heads, dim)
+        native_cpu.rotary_embedding(at, q, k, cache, lib)
+        return x
+
+    x = randn(rows, hidden, dtype=dtype, seed=8, device="cpu")
+    residual = randn(rows, hidden, dtype=dtype, seed=9, device="cpu")
+    weight = (1 + 0.1 * randn(hidden, dtype=torch.float32, seed=3, device="cpu")).to(dtype)
+    gate_up = randn(rows, 2 * hidden, dtype=dtype, seed=10, device="cpu")
+    together = rotated(qkv, positions)
+    normed, _ = native_cpu.fused_add_rms_norm(x, residual, weight, 1e-6, lib)
+    activated = native_cpu.silu_and_mul(gate_up, lib)
+    for row in range(rows):
+        one = slice(row, row + 1)
+        assert torch.equal(together[row], rotated(qkv[one], positions[one])[0])
+        assert torch.equal(normed[row], native_cpu.fused_add_rms_norm(x[one], residual[one], weight, 1e-6, lib)[0][0])
+        assert torch.equal(activated[row], native_cpu.silu_and_mul(gate_up[one], lib)[0])
+
+
 def _qkv_views(tokens, heads, kv_heads, dim, dtype, seed):
     qkv = randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, seed=seed, device="cpu")
     _q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)

@@ -107,7 +107,9 @@ void silu_and_mul(const void *x, void *out, int64_t rows, int inter, int is_bf16
 
 /* Neox rotary in place on heads of `head_dim` values: x is [rows, heads, head_dim] with rows
  * `row_stride` elements apart (q and k are views into the fused QKV output). cos_sin: float32
- * [max_position, head_dim], cos then sin. */
+ * [max_position, head_dim], cos then sin. Whole vectors, then the tail: left to gcc, the loop rounded a
+ * row differently by where it sat in the batch, and speculative verification needs each row's bits to
+ * be a one-row step's. */
 INLINE void rotate(void *x, int64_t row_stride, int heads, const int64_t *positions, const float *cos_sin,
                    int64_t rows, int head_dim, int num_threads, const int is_bf16) {
     const int half = head_dim / 2;
@@ -116,7 +118,14 @@ INLINE void rotate(void *x, int64_t row_stride, int heads, const int64_t *positi
         const float *cos = cos_sin + positions[r] * head_dim, *sin = cos + half;
         for (int h = 0; h < heads; h++) {
             const int64_t base = r * row_stride + (int64_t)h * head_dim;
-            for (int i = 0; i < half; i++) {
+            int i = 0;
+            for (; i + LANES <= half; i += LANES) {
+                const vec x1 = load_vec(x, base + i, is_bf16), x2 = load_vec(x, base + half + i, is_bf16);
+                const vec c = load_vec(cos, i, 0), s = load_vec(sin, i, 0);
+                store_vec(x, base + i, x1 * c - x2 * s, is_bf16);
+                store_vec(x, base + half + i, x2 * c + x1 * s, is_bf16);
+            }
+            for (; i < half; i++) {
                 const float x1 = load_float(x, base + i, is_bf16), x2 = load_float(x, base + half + i, is_bf16);
                 store_float(x, base + i, x1 * cos[i] - x2 * sin[i], is_bf16);
                 store_float(x, base + half + i, x2 * cos[i] + x1 * sin[i], is_bf16);
