@@ -26,6 +26,7 @@ SECTIONS = [
     "kernels",
     "fairness",
     "gguf",
+    "spec",
 ]
 
 

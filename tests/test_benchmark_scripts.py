@@ -61,3 +61,15 @@ def test_the_gguf_bench_loads_the_default_file_packed_and_reports_its_row():
     assert cells[1:3] == ["packed", "packed"]
     load_s, rss_mib, prompt_tok_s, decode_tok_s = (float(cell.replace(",", "")) for cell in cells[3:])
     assert load_s > 0 and rss_mib > 0 and prompt_tok_s > 0 and decode_tok_s > 0
+
+
+def test_the_spec_bench_runs_every_workload_and_speculation_keeps_greedy_outputs_on_the_default_model():
+    from benchmarks import spec
+
+    table = spec.main(["--pairs", "smollm2-ngram", "--batches", "1", "--prompts", "1", "--max-tokens", "24"])
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines() if "n-gram" in line]
+    assert [row[1] for row in rows] == ["input-grounded", "code editing", "open chat"]
+    for row in rows:
+        assert float(row[3].replace(",", "")) > 0 and float(row[4].replace(",", "")) > 0
+        assert row[-1] == "1/1"  # greedy tokens equal with and without speculation, at batch 1
+    assert any(row[8] != "-" for row in rows)  # something was proposed and verified
