@@ -103,20 +103,20 @@ class EngineMetrics:
             per_pos[position] += 1
 
     def spec_decode(self) -> dict:
-        """vLLM's counters, the acceptance rate (accepted / proposed) and the mean acceptance length
-        (1 + accepted / drafts: tokens per verifying step, vLLM's formula)."""
+        """vLLM's counters with the two figures spec_decode_acceptance derives from them."""
         drafts, proposed, accepted = (
             self.spec_decode_num_drafts,
             self.spec_decode_num_draft_tokens,
             self.spec_decode_num_accepted_tokens,
         )
+        rate, length = spec_decode_acceptance(drafts, proposed, accepted)
         return {
             "spec_decode_num_drafts_total": drafts,
             "spec_decode_num_draft_tokens_total": proposed,
             "spec_decode_num_accepted_tokens_total": accepted,
             "spec_decode_num_accepted_tokens_per_pos": list(self.spec_decode_num_accepted_tokens_per_pos),
-            "spec_decode_acceptance_rate": accepted / proposed if proposed else 0.0,
-            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "spec_decode_acceptance_rate": rate,
+            "spec_decode_mean_acceptance_length": length,
         }
 
     @property
@@ -137,3 +137,9 @@ class EngineMetrics:
             "request_success_total": dict(self.finished_reasons),
             "histograms": self.histograms(),
         }
+
+
+def spec_decode_acceptance(drafts: int, proposed: int, accepted: int) -> tuple[float, float]:
+    """The acceptance rate (accepted / proposed) and the mean acceptance length (1 + accepted / drafts:
+    tokens per verifying step, vLLM's formula); 0.0 for each while nothing was speculated."""
+    return (accepted / proposed if proposed else 0.0, 1 + accepted / drafts if drafts else 0.0)

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 from engine_client import client
+from inference.metrics import spec_decode_acceptance
 
 from . import selectors
 
@@ -34,6 +35,7 @@ _STATE_NAMES = {
 MEMORY_KEYS = ("memory", "memory_budget")
 TOP_REQUESTS = 8
 TOP_TENANTS = 5  # the fair share panel's named tenants; the rest are summed
+SPEC_COUNTS = ("drafts", "draft_tokens", "accepted_tokens")  # the heartbeat's spec_decode_num_{key}_total
 
 
 def engine_snapshot() -> dict:
@@ -104,6 +106,7 @@ def _worker_row(info: dict, block_map, now: float) -> dict:
         "kv_usage": float(stats.get("kv_usage", 0) or 0),
         "prefix_cache_hit_rate": float(stats.get("prefix_cache_hit_rate", 0) or 0),
         "num_preemptions": int(stats.get("num_preemptions", 0) or 0),
+        "spec_decode": {key: int(stats.get(f"spec_decode_num_{key}_total", 0) or 0) for key in SPEC_COUNTS},
         "tokens_per_s": float(stats.get("tokens_per_s", 0) or 0),
         "blocks_total": int(stats.get("blocks_total", 0) or 0),
         "step_ms": stats.get("step_ms"),
@@ -182,4 +185,16 @@ def _totals(rows: list[dict]) -> dict:
         "prefix_cache_hit_rate": round(sum(r["prefix_cache_hit_rate"] for r in rows) / len(rows), 4) if rows else 0.0,
         "num_preemptions": sum(r["num_preemptions"] for r in rows),
         "tokens_per_s": round(sum(r["tokens_per_s"] for r in rows), 2),
+        **spec_decode_rates({key: sum(r["spec_decode"][key] for r in rows) for key in SPEC_COUNTS}),
+    }
+
+
+def spec_decode_rates(counts: dict) -> dict:
+    """vLLM's two figures over every worker's counters; None while nothing was speculated, so "off"
+    reads differently from "0%"."""
+    rate, length = spec_decode_acceptance(counts["drafts"], counts["draft_tokens"], counts["accepted_tokens"])
+    speculated = counts["drafts"] > 0
+    return {
+        "spec_decode_acceptance_rate": round(rate, 4) if speculated else None,
+        "spec_decode_mean_acceptance_length": round(length, 3) if speculated else None,
     }

@@ -155,6 +155,21 @@ class HeartbeatCollector:
         yield from gauges.values()
         yield from counters.values()
         yield success
+        yield self._accepted_per_position()
+
+    def _accepted_per_position(self) -> CounterMetricFamily:
+        """vLLM's per-position acceptance: how often the draft's i-th token was accepted."""
+        family = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*VLLM_LABELS, "position"],
+        )
+        for worker in self.workers:
+            labels = [worker.get("model", ""), worker["worker_id"]]
+            per_position = (worker.get("stats") or {}).get("spec_decode_num_accepted_tokens_per_pos") or []
+            for position, count in enumerate(per_position):
+                family.add_metric([*labels, str(position)], count)
+        return family
 
     def _tessera_families(self):
         up = GaugeMetricFamily(

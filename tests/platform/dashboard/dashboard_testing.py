@@ -26,6 +26,7 @@ def fake_heartbeat(
     ttl_s: float = 5.0,
     redis_url: str | None = None,
     tenant_shares: dict | None = None,
+    spec_decode: tuple[int, int, int] | None = None,
 ) -> None:
     """Publish what an engine worker publishes (docs/protocol.md "Heartbeat"), with a short TTL."""
     r = redis.Redis.from_url(redis_url or settings.REDIS_URL)
@@ -48,6 +49,9 @@ def fake_heartbeat(
     }
     if tenant_shares is not None:
         stats["tenant_shares"] = tenant_shares
+    if spec_decode is not None:  # verifications, proposed and accepted tokens
+        for key, count in zip(("drafts", "draft_tokens", "accepted_tokens"), spec_decode):
+            stats[f"spec_decode_num_{key}_total"] = count
     key = protocol.heartbeat_key(worker_id)
     pipe = r.pipeline()
     pipe.hset(

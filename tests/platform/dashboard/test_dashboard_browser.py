@@ -220,6 +220,7 @@ class HeartbeatPublisher(threading.Thread):
                 states=states,
                 redis_url=self.redis_url,
                 tenant_shares=FAKE_TENANT_SHARES,
+                spec_decode=(10, 40, 30),
             )
             self.stopped.wait(0.4)
 
@@ -328,6 +329,8 @@ def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traff
             assert heartbeat.worker_id in page.inner_text("#workers-table")
             assert _chart_points(page, "chart-live") > 0
             assert "GiB" in page.inner_text("#workers-table")  # the fake worker's memory budget
+            # The fake worker speculates (30 of 40 proposed accepted over 10 verifications); the real one does not.
+            assert page.inner_text("#live-spec") == "75.0% / 4.00"
             # Fair share: the fake worker's tenant with its weight, and the staff user's own traffic as the
             # real worker served it (the tenant is the user id; the panel shows the username).
             fake_row = page.locator("#tenant-shares tbody tr", has_text="fake-tenant").locator("td").all_inner_texts()

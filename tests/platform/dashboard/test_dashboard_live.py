@@ -62,8 +62,24 @@ def test_totals_weight_kv_usage_by_pool_size():
         "prefix_cache_hit_rate": 0.0,
         "num_preemptions": 1,
         "tokens_per_s": 150.5,
+        "spec_decode_acceptance_rate": None,  # nothing speculated: "off", not 0%
+        "spec_decode_mean_acceptance_length": None,
     }
     assert [w["heartbeat_age_s"] for w in snap["workers"]] == [0.5, 1.0]
+
+
+def test_speculation_figures_are_taken_over_every_workers_counters():
+    def worker(worker_id, drafts, proposed, accepted):
+        stats = {
+            "spec_decode_num_drafts_total": drafts,
+            "spec_decode_num_draft_tokens_total": proposed,
+            "spec_decode_num_accepted_tokens_total": accepted,
+        }
+        return {"worker_id": worker_id, "updated_at": 99.0, "stats": stats}
+
+    totals = live.summarize([worker("a", 10, 40, 30), worker("b", 30, 60, 10)], {}, now=100.0)["totals"]
+    assert totals["spec_decode_acceptance_rate"] == 0.4  # 40 of 100 proposed, not the mean of 75% and 17%
+    assert totals["spec_decode_mean_acceptance_length"] == 2.0  # 1 + 40 accepted / 40 verifications
 
 
 def _communicator(user):

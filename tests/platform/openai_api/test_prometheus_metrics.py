@@ -11,9 +11,9 @@ from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounts.services import create_api_key
-from inference import protocol
+from inference import LLM, protocol
 from openai_api import metrics
-from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
+from tests.inference.worker_helpers import ENGINE_ARGS, ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 MODEL = "tiny-metrics"
@@ -135,6 +135,64 @@ def test_engine_histograms_and_counters_count_the_served_requests(raw_key, two_w
             assert sample.labels["model_name"] == MODEL and sample.labels["worker"] in two_workers, sample
     # tessera's own engine series stay beside vLLM's
     assert {s.labels["worker"] for s in families["tessera_engine_up"].samples} == set(two_workers)
+
+
+@pytest.fixture
+def self_drafted_worker(tiny_model_dir):
+    """A worker whose model drafts for itself: every proposed token is accepted."""
+    draft = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model_dir}
+    llm = LLM(model=tiny_model_dir, **ENGINE_ARGS, speculative_config=draft)
+    r = redis.Redis.from_url(settings.REDIS_URL)
+    clear_engine_keys(r)
+    worker = ThreadedWorker(llm.llm_engine, settings.REDIS_URL, model_name=MODEL).start()
+    wait_for(lambda: r.exists(protocol.heartbeat_key(worker.worker.worker_id)))
+    yield worker.worker.worker_id
+    worker.stop()
+    clear_engine_keys(r)
+
+
+def scrape_once_generated(expected_tokens: int) -> dict | None:
+    families = scrape()
+    generated = total(families["vllm:generation_tokens"], "vllm:generation_tokens_total")
+    return families if generated == expected_tokens else None
+
+
+def test_speculation_counters_and_acceptance_per_position(raw_key, self_drafted_worker):
+    max_tokens = 10
+    for prompt in PROMPTS[:2]:
+        response = Client().post(
+            "/v1/completions",
+            {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            content_type="application/json",
+            HTTP_AUTHORIZATION=f"Bearer {raw_key}",
+        )
+        assert response.status_code == 200, response.content
+    families = wait_for(lambda: scrape_once_generated(2 * max_tokens), timeout=30)
+
+    def count(name: str, **labels) -> float:
+        return total(families[name], name + "_total", worker=self_drafted_worker, **labels)
+
+    drafts = count("vllm:spec_decode_num_drafts")
+    proposed = count("vllm:spec_decode_num_draft_tokens")
+    accepted = count("vllm:spec_decode_num_accepted_tokens")
+    assert drafts > 0 and accepted == proposed  # a model drafting for itself is always right
+    per_position = [
+        s.value
+        for s in sorted(
+            samples(
+                families["vllm:spec_decode_num_accepted_tokens_per_pos"],
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                worker=self_drafted_worker,
+            ),
+            key=lambda s: int(s.labels["position"]),
+        )
+    ]
+    assert len(per_position) == 3 and sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True)  # a later position is accepted only after earlier ones
+    [rate] = samples(
+        families["tessera_engine_spec_decode_acceptance_rate"], "tessera_engine_spec_decode_acceptance_rate"
+    )
+    assert rate.value == 1.0
 
 
 def test_http_counters_are_labelled_by_web_replica(raw_key):

@@ -201,6 +201,8 @@
     $("live-hit").textContent = fmtPct(t.prefix_cache_hit_rate);
     $("live-preempt").textContent = fmtInt(t.num_preemptions);
     $("live-tps").textContent = t.tokens_per_s.toFixed(1);
+    $("live-spec").textContent = t.spec_decode_acceptance_rate === null ? "off"
+      : fmtPct(t.spec_decode_acceptance_rate) + " / " + t.spec_decode_mean_acceptance_length.toFixed(2);
     chart("chart-kv-gauge", { type: "doughnut", data: { labels: ["used", "free"], datasets: [{
       data: [t.kv_usage, Math.max(0, 1 - t.kv_usage)], backgroundColor: ["#3182bd", "#e6e9ef"], borderWidth: 0 }] },
       options: { rotation: -90, circumference: 180, cutout: "70%", interaction: {},
