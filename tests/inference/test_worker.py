@@ -12,9 +12,19 @@ from django.conf import settings
 import inference.worker as worker_module
 from engine_client import client as engine_client
 from generation.services import collect
-from inference import SamplingParams, protocol
+from inference import LLM, SamplingParams, protocol
 from inference.output_processor import RequestState
-from tests.inference.worker_helpers import MODEL, ThreadedWorker, clear_engine_keys, llm, r, tiny_llm, wait_for, worker  # noqa: F401 (fixtures)
+from tests.inference.worker_helpers import (  # noqa: F401 (fixtures)
+    ENGINE_ARGS,
+    MODEL,
+    ThreadedWorker,
+    clear_engine_keys,
+    llm,
+    r,
+    tiny_llm,
+    wait_for,
+    worker,
+)
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 
@@ -372,3 +382,11 @@ def test_the_output_writer_keeps_the_order_it_was_given_and_stops_at_a_failed_wr
             writer.send(r.pipeline(transaction=False))
     finally:
         r.delete(key, "writer-order-test-string")
+
+
+@pytest.mark.parametrize("policy, batches", [("fcfs", 2), ("priority", 2), ("fair", 8)])
+def test_a_fair_worker_reads_more_of_the_backlog_by_default(tiny_model_dir, policy, batches):
+    """Fair share orders only what a worker has read; the rest waits in the stream first come, first served."""
+    engine = LLM(model=tiny_model_dir, **{**ENGINE_ARGS, "scheduling_policy": policy}).llm_engine
+    worker = worker_module.EngineWorker(engine, redis.Redis.from_url(settings.REDIS_URL), worker_module.WorkerConfig())
+    assert worker.max_inflight == batches * ENGINE_ARGS["max_num_seqs"]

@@ -33,7 +33,7 @@ MAX_TOKENS = 32
 PROMPT = "Fair share between tenants keeps one user from starving the others"
 USER_A = "tenant-a"
 # The worker must hold the whole backlog: fair share orders what the engine holds, and a worker reads at
-# most max_inflight requests (default 2 x max_num_seqs) from the stream, which the rest wait in FCFS.
+# most max_inflight requests (by default 8 x max_num_seqs under fair) from the stream; the rest wait in FCFS.
 HELD = 2 * (FLOOD + A_REQUESTS)
 
 
