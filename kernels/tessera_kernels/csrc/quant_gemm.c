@@ -60,51 +60,66 @@ static inline float half_to_float(const uint8_t *p) {
 
 /* ---- decoding one block to codes, scale and min per group of 16 -------------------------------- */
 
-static void decode_q4_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
+/* 32 codes from 16 bytes of nibbles: the low nibbles first, then the high ones (Q4_0, Q4_1, Q5_x). */
+static inline void nibbles(const uint8_t *qs, uint8_t *c) {
+#if defined(__AVX2__)
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs), low_nibble = _mm_set1_epi8(0xf);
+    const __m128i low = _mm_and_si128(packed, low_nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibble);
+    _mm256_storeu_si256((__m256i *)c, _mm256_set_m128i(high, low));
+#else
+    for (int j = 0; j < 16; j++) { c[j] = qs[j] & 0xf; c[j + 16] = qs[j] >> 4; }
+#endif
+}
+
+static inline void decode_q4_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const float d = half_to_float(b);
-    for (int j = 0; j < 16; j++) { c[j] = b[2 + j] & 0xf; c[j + 16] = b[2 + j] >> 4; }
+    nibbles(b + 2, c);
     s[0] = s[1] = d;
     m[0] = m[1] = 8.f * d;
 }
 
-static void decode_q4_1(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q4_1(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const float d = half_to_float(b), min = half_to_float(b + 2);
-    for (int j = 0; j < 16; j++) { c[j] = b[4 + j] & 0xf; c[j + 16] = b[4 + j] >> 4; }
+    nibbles(b + 4, c);
     s[0] = s[1] = d;
     m[0] = m[1] = -min;
 }
 
+/* Bit j of the 32 bits at qh4 is the fifth bit of code j. */
 static inline void five_bits(const uint8_t *qh4, const uint8_t *qs, uint8_t *c) {
     uint32_t qh;
     memcpy(&qh, qh4, 4);
-    for (int j = 0; j < 16; j++) {
-        c[j] = (qs[j] & 0xf) | (((qh >> j) & 1) << 4);
-        c[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    }
+    nibbles(qs, c);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m256i fifth = _mm256_maskz_mov_epi8((__mmask32)qh, _mm256_set1_epi8(16));
+    _mm256_storeu_si256((__m256i *)c, _mm256_or_si256(_mm256_loadu_si256((const __m256i *)c), fifth));
+#else
+    for (int j = 0; j < 32; j++) c[j] |= ((qh >> j) & 1) << 4;
+#endif
 }
 
-static void decode_q5_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q5_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const float d = half_to_float(b);
     five_bits(b + 2, b + 6, c);
     s[0] = s[1] = d;
     m[0] = m[1] = 16.f * d;
 }
 
-static void decode_q5_1(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q5_1(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const float d = half_to_float(b), min = half_to_float(b + 2);
     five_bits(b + 4, b + 8, c);
     s[0] = s[1] = d;
     m[0] = m[1] = -min;
 }
 
-static void decode_q8_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q8_0(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const float d = half_to_float(b);
     for (int j = 0; j < 32; j++) c[j] = b[2 + j] ^ 0x80; /* int8 + 128 */
     s[0] = s[1] = d;
     m[0] = m[1] = 128.f * d;
 }
 
-static void decode_q2_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q2_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const uint8_t *scales = b, *qs = b + 16;
     const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
     for (int half = 0; half < 2; half++)
@@ -113,7 +128,7 @@ static void decode_q2_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     for (int g = 0; g < 16; g++) { s[g] = d * (float)(scales[g] & 0xf); m[g] = dmin * (float)(scales[g] >> 4); }
 }
 
-static void decode_q3_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q3_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
     const float d = half_to_float(b + 108);
     for (int half = 0; half < 2; half++)
@@ -150,7 +165,7 @@ static inline void k_groups(const uint8_t *b, float *s, float *m) {
     }
 }
 
-static void decode_q4_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q4_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const uint8_t *qs = b + 16;
     for (int chunk = 0; chunk < 4; chunk++)
         for (int l = 0; l < 32; l++) {
@@ -160,7 +175,7 @@ static void decode_q4_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     k_groups(b, s, m);
 }
 
-static void decode_q5_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q5_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int chunk = 0; chunk < 4; chunk++)
         for (int l = 0; l < 32; l++) {
@@ -171,7 +186,7 @@ static void decode_q5_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     k_groups(b, s, m);
 }
 
-static void decode_q6_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
+static inline void decode_q6_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *scales = (const int8_t *)(b + 192);
     const float d = half_to_float(b + 208);
@@ -188,36 +203,50 @@ static void decode_q6_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     for (int g = 0; g < 16; g++) { s[g] = d * (float)scales[g]; m[g] = 32.f * s[g]; }
 }
 
-typedef void (*decode_fn)(const uint8_t *, uint8_t *, float *, float *);
-
 typedef struct {
-    decode_fn decode;
-    int block_values, block_bytes;
+    int type, block_values, block_bytes;
 } format;
 
 static int find_format(int type, format *f) {
     switch (type) {
-    case Q4_0: *f = (format){decode_q4_0, 32, 18}; return 0;
-    case Q4_1: *f = (format){decode_q4_1, 32, 20}; return 0;
-    case Q5_0: *f = (format){decode_q5_0, 32, 22}; return 0;
-    case Q5_1: *f = (format){decode_q5_1, 32, 24}; return 0;
-    case Q8_0: *f = (format){decode_q8_0, 32, 34}; return 0;
-    case Q2_K: *f = (format){decode_q2_k, 256, 84}; return 0;
-    case Q3_K: *f = (format){decode_q3_k, 256, 110}; return 0;
-    case Q4_K: *f = (format){decode_q4_k, 256, 144}; return 0;
-    case Q5_K: *f = (format){decode_q5_k, 256, 176}; return 0;
-    case Q6_K: *f = (format){decode_q6_k, 256, 210}; return 0;
+    case Q4_0: *f = (format){type, 32, 18}; return 0;
+    case Q4_1: *f = (format){type, 32, 20}; return 0;
+    case Q5_0: *f = (format){type, 32, 22}; return 0;
+    case Q5_1: *f = (format){type, 32, 24}; return 0;
+    case Q8_0: *f = (format){type, 32, 34}; return 0;
+    case Q2_K: *f = (format){type, 256, 84}; return 0;
+    case Q3_K: *f = (format){type, 256, 110}; return 0;
+    case Q4_K: *f = (format){type, 256, 144}; return 0;
+    case Q5_K: *f = (format){type, 256, 176}; return 0;
+    case Q6_K: *f = (format){type, 256, 210}; return 0;
     default: return -1;
     }
 }
+
+/* Every block of a row through one format's decoder, called directly so it is inlined: an indirect
+ * call per 32-value block cost more than the decoding. */
+#define DECODE_BLOCKS(decode)                                                                            \
+    for (int64_t b = 0; b < blocks; b++)                                                                 \
+        decode(row + b * f->block_bytes, codes + b * f->block_values, scale + b * groups, min + b * groups); \
+    break
 
 /* One weight row of k values: codes [k], scale and min [k / 16]. */
 static inline void decode_row(const format *f, const uint8_t *row, int64_t k, uint8_t *codes, float *scale,
                               float *min) {
     const int64_t blocks = k / f->block_values;
     const int groups = f->block_values / GROUP;
-    for (int64_t b = 0; b < blocks; b++)
-        f->decode(row + b * f->block_bytes, codes + b * f->block_values, scale + b * groups, min + b * groups);
+    switch (f->type) {
+    case Q4_0: DECODE_BLOCKS(decode_q4_0);
+    case Q4_1: DECODE_BLOCKS(decode_q4_1);
+    case Q5_0: DECODE_BLOCKS(decode_q5_0);
+    case Q5_1: DECODE_BLOCKS(decode_q5_1);
+    case Q8_0: DECODE_BLOCKS(decode_q8_0);
+    case Q2_K: DECODE_BLOCKS(decode_q2_k);
+    case Q3_K: DECODE_BLOCKS(decode_q3_k);
+    case Q4_K: DECODE_BLOCKS(decode_q4_k);
+    case Q5_K: DECODE_BLOCKS(decode_q5_k);
+    case Q6_K: DECODE_BLOCKS(decode_q6_k);
+    }
 }
 
 /* ---- activations to int8 ----------------------------------------------------------------------- */
