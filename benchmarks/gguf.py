@@ -6,7 +6,9 @@ For each file (the default SmolLM2-135M-Instruct Q4_1 file; Qwen2.5-Coder-0.5B-I
 loads the engine and reports its load time and resident set after load, then one request at batch 1 in
 llama-bench's `-p 512 -n 128` style: prompt tok/s (a 512-token prompt's prefill) and decode tok/s (the
 next 128 tokens, greedy, ignore_eos). Formats alternate within each repeat, so a busy machine slows every
-format alike; the table gives the median over repeats.
+format alike; the table gives the median over repeats. With LLAMA_BENCH naming llama.cpp's llama-bench
+(bash ../shared/peers/llama-cpp.sh builds it), each repeat also runs `llama-bench -t 2 -p 512 -n 128` on the
+same file, and its row gives the peak resident set of that process.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from pathlib import Path
 from benchmarks.common import machine_line, print_table, real_model_path
 
 REPO = Path(__file__).resolve().parents[1]
-QWEN_FILE = Path.home() / ".cache" / "tessera-models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_DIR = Path.home() / ".cache" / "tessera-models"
+QWEN_FILES = {  # name: (label, file ../shared/models/qwen-coder.sh assembles, its argument)
+    "qwen0.5b": ("Qwen2.5-Coder-0.5B Q4_K_M", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "0.5b"),
+    "qwen1.5b": ("Qwen2.5-Coder-1.5B Q4_K_M", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "1.5b"),
+}
+LLAMA_CPP = "llama.cpp"
 WEIGHTS = ("packed", "bfloat16", "float32")
 
 
@@ -33,14 +40,16 @@ def model_files(names: list[str]) -> dict[str, str]:
     for name in names:
         if name == "smollm2":
             files["SmolLM2-135M Q4_1"] = real_model_path()
-        elif name == "qwen0.5b":
-            path = Path(os.environ.get("QWEN_GGUF") or QWEN_FILE)
+        elif name in QWEN_FILES:
+            label, file_name, size = QWEN_FILES[name]
+            override = os.environ.get("QWEN_GGUF") if name == "qwen0.5b" else None
+            path = Path(override or QWEN_DIR / file_name)
             if path.exists():
-                files["Qwen2.5-Coder-0.5B Q4_K_M"] = str(path)
+                files[label] = str(path)
             else:
-                print(f"skipping qwen0.5b: no {path} (bash ../shared/models/qwen-coder.sh 0.5b assembles it)")
+                print(f"skipping {name}: no {path} (bash ../shared/models/qwen-coder.sh {size} assembles it)")
         else:
-            raise ValueError(f"unknown model {name!r}; choose from smollm2, qwen0.5b")
+            raise ValueError(f"unknown model {name!r}; choose from smollm2, {', '.join(QWEN_FILES)}")
     return files
 
 
@@ -110,17 +119,41 @@ def run_child(model: str, weights: str, prompt_tokens: int, decode_tokens: int) 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_llama_bench(binary: str, model: str, prompt_tokens: int, decode_tokens: int) -> dict:
+    """llama-bench on the same file and threads: its prompt and decode tok/s, and the process's peak RSS."""
+    command = [binary, "-m", model, "-t", "2", "-p", str(prompt_tokens), "-n", str(decode_tokens), "-r", "1"]
+    process = subprocess.Popen([*command, "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stdout = process.stdout.read() if process.stdout else ""
+    _, status, usage = os.wait4(process.pid, 0)
+    if status:
+        raise RuntimeError(f"{' '.join(command)} failed with status {status}")
+    tests = json.loads(stdout)
+    rate = {("prompt" if test["n_gen"] == 0 else "decode"): test["avg_ts"] for test in tests}
+    return {
+        "load_s": None,  # llama-bench does not report it
+        "rss_mib": usage.ru_maxrss / 1024,  # KiB on Linux
+        "prompt_tok_s": rate["prompt"],
+        "decode_tok_s": rate["decode"],
+        "weights_dtype": "the file's blocks",
+    }
+
+
 def table(files: dict[str, str], weights: list[str], prompt_tokens: int, decode_tokens: int, repeats: int) -> str:
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(repeats):
         for name, path in files.items():
             for fmt in weights:  # alternating: each repeat runs every format once
                 runs.setdefault((name, fmt), []).append(run_child(path, fmt, prompt_tokens, decode_tokens))
+            if binary := os.environ.get("LLAMA_BENCH"):
+                runs.setdefault((name, LLAMA_CPP), []).append(
+                    run_llama_bench(binary, path, prompt_tokens, decode_tokens)
+                )
     rows = []
     for (name, fmt), results in runs.items():
 
-        def median(key: str) -> float:
-            return statistics.median(r[key] for r in results)
+        def median(key: str) -> float | str:
+            values = [r[key] for r in results if r[key] is not None]
+            return statistics.median(values) if values else "-"
 
         rows.append(
             [
@@ -136,14 +169,22 @@ def table(files: dict[str, str], weights: list[str], prompt_tokens: int, decode_
     return print_table(
         f"GGUF weight formats, batch 1 (prompt {prompt_tokens}, decode {decode_tokens}), median of {repeats}, "
         f"{machine_line()}",
-        ["model", "weights", "linear weights", "load s", "RSS after load MiB", "prompt tok/s", "decode tok/s"],
+        [
+            "model",
+            "weights",
+            "linear weights",
+            "load s",
+            "RSS after load MiB (llama.cpp: peak)",
+            "prompt tok/s",
+            "decode tok/s",
+        ],
         rows,
     )
 
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="smollm2,qwen0.5b")
+    parser.add_argument("--models", default="smollm2,qwen0.5b,qwen1.5b")
     parser.add_argument("--weights", default=",".join(WEIGHTS))
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--decode", type=int, default=128)
