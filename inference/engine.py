@@ -9,7 +9,7 @@ import torch
 
 from inference.config import EngineArgs, ModelConfig
 from inference.detokenizer import IncrementalDetokenizer
-from inference.engine_setup import choose_ops, resolve_device, resolve_max_model_len
+from inference.engine_setup import choose_ops, resolve_device, resolve_max_model_len, weight_bytes
 from inference.executor import create_executor
 from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
@@ -109,7 +109,7 @@ class LLMEngine:
         per_block = ModelRunner.bytes_per_block(
             cfg.num_layers, args.block_size, layer.num_kv_heads, cfg.head_dim, self.dtype
         )
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = weight_bytes(self.model)
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         useful = args.max_num_seqs * blocks_per_seq
         activation_peak, total = 0, args.kv_cache_memory

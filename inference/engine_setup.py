@@ -30,3 +30,8 @@ def resolve_max_model_len(cfg: ModelConfig, asked: int | None) -> int:
 def choose_ops(args, device: torch.device):
     """attention_backend if given, else Triton on CUDA and the torch reference elsewhere."""
     return get_ops(args.attention_backend or ("triton" if device.type == "cuda" else "torch"))
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes a batch-1 decode step reads: every parameter once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -5,6 +5,7 @@ Given as a dict or a JSON string; every bad value is a start-up error that names
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, fields
 
@@ -19,6 +20,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched (tried first)
     model: str | None = None  # draft_model: the draft's HF folder or GGUF file (the target's tokenizer)
     disable_by_batch_size: int | None = None  # no speculation while more requests than this run (vLLM's name)
+    # draft_model: one proposed token's cost in plain target steps, which the choice of k weighs against
+    # acceptance (default: the draft's share of the target's weight bytes; 0 speculates whenever accepted
+    # tokens alone pay)
+    draft_cost: float | None = None
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -67,6 +72,11 @@ class SpeculativeConfig:
         size = self.disable_by_batch_size
         if size is not None and (not _is_int(size) or size < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1, got {size!r}")
+        cost = self.draft_cost
+        if cost is not None and (self.method != "draft_model" or not _is_number(cost) or not 0 <= cost < 1e6):
+            raise ValueError(
+                f"speculative_config.draft_cost must be a number >= 0 for method draft_model, got {cost!r}"
+            )
 
     def with_lookup_defaults(self) -> SpeculativeConfig:
         """vLLM's rule: both n-gram bounds unset -> 5; one set -> the other takes its value."""
@@ -76,8 +86,12 @@ class SpeculativeConfig:
         if low is None and high is None:
             low = high = 5
         low, high = (high if low is None else low), (low if high is None else high)
-        return SpeculativeConfig(self.method, self.num_speculative_tokens, low, high, None, self.disable_by_batch_size)
+        return dataclasses.replace(self, prompt_lookup_min=low, prompt_lookup_max=high)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -22,6 +22,7 @@ from typing import cast
 import torch
 
 from inference.config import ModelConfig
+from inference.engine_setup import weight_bytes
 from inference.kv_cache_manager import KVCacheManager
 from inference.loader import check_model_path, load_model
 from inference.model_runner import ModelRunner
@@ -76,6 +77,11 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, args.block_size, num_blocks, engine.dtype, engine.device)
         self.seqs: dict[Request, DraftSequence] = {}
+        self.cost_per_token = (
+            config.draft_cost
+            if config.draft_cost is not None
+            else weight_bytes(self.model) / max(weight_bytes(engine.model), 1)
+        )
 
     def propose(self, seqs: list[Request], ks: list[int]) -> list[list[int] | BaseException]:
         self._forget_finished()

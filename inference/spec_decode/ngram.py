@@ -15,6 +15,8 @@ from inference.request import Request
 
 
 class NgramProposer:
+    cost_per_token = 0.0  # a lookup in lists the engine holds anyway
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
 

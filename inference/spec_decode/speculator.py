@@ -34,6 +34,10 @@ MIN_SPEEDUP = 1.02  # below this expected gain a step runs plain (proposing and 
 
 
 class Proposer(Protocol):
+    # What proposing one token costs, relative to one plain decode step of the target: 0 for a lookup,
+    # a draft model's share of the target's weight bytes (a batch-1 step on CPU reads every weight once).
+    cost_per_token: float
+
     def propose(self, seqs: list[Request], ks: list[int]) -> Sequence[list[int] | BaseException]:
         """Up to ks[i] proposed next tokens for each sequence (fewer, or none, where it has no guess),
         or the exception that sequence's proposal failed with (it fails that request alone)."""
@@ -72,19 +76,24 @@ def may_speculate(seq: Request) -> bool:
     )
 
 
-def expected_speedup(k: int, acceptance: float, batch_size: int, cost_per_token: float = COST_PER_TOKEN) -> float:
+def expected_speedup(
+    k: int, acceptance: float, batch_size: int, proposal_cost: float = 0.0, cost_per_token: float = COST_PER_TOKEN
+) -> float:
+    """Tokens per step over the step's cost, both against plain decoding; proposal_cost is the proposer's
+    cost_per_token (k proposals of it, in plain steps)."""
     tokens = sum(acceptance**j for j in range(k + 1))
-    return tokens * step_cost(batch_size, cost_per_token) / step_cost(batch_size * (1 + k), cost_per_token)
+    plain = step_cost(batch_size, cost_per_token)
+    return tokens * plain / (step_cost(batch_size * (1 + k), cost_per_token) + k * proposal_cost * plain)
 
 
 def step_cost(num_tokens: int, cost_per_token: float) -> float:
     return 1.0 + cost_per_token * (num_tokens - 1)
 
 
-def best_k(max_k: int, acceptance: float, batch_size: int) -> int:
+def best_k(max_k: int, acceptance: float, batch_size: int, proposal_cost: float = 0.0) -> int:
     best, best_gain = 0, MIN_SPEEDUP
     for k in range(1, max_k + 1):
-        gain = expected_speedup(k, acceptance, batch_size)
+        gain = expected_speedup(k, acceptance, batch_size, proposal_cost)
         if gain > best_gain:
             best, best_gain = k, gain
     return best
@@ -139,7 +148,7 @@ class Speculator:
         if max_k <= 0:
             return 0
         acceptance = self.acceptance.setdefault(seq, Acceptance())
-        k = best_k(max_k, acceptance.rate, batch_size)
+        k = best_k(max_k, acceptance.rate, batch_size, self.proposer.cost_per_token)
         if k == 0:
             acceptance.decay()  # back towards the prior: it tries again once that says it may pay
         return k

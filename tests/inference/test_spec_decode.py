@@ -8,6 +8,7 @@ import torch
 from tiny_models import hf_greedy
 
 from inference import LLM, SamplingParams
+from inference.engine_setup import weight_bytes
 from inference.request import Request
 from inference.sampler import Sampler
 from inference.spec_decode.ngram import ngram_proposal
@@ -18,7 +19,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 
 def draft_of(model_dir):
-    return {"method": "draft_model", "num_speculative_tokens": 4, "model": model_dir}
+    """The model drafting for itself: every proposal accepted. Its weight bytes say speculation cannot pay
+    (a draft as big as the target), so draft_cost 0 keeps it speculating for these checks."""
+    return {"method": "draft_model", "num_speculative_tokens": 4, "model": model_dir, "draft_cost": 0}
 
 
 def repetitive_prompts(seed=0):
@@ -186,6 +189,11 @@ def test_no_block_leak_over_thousands_of_steps(tiny_model_dir):
             "speculative_config.prompt_lookup_max",
         ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_cost": 0.1}, "speculative_config.draft_cost"),
+        (
+            {"method": "draft_model", "num_speculative_tokens": 2, "model": "m", "draft_cost": -1},
+            "speculative_config.draft_cost",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
         ("{not json", "speculative_config"),
     ],
@@ -241,6 +249,28 @@ def test_adaptive_k_turns_speculation_down_with_batch_size_and_low_acceptance():
     assert best_k(4, 0.01, 1) == 0
     assert best_k(4, 0.3, 256) == 0
     assert best_k(4, 0.8, 8) <= best_k(4, 0.8, 1)
+
+
+def test_a_costly_draft_speculates_only_where_acceptance_pays_for_it():
+    """Qwen2.5-Coder-0.5B drafting for 1.5B costs about 0.43 of a target step a token (their weight bytes)."""
+    assert best_k(4, 0.42, 1) > 0  # a free lookup still pays at open chat's acceptance
+    assert best_k(4, 0.42, 1, proposal_cost=0.43) == 0  # the draft does not: plain decoding
+    assert best_k(4, 0.93, 1, proposal_cost=0.43) == 4  # code editing's acceptance does
+    assert best_k(4, 1.0, 1, proposal_cost=1.0) == 0  # a draft as big as the target never pays
+
+
+def test_the_draft_cost_defaults_to_its_share_of_the_targets_weight_bytes(tiny_model_dir, model_factory):
+    small = model_factory("llama", num_hidden_layers=1)
+    llm = LLM(
+        model=tiny_model_dir,
+        dtype="float32",
+        max_model_len=256,
+        speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": small},
+    )
+    target_bytes = llm.llm_engine.memory["weights_bytes"]
+    proposer = llm.llm_engine.speculator.proposer
+    assert 0 < proposer.cost_per_token < 1
+    assert proposer.cost_per_token == weight_bytes(proposer.model) / target_bytes
 
 
 def test_rejection_rule_keeps_the_target_distribution():

@@ -140,7 +140,7 @@ def test_engine_histograms_and_counters_count_the_served_requests(raw_key, two_w
 @pytest.fixture
 def self_drafted_worker(tiny_model_dir):
     """A worker whose model drafts for itself: every proposed token is accepted."""
-    draft = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model_dir}
+    draft = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_model_dir, "draft_cost": 0}
     llm = LLM(model=tiny_model_dir, **ENGINE_ARGS, speculative_config=draft)
     r = redis.Redis.from_url(settings.REDIS_URL)
     clear_engine_keys(r)
