@@ -16,6 +16,7 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
+from common.storable import storable
 from errors import Conflict, InvalidRequest, ServiceError
 
 from . import conf, progress, selectors
@@ -330,8 +331,8 @@ def record_line_result(line: BatchLine, outcome) -> bool:
             status=BatchLine.Status.COMPLETED if outcome.ok else BatchLine.Status.FAILED,
             result_id=f"batch_req_{secrets.token_hex(12)}",
             response_status=outcome.status_code,
-            response_body=outcome.body,
-            error=outcome.error,
+            response_body=storable(outcome.body),  # the output file keeps U+FFFD for a NUL the model produced
+            error=storable(outcome.error),
             finished_at=timezone.now(),
             reservation=None,
         )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from common import http_guards
+from common.storable import holds_nul
 
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_CUSTOM_ID_LENGTH = 512
@@ -91,6 +92,8 @@ def parse_line(
         return None, line_error("invalid_json_line", f"Line {number} is not valid JSON: {exc.msg}.", number)
     if not isinstance(obj, dict):
         return None, line_error("invalid_json_line", f"Line {number} is not a JSON object.", number)
+    if holds_nul(obj):  # the line is kept in the database, whose text cannot hold it (common.storable)
+        return None, line_error("invalid_json_line", f"Line {number} holds the NUL character (\\u0000).", number)
     error = check_envelope(obj, number, endpoint)
     if error is None:
         error = check_request(obj["url"], obj["body"], number, check_model, check_body)

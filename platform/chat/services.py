@@ -16,6 +16,7 @@ from functools import partial
 from django.db import transaction
 from django.utils import timezone
 
+from common.storable import storable
 from errors import InvalidRequest
 from generation import services as generation
 from generation.services import Generation
@@ -105,12 +106,6 @@ def _clean_content(content) -> str:
     if "\x00" in content:  # PostgreSQL's text cannot hold it (SQLite's can): one rule for both
         raise ChatError("Messages cannot contain the NUL character (\\x00).")
     return content
-
-
-def _storable(text: str) -> str:
-    """Model output as the database can keep it: PostgreSQL's text cannot hold NUL, so a NUL the model
-    produced (the stream delivered it as is) is saved as U+FFFD."""
-    return text.replace("\x00", "\ufffd")
 
 
 def _apply_settings(conversation: Conversation, settings: dict) -> dict:
@@ -219,7 +214,7 @@ def regenerate(user, message: Message, settings: dict, *, arrived_at: float | No
 def save_progress(message_id: int, content: str) -> None:
     """Persist the text so far, so a reload mid-answer shows it (only while still streaming)."""
     Message.objects.filter(pk=message_id, status=Message.Status.STREAMING).update(
-        content=_storable(content), updated_at=timezone.now()
+        content=storable(content), updated_at=timezone.now()
     )
 
 
@@ -261,7 +256,7 @@ def save_reply(message_id: int, gen: Generation, saved_content: str = "") -> boo
     if message is None:
         return False
     result = gen.result
-    message.content = _storable(result.text or saved_content)
+    message.content = storable(result.text or saved_content)
     message.status = reply_status(gen)
     message.finish_reason = result.finish_reason or ("error" if message.status == Message.Status.ERROR else "")
     message.error = (result.error or {}).get("message", "") if message.status == Message.Status.ERROR else ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from common.storable import storable
+
 from .models import StoredResponse
 
 
@@ -12,7 +14,7 @@ def stored_response(*, user, response_id: str) -> StoredResponse | None:
 
 def store_response(*, user, body: dict, conversation: list[dict]) -> StoredResponse:
     return StoredResponse.objects.create(
-        public_id=body["id"], user=user, model=body["model"], body=body, conversation=conversation
+        public_id=body["id"], user=user, model=body["model"], body=storable(body), conversation=storable(conversation)
     )
 
 

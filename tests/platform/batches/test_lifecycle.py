@@ -218,3 +218,16 @@ def test_expired_files_are_deleted(user):
     type(file).objects.filter(pk=file.pk).update(expires_at=timezone.now() - timedelta(seconds=1))
     assert services.delete_expired_files() == 1
     assert list(type(file).objects.values_list("pk", flat=True)) == [keep.pk]
+
+
+def test_a_nul_the_model_produced_is_kept_as_u_fffd_in_the_output_file(user):
+    # PostgreSQL's jsonb cannot hold \u0000 (make test runs on it): without common.storable the line's result
+    # was never recorded and its batch stalled with the line running.
+    batch = started_batch(user, n=1)
+    [line] = batch.lines.all()
+    services.mark_line_running(line, "req-nul", None)
+    assert services.record_line_result(line, ok_outcome("a\x00b"))
+    services.finalize_batch(batch.pk, Batch.Status.COMPLETED)
+    batch.refresh_from_db()
+    [row] = [json.loads(x) for x in bytes(batch.output_file.content).decode().splitlines()]
+    assert row["response"]["body"]["choices"][0]["message"]["content"] == "a\ufffdb"

@@ -50,6 +50,16 @@ def test_validate_jsonl_lists_each_problem_with_its_line_number():
     assert not result.ok
 
 
+def test_a_line_holding_nul_is_refused_naming_its_line():
+    # The lines are kept in the database, and PostgreSQL's jsonb cannot hold \u0000.
+    content = jsonl([chat_line("a"), chat_line("n", content="a\x00b")])
+    result = validate_jsonl(
+        content, "/v1/chat/completions", check_model=allow_all, check_body=no_body_problem, max_lines=100
+    )
+    assert [(e["line"], e["code"]) for e in result.errors] == [(2, "invalid_json_line")]
+    assert "NUL" in result.errors[0]["message"]
+
+
 def test_validate_jsonl_checks_endpoint_model_and_body_through_callbacks():
     content = jsonl([chat_line("ok"), chat_line("m", model="gpt-9"), {**chat_line("u"), "url": "/v1/completions"}])
     result = validate_jsonl(

@@ -165,6 +165,20 @@ def test_save_progress_only_touches_streaming_messages(user, chat_settings):
     assert Message.objects.get(pk=reply.message_id).content == "final"
 
 
+def test_a_nul_in_the_model_output_is_saved_as_u_fffd(user, chat_settings):
+    # PostgreSQL's text cannot hold NUL (make test runs on it); the streamed text keeps it as is.
+    reply = services.send_message(user, "hi", PANEL)
+    services.save_progress(reply.message_id, "par\x00tial")
+    assert Message.objects.get(pk=reply.message_id).content == "par\ufffdtial"
+    assert finish(reply, text="fi\x00nal")
+    assert Message.objects.get(pk=reply.message_id).content == "fi\ufffdnal"
+
+
+def test_a_nul_in_the_message_is_refused(user, chat_settings):
+    with pytest.raises(services.ChatError, match="NUL"):
+        services.send_message(user, "a\x00b", PANEL)
+
+
 def test_search_rename_and_exports(user, other_user, chat_settings):
     reply = services.send_message(user, "Tell me about *tiles*", PANEL)
     finish(reply, text="Tessera are **tiles**.")
