@@ -7,17 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 from openai import BadRequestError, OpenAI
 
 from tessera.embedded_redis import free_port
-from tests.compat.venvs import client_venv, installed_version
+from tests.compat.venvs import client_venv, installed_version, wait_until_serving
 
 pytestmark = pytest.mark.compat
 
@@ -58,7 +54,9 @@ def proxy(tessera, tmp_path_factory):
     argv = [str(bin_dir / "litellm"), "--config", str(work / "config.yaml"), "--host", "127.0.0.1", "--port", str(port)]
     process = subprocess.Popen(argv, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_until_alive(f"http://127.0.0.1:{port}/health/liveliness", process, work / "proxy.log")
+        wait_until_serving(
+            f"http://127.0.0.1:{port}/health/liveliness", process, work / "proxy.log", "the LiteLLM proxy"
+        )
         yield (
             OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=MASTER_KEY, max_retries=0),
             installed_version(bin_dir, "litellm"),
@@ -67,20 +65,6 @@ def proxy(tessera, tmp_path_factory):
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         log.close()
-
-
-def _wait_until_alive(url: str, process: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-4000:]
-        try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the LiteLLM proxy did not come up:\n{log.read_text()[-4000:]}")
 
 
 def test_the_proxy_lists_tessera_models(proxy, tessera, compat_report):

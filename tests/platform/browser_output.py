@@ -1,4 +1,4 @@
-"""Where the browser tests write their screenshots.
+"""Debian's headless Chromium for the browser tests, and where they write their screenshots.
 
 A test run writes them to var/test-screenshots/ (git-ignored), so `git status` stays clean after
 the tests. Refreshing the README's images in docs/screenshots/ is an explicit step:
@@ -10,10 +10,34 @@ of `make run` sees; a test run uses the tiny random model (its stacks start in s
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 SCREENSHOTS_ENV = "TESSERA_SCREENSHOTS"
+CHROMIUM = "/usr/bin/chromium"  # `make browser`; Playwright's own download does not work offline
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@contextmanager
+def headless_chromium():
+    """A Playwright browser on Debian's Chromium, closed at the end."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 def screenshot_dir() -> Path:

@@ -11,19 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.platform.browser_output import browser_stack_model, save_screenshot
+from tests.platform.browser_output import CHROMIUM, browser_stack_model, headless_chromium, save_screenshot
 from tests.platform.live_stack import LiveStack
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,17 +38,13 @@ def stack(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture
 def page(stack):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with headless_chromium() as browser:
         context = browser.new_context(
             base_url=stack.base_url, viewport={"width": 1280, "height": 800}, accept_downloads=True
         )
         page = context.new_page()
         page.set_default_timeout(60_000)
         yield page
-        browser.close()
 
 
 def requests_file(stack, tmp_path: Path, n: int) -> Path:

@@ -17,20 +17,10 @@ import pytest
 
 from inference import protocol
 from tests.inference.worker_helpers import wait_for
-from tests.platform.browser_output import browser_stack_model
+from tests.platform.browser_output import CHROMIUM, browser_stack_model, headless_chromium
 from tests.platform.browser_output import save_screenshot as shot
 from tests.platform.live_stack import LiveStack
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 PASSWORD = "a-Long-pass-123"
 
 pytestmark = [
@@ -59,12 +49,8 @@ def stack(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with headless_chromium() as chromium:
         yield chromium
-        chromium.close()
 
 
 @pytest.fixture

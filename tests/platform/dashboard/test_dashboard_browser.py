@@ -29,19 +29,9 @@ from inference.fairness import ServiceWindow
 from tessera import embedded_redis
 from tessera.embedded_redis import free_port
 from tessera.run import WEB_SERVERS, web_command
-from tests.platform.browser_output import save_screenshot
+from tests.platform.browser_output import CHROMIUM, headless_chromium, save_screenshot
 
 REPO = Path(__file__).resolve().parents[3]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 CHARTS = [
     "chart-tokens",
     "chart-sources",
@@ -282,91 +272,83 @@ def _chart_points(page, chart_id: str) -> int:
 
 def test_dashboard_renders_charts_and_live_engine_panel(server, heartbeat, traffic):
     live_server_url = server.url
-    from playwright.sync_api import sync_playwright
+    with headless_chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        # Anonymous: the dashboard does not exist.
+        assert page.goto(f"{live_server_url}/dashboard/").status == 404
+        page.goto(f"{live_server_url}/admin/login/?next=/dashboard/")
+        page.fill("#id_username", "staff")
+        page.fill("#id_password", "staff-pw-123")
+        page.click("input[type=submit]")
+        page.wait_for_url(f"{live_server_url}/dashboard/")
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            errors = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            # Anonymous: the dashboard does not exist.
-            assert page.goto(f"{live_server_url}/dashboard/").status == 404
-            page.goto(f"{live_server_url}/admin/login/?next=/dashboard/")
-            page.fill("#id_username", "staff")
-            page.fill("#id_password", "staff-pw-123")
-            page.click("input[type=submit]")
-            page.wait_for_url(f"{live_server_url}/dashboard/")
+        page.wait_for_function(
+            "Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000
+        )
+        for chart_id in CHARTS:
+            assert _chart_points(page, chart_id) > 0, chart_id
+        assert page.locator("#top-users tbody tr").count() >= 5
+        assert _chart_points(page, "chart-batches") >= 4  # in_progress, completed, failed, cancelled...
+        assert "Oldest running: batch_" in page.inner_text("#batch-oldest")
+        assert page.locator("#top-users tbody a").first.inner_text().startswith("demo-user-")
 
-            page.wait_for_function(
-                "Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000
-            )
-            for chart_id in CHARTS:
-                assert _chart_points(page, chart_id) > 0, chart_id
-            assert page.locator("#top-users tbody tr").count() >= 5
-            assert _chart_points(page, "chart-batches") >= 4  # in_progress, completed, failed, cancelled...
-            assert "Oldest running: batch_" in page.inner_text("#batch-oldest")
-            assert page.locator("#top-users tbody a").first.inner_text().startswith("demo-user-")
+        page.click("button[data-range='30d']")
+        page.wait_for_function("Number(document.getElementById('dashboard').dataset.usageLoaded) >= 2", timeout=30000)
+        assert page.evaluate("Chart.getChart('chart-tokens').data.labels.length") == 30
 
-            page.click("button[data-range='30d']")
-            page.wait_for_function(
-                "Number(document.getElementById('dashboard').dataset.usageLoaded) >= 2", timeout=30000
-            )
-            assert page.evaluate("Chart.getChart('chart-tokens').data.labels.length") == 30
+        # Live panel: ticks arrive over the websocket and the numbers follow the heartbeat.
+        page.wait_for_function(
+            "Number(document.getElementById('dashboard').dataset.liveTicks || 0) >= 2", timeout=20000
+        )
+        seen = set()
+        deadline = time.monotonic() + 10
+        while len(seen) < 3 and time.monotonic() < deadline:
+            seen.add(page.inner_text("#live-running"))
+            page.wait_for_timeout(300)
+        assert len(seen) >= 3, f"live panel did not change: {seen}"
+        assert page.locator(f"[data-worker='{heartbeat.worker_id}'] .grid .b").count() == 160
+        assert page.locator(f"[data-worker='{heartbeat.worker_id}'] .grid .b.s").count() > 0
+        assert heartbeat.worker_id in page.inner_text("#workers-table")
+        assert _chart_points(page, "chart-live") > 0
+        assert "GiB" in page.inner_text("#workers-table")  # the fake worker's memory budget
+        # The fake worker speculates (30 of 40 proposed accepted over 10 verifications); the real one does not.
+        assert page.inner_text("#live-spec") == "75.0% / 4.00"
+        # Fair share: the fake worker's tenant with its weight, and the staff user's own traffic as the
+        # real worker served it (the tenant is the user id; the panel shows the username).
+        fake_row = page.locator("#tenant-shares tbody tr", has_text="fake-tenant").locator("td").all_inner_texts()
+        assert fake_row[0] == "fake-tenant" and fake_row[1] == "500" and fake_row[3] == "3", fake_row
+        page.wait_for_function(
+            "[...document.querySelectorAll('#tenant-shares tbody tr td:first-child')]"
+            ".some((td) => td.textContent === 'staff')",
+            timeout=60000,
+        )
 
-            # Live panel: ticks arrive over the websocket and the numbers follow the heartbeat.
-            page.wait_for_function(
-                "Number(document.getElementById('dashboard').dataset.liveTicks || 0) >= 2", timeout=20000
-            )
-            seen = set()
-            deadline = time.monotonic() + 10
-            while len(seen) < 3 and time.monotonic() < deadline:
-                seen.add(page.inner_text("#live-running"))
-                page.wait_for_timeout(300)
-            assert len(seen) >= 3, f"live panel did not change: {seen}"
-            assert page.locator(f"[data-worker='{heartbeat.worker_id}'] .grid .b").count() == 160
-            assert page.locator(f"[data-worker='{heartbeat.worker_id}'] .grid .b.s").count() > 0
-            assert heartbeat.worker_id in page.inner_text("#workers-table")
-            assert _chart_points(page, "chart-live") > 0
-            assert "GiB" in page.inner_text("#workers-table")  # the fake worker's memory budget
-            # The fake worker speculates (30 of 40 proposed accepted over 10 verifications); the real one does not.
-            assert page.inner_text("#live-spec") == "75.0% / 4.00"
-            # Fair share: the fake worker's tenant with its weight, and the staff user's own traffic as the
-            # real worker served it (the tenant is the user id; the panel shows the username).
-            fake_row = page.locator("#tenant-shares tbody tr", has_text="fake-tenant").locator("td").all_inner_texts()
-            assert fake_row[0] == "fake-tenant" and fake_row[1] == "500" and fake_row[3] == "3", fake_row
-            page.wait_for_function(
-                "[...document.querySelectorAll('#tenant-shares tbody tr td:first-child')]"
-                ".some((td) => td.textContent === 'staff')",
-                timeout=60000,
-            )
+        # The real engine worker: its heartbeat, start-up memory budget and its 96-block KV map.
+        real = next(
+            w
+            for w in page.evaluate("window.tesseraDashboard.state.lastSnapshot.workers")
+            if w["model"] == "tiny-llama" and not w["worker_id"].startswith("fake-worker-")
+        )
+        assert real["memory"]["num_kv_blocks"] == ENGINE_ARGS["num_kv_blocks"]
+        assert page.locator(f"[data-worker='{real['worker_id']}'] .grid .b").count() == ENGINE_ARGS["num_kv_blocks"]
+        assert "kv pool" in page.inner_text("#workers-table")
+        page.wait_for_function(
+            "window.tesseraDashboard.state.lastSnapshot.workers.some("
+            "(w) => !w.worker_id.startsWith('fake-worker-') && w.tokens_per_s > 0)",
+            timeout=60000,
+        )
 
-            # The real engine worker: its heartbeat, start-up memory budget and its 96-block KV map.
-            real = next(
-                w
-                for w in page.evaluate("window.tesseraDashboard.state.lastSnapshot.workers")
-                if w["model"] == "tiny-llama" and not w["worker_id"].startswith("fake-worker-")
-            )
-            assert real["memory"]["num_kv_blocks"] == ENGINE_ARGS["num_kv_blocks"]
-            assert page.locator(f"[data-worker='{real['worker_id']}'] .grid .b").count() == ENGINE_ARGS["num_kv_blocks"]
-            assert "kv pool" in page.inner_text("#workers-table")
-            page.wait_for_function(
-                "window.tesseraDashboard.state.lastSnapshot.workers.some("
-                "(w) => !w.worker_id.startsWith('fake-worker-') && w.tokens_per_s > 0)",
-                timeout=60000,
-            )
+        save_screenshot(page, "dashboard", full_page=True)
 
-            save_screenshot(page, "dashboard", full_page=True)
-
-            # Drill-down: a top user's own page, charts drawn from that user's usage only.
-            page.click("#top-users tbody a >> nth=0")
-            page.wait_for_url("**/dashboard/users/*/")
-            page.wait_for_function(
-                "Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000
-            )
-            for chart_id in ("chart-tokens", "chart-model-share", "chart-ttft", "chart-e2e"):
-                assert _chart_points(page, chart_id) > 0, chart_id
-            assert "demo-user-" in page.inner_text(".dash-head h1")
-            assert not errors, errors
-        finally:
-            browser.close()
+        # Drill-down: a top user's own page, charts drawn from that user's usage only.
+        page.click("#top-users tbody a >> nth=0")
+        page.wait_for_url("**/dashboard/users/*/")
+        page.wait_for_function(
+            "Number(document.getElementById('dashboard').dataset.usageLoaded || 0) >= 1", timeout=30000
+        )
+        for chart_id in ("chart-tokens", "chart-model-share", "chart-ttft", "chart-e2e"):
+            assert _chart_points(page, chart_id) > 0, chart_id
+        assert "demo-user-" in page.inner_text(".dash-head h1")
+        assert not errors, errors
