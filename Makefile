@@ -27,9 +27,10 @@ postgres-server:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq postgresql >/dev/null)
 
-# nft puts the chaos suite's faults between the `make cluster` hosts (partitions, packet loss).
+# nft puts the chaos suite's faults between the `make cluster` hosts (partitions, packet loss); iptables'
+# NFQUEUE target hands packets to deploy/cluster.py's delayer for latency (this kernel has no netem).
 netfilter:
-	@command -v nft >/dev/null || (apt-get update -qq && apt-get install -y -qq nftables >/dev/null)
+	@(command -v nft && command -v iptables) >/dev/null || (apt-get update -qq && apt-get install -y -qq nftables iptables >/dev/null)
 
 # Debian's Chromium drives the browser tests (Playwright's own download does not work offline).
 browser:

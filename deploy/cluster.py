@@ -20,6 +20,7 @@ tests/chaos imports this module to put faults between the hosts (partition, degr
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -95,15 +96,15 @@ def remove_network() -> None:
     ip("link", "del", BRIDGE, check=False)
 
 
-def _nft(host: str, *rules: str) -> None:
-    """This host's own nftables table `tessera_fault` with one chain per direction holding `rules`
+def _nft(host: str, *rules: str, hooks: tuple[str, ...] = ("input", "output")) -> None:
+    """This host's own nftables table `tessera_fault` with one chain per hook holding `rules`
     (replaced each time); no rules: the table is removed. Only the host's own namespace is touched."""
     run = ["ip", "netns", "exec", namespace(host), "nft"]
     subprocess.run([*run, "delete", "table", "inet", "tessera_fault"], capture_output=True)
     if not rules:
         return
     script = ["add table inet tessera_fault"]
-    for hook in ("input", "output"):
+    for hook in hooks:
         script.append(f"add chain inet tessera_fault {hook} {{ type filter hook {hook} priority 0; }}")
         script += [f"add rule inet tessera_fault {hook} {rule}" for rule in rules]
     subprocess.run([*run, "-f", "-"], input="\n".join(script) + "\n", text=True, check=True, capture_output=True)
@@ -123,29 +124,133 @@ def partition(host: str) -> None:
     _nft(host, "ip saddr != 127.0.0.0/8 drop")
 
 
-def degrade(host: str, delay_ms: int, loss_percent: float) -> str:
-    """Latency and loss on what a host sends; returns what was applied. Without netem in the kernel
-    the loss comes from nftables (a random drop) and no latency can be added."""
-    if _tc_netem(host, "delay", f"{delay_ms}ms", "loss", f"{loss_percent}%"):
-        return f"{delay_ms} ms latency and {loss_percent}% loss (tc netem) on what {host} sends"
-    subprocess.run(
-        ["ip", "netns", "exec", namespace(host), "nft", "-f", "-"],
-        check=True,
+# ---------------------------------------------------------------- latency without netem: NFQUEUE
+
+# The queue number deploy/delayer.py reads in a host's namespace (queues are per namespace).
+DELAY_QUEUE = 36
+_delayers: dict[str, subprocess.Popen] = {}
+_queue_rules: dict[str, list[str]] = {}  # host -> the iptables rule spec to delete at heal
+
+
+def degrade(host: str, delay_ms: int, loss_percent: float, to: str | None = None) -> str:
+    """Latency and loss on what a host sends (to `to`'s address only, if given); returns what was
+    applied, in words. The loss is an nftables random drop. The latency: each packet is queued to
+    userspace (an NFQUEUE rule: nftables `queue` where the kernel has it, else iptables' NFQUEUE
+    target) and deploy/delayer.py, in the host's namespace, lets it go delay_ms later, in order;
+    where no queue rule can be made, tc netem on the host's eth0 (then on all it sends); else none,
+    and the reason is in the answer."""
+    heal(host)
+    match = f"ip daddr {address(to)}" if to else "ip daddr != 127.0.0.0/8"
+    where = f"what {host} sends to {to} ({address(to)})" if to else f"what {host} sends"
+    latency = _delay(host, delay_ms, to) if delay_ms else ""
+    rules = [f"{match} numgen random mod 1000 < {int(loss_percent * 10)} drop"] if loss_percent else []
+    _nft(host, *rules, hooks=("output",))
+    if delay_ms and not latency:
+        if _tc_netem(host, "delay", f"{delay_ms}ms"):
+            latency = f"{delay_ms} ms latency (tc netem, on all {host} sends)"
+        else:
+            latency = (
+                "no latency: this kernel has no netem (CONFIG_NET_SCH_NETEM) and no NFQUEUE rule could be made "
+                "(nftables `queue` needs CONFIG_NFT_QUEUE; iptables' NFQUEUE target needs iptables: make netfilter)"
+            )
+    loss = f"{loss_percent:g}% loss (nftables)" if loss_percent else ""
+    return f"{' and '.join(x for x in (latency, loss) if x)} on {where}"
+
+
+def _delay(host: str, delay_ms: int, to: str | None) -> str:
+    """Start the delayer in the host's namespace and queue what it sends to it; '' if no rule could be made."""
+    argv = [
+        sys.executable,
+        str(REPO_DIR / "deploy" / "delayer.py"),
+        "--queue",
+        str(DELAY_QUEUE),
+        "--delay-ms",
+        str(delay_ms),
+    ]
+    delayer = subprocess.Popen(in_namespace(host, argv), stdout=subprocess.PIPE, text=True)
+    assert delayer.stdout is not None
+    if delayer.stdout.readline().strip() != "bound":  # it is reading the queue before any packet goes there
+        delayer.wait()
+        return ""
+    _delayers[host] = delayer
+    # `bypass`: while no delayer reads the queue, packets pass (a dead delayer never cuts the link).
+    nft_rule = f"{'ip daddr ' + address(to) if to else 'oifname != lo'} queue num {DELAY_QUEUE} bypass"
+    if _nft_queue(host, nft_rule):
+        return f"{delay_ms} ms latency (nftables queue to the delayer)"
+    if shutil.which("iptables"):
+        spec = ["-d", address(to)] if to else ["!", "-o", "lo"]
+        spec += ["-j", "NFQUEUE", "--queue-num", str(DELAY_QUEUE), "--queue-bypass"]
+        added = subprocess.run(
+            in_namespace(host, ["iptables", "-w", "-t", "mangle", "-A", "OUTPUT", *spec]), capture_output=True
+        )
+        if added.returncode == 0:
+            _queue_rules[host] = spec
+            return f"{delay_ms} ms latency (iptables NFQUEUE to the delayer)"
+    _stop_delayer(host)
+    return ""
+
+
+def _nft_queue(host: str, rule: str) -> bool:
+    """An nftables `queue` rule in the host's own table `tessera_delay`; False where the kernel has no nft_queue."""
+    script = (
+        "add table inet tessera_delay\n"
+        "add chain inet tessera_delay output { type filter hook output priority -150; }\n"
+        f"add rule inet tessera_delay output {rule}\n"
+    )
+    done = subprocess.run(in_namespace(host, ["nft", "-f", "-"]), input=script, text=True, capture_output=True)
+    if done.returncode != 0:
+        subprocess.run(in_namespace(host, ["nft", "delete", "table", "inet", "tessera_delay"]), capture_output=True)
+    return done.returncode == 0
+
+
+def _stop_delayer(host: str) -> dict | None:
+    """Stop the host's delayer (it lets what it holds go first); what it did, or None if none ran."""
+    delayer = _delayers.pop(host, None)
+    if delayer is None:
+        return None
+    delayer.terminate()
+    out, _ = delayer.communicate(timeout=30)
+    lines = out.strip().splitlines()
+    return json.loads(lines[-1]) if lines else None
+
+
+def heal(host: str) -> str:
+    """Clear every fault on the host; returns what its delayer did (empty if none ran)."""
+    _nft(host)
+    subprocess.run(in_namespace(host, ["nft", "delete", "table", "inet", "tessera_delay"]), capture_output=True)
+    spec = _queue_rules.pop(host, None)
+    if spec is not None:
+        subprocess.run(
+            in_namespace(host, ["iptables", "-w", "-t", "mangle", "-D", "OUTPUT", *spec]), capture_output=True
+        )
+    _tc_netem(host)
+    stats = _stop_delayer(host)
+    if not stats:
+        return ""
+    return (
+        f"the delayer held {stats['packets']} packets {stats['held_ms_min']:.0f}-{stats['held_ms_max']:.0f} ms "
+        f"(median {stats['held_ms_median']:.0f}); the kernel dropped {stats['queue_dropped']} for a full queue, "
+        f"{stats['user_dropped']} for a full socket"
+    )
+
+
+def redis_ping_ms(host: str, redis_url: str, count: int = 7) -> float:
+    """The median round trip of a Redis PING from a host's namespace (a new connection, connected first)."""
+    script = (
+        "import redis, sys, time\n"
+        "r = redis.Redis.from_url(sys.argv[1], socket_timeout=30); r.ping(); times = []\n"
+        f"for _ in range({count}):\n"
+        "    t = time.monotonic(); r.ping(); times.append(time.monotonic() - t)\n"
+        "print(sorted(times)[len(times) // 2] * 1000)\n"
+    )
+    done = subprocess.run(
+        in_namespace(host, [sys.executable, "-c", script, redis_url]),
         capture_output=True,
         text=True,
-        input="add table inet tessera_fault\nadd chain inet tessera_fault output "
-        "{ type filter hook output priority 0; }\nadd rule inet tessera_fault output ip daddr != "
-        f"127.0.0.0/8 numgen random mod 1000 < {int(loss_percent * 10)} drop\n",
+        check=True,
+        timeout=300,
     )
-    return (
-        f"{loss_percent}% loss (nftables) on what {host} sends; no latency: this kernel has no netem "
-        "(CONFIG_NET_SCH_NETEM is not set)"
-    )
-
-
-def heal(host: str) -> None:
-    _nft(host)
-    _tc_netem(host)
+    return float(done.stdout.strip())
 
 
 # ---------------------------------------------------------------- the processes

@@ -9,6 +9,7 @@ import json
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,6 +30,9 @@ class Outcome:
     detail: str = ""
     at: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
+    text: str = ""  # the answer's text as it arrived (websocket: every delta, in order)
+    message_id: int | None = None  # websocket: the assistant message and its conversation (the started frame)
+    conversation_id: str = ""
 
     def end(self, how: str, detail: str = "") -> None:
         self.ended, self.detail, self.at = how, detail, time.monotonic()
@@ -65,8 +69,11 @@ def sse_stream(base_url: str, api_key: str, model: str, max_tokens: int) -> Outc
     return outcome
 
 
-def ws_chat(base_url: str, username: str, password: str, max_tokens: int) -> Outcome:
-    """A playground answer over /ws/chat/; 'error' is an error frame or a done frame whose message failed."""
+def ws_chat(
+    base_url: str, username: str, password: str, max_tokens: int, conversation_id: str | None = None
+) -> Outcome:
+    """A playground answer over /ws/chat/ (a new conversation, or a turn in conversation_id); 'error' is
+    an error frame (its code in detail) or a done frame whose message failed."""
     outcome = Outcome("websocket")
 
     async def chat():
@@ -74,16 +81,21 @@ def ws_chat(base_url: str, username: str, password: str, max_tokens: int) -> Out
             await log_in(session, base_url, username, password)
             async with session.ws_connect(base_url.replace("http", "ws", 1) + "/ws/chat/", origin=base_url) as ws:
                 await ws.receive_json(timeout=30)  # ready
-                await ws.send_json(
-                    {
-                        "type": "send",
-                        "content": PROMPT,
-                        "settings": {"params": {"max_tokens": max_tokens, "temperature": 0}},
-                    }
-                )
+                send = {
+                    "type": "send",
+                    "content": PROMPT,
+                    "settings": {"params": {"max_tokens": max_tokens, "temperature": 0}},
+                }
+                if conversation_id:
+                    send["conversation_id"] = conversation_id
+                await ws.send_json(send)
                 async for message in ws:
                     frame = json.loads(message.data)
-                    if frame["type"] == "delta" and frame.get("text"):
+                    if frame["type"] == "started":
+                        outcome.message_id = frame["message"]["id"]
+                        outcome.conversation_id = frame["conversation"]["id"]
+                    elif frame["type"] == "delta" and frame.get("text"):
+                        outcome.text += frame["text"]
                         outcome.started.set()
                     elif frame["type"] == "error":
                         return outcome.end("error", frame.get("code", ""))
@@ -280,3 +292,61 @@ def quantile(values: list[float], q: float) -> float:
     """The q-quantile by the nearest rank (p99 of 100 values is the 99th smallest)."""
     ordered = sorted(values)
     return ordered[max(1, math.ceil(q * len(ordered))) - 1]
+
+
+# ---------------------------------------------------------------- batches
+
+
+FINAL_BATCH_STATUSES = ("completed", "failed", "expired", "cancelled")
+
+
+def batch_lines(model: str, count: int) -> list[dict]:
+    """count chat-completion lines (greedy, 48 tokens each), custom_id chaos-0 ... chaos-{count - 1}."""
+    return [
+        {
+            "custom_id": f"chaos-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "max_tokens": 48,
+                "temperature": 0,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Item {i}: tell me about number {i}."}],
+            },
+        }
+        for i in range(count)
+    ]
+
+
+def create_batch(client: openai.OpenAI, lines: list[dict]):
+    upload = client.files.create(
+        file=("chaos.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch"
+    )
+    return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def wait_for_batch(client: openai.OpenAI, batch_id: str, until, timeout: float, tick=None, detail=None):
+    """The batch once until(batch) holds (polled; tick() runs between polls, e.g. a supervisor's tend();
+    detail() says what went wrong if the timeout, which only bounds a failure, passes)."""
+    deadline = time.monotonic() + timeout
+    while not until(batch := client.batches.retrieve(batch_id)):
+        assert time.monotonic() < deadline, (batch, detail() if detail else "")
+        if tick is not None:
+            tick()
+        time.sleep(0.1)
+    return batch
+
+
+def check_exactly_once(client: openai.OpenAI, final, lines: list[dict]) -> None:
+    """The batch completed with request_counts exact and its output holds every custom_id exactly once, each 200."""
+    counts = final.request_counts
+    assert (final.status, counts.total, counts.completed, counts.failed) == ("completed", len(lines), len(lines), 0), (
+        final
+    )
+    rows = [json.loads(line) for line in client.files.content(final.output_file_id).text.splitlines()]
+    seen = Counter(row["custom_id"] for row in rows)
+    assert seen == Counter(line["custom_id"] for line in lines), seen
+    assert all(row["response"]["status_code"] == 200 for row in rows), [
+        r for r in rows if r["response"]["status_code"] != 200
+    ]

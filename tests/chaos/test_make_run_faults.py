@@ -19,7 +19,16 @@ import pytest
 import redis
 
 from inference import protocol as redis_keys
-from tests.chaos.clients import openai_client, sse_stream, ws_chat
+from tests.chaos.clients import (
+    FINAL_BATCH_STATUSES,
+    batch_lines,
+    check_exactly_once,
+    create_batch,
+    openai_client,
+    sse_stream,
+    wait_for_batch,
+    ws_chat,
+)
 from tests.platform.run_stack import WEB_PROCESS, RunStack, make_run_env
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
@@ -135,29 +144,11 @@ def test_engine_worker_kill_with_streams_in_flight(stack, login, chaos_report):
 def test_celery_worker_kill_mid_batch(stack, login, chaos_report):
     """Celery worker `kill -9` mid-batch (32 lines)"""
     client = openai_client(stack.base_url, login["api_key"])
-    lines = [
-        {
-            "custom_id": f"chaos-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": login["model"],
-                "max_tokens": 48,
-                "temperature": 0,
-                "ignore_eos": True,
-                "messages": [{"role": "user", "content": f"Item {i}: tell me about number {i}."}],
-            },
-        }
-        for i in range(32)
-    ]
-    upload = client.files.create(
-        file=("chaos.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch"
+    lines = batch_lines(login["model"], 32)
+    batch = create_batch(client, lines)
+    wait_for_batch(
+        client, batch.id, lambda b: b.request_counts.completed >= 4, 180, detail=lambda: stack.output()[-4000:]
     )
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 180
-    while client.batches.retrieve(batch.id).request_counts.completed < 4:
-        assert time.monotonic() < deadline, stack.output()[-4000:]
-        time.sleep(0.1)
     mark = stack.mark()
     killed_at = time.monotonic()
     os.kill(stack.pid("tessera worker"), signal.SIGKILL)
@@ -165,16 +156,11 @@ def test_celery_worker_kill_mid_batch(stack, login, chaos_report):
     assert at_kill.status == "in_progress" and at_kill.request_counts.completed < len(lines)
     stack.wait_for(r"^worker restarted \(restart \d+\)$", timeout=60, since=mark)
 
-    deadline = time.monotonic() + 300
-    while (final := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.monotonic() < deadline, stack.output()[-4000:]
-        time.sleep(0.5)
+    final = wait_for_batch(
+        client, batch.id, lambda b: b.status in FINAL_BATCH_STATUSES, 300, detail=lambda: stack.output()[-4000:]
+    )
     done_at = time.monotonic()
-    counts = final.request_counts
-    assert (final.status, counts.total, counts.completed, counts.failed) == ("completed", 32, 32, 0), final
-    rows = [json.loads(line) for line in client.files.content(final.output_file_id).text.splitlines()]
-    assert Counter(row["custom_id"] for row in rows) == Counter(line["custom_id"] for line in lines)
-    assert all(row["response"]["status_code"] == 200 for row in rows)
+    check_exactly_once(client, final, lines)
     chaos_report(
         "the supervisor restarted the worker; every custom_id exactly once, request_counts exact",
         f"{at_kill.request_counts.completed}/32 done at the kill; 32/32 completed, 0 failed, "
