@@ -14,16 +14,19 @@ import logging
 import os
 import re
 import resource
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import closing, contextmanager
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 import redis
 
@@ -84,12 +87,18 @@ def two_webs(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")  # the module's last two scenarios; closed when the module ends
-def four_webs(tiny_model_dir, tmp_path_factory):
-    # The concurrency case freezes the engine for a few seconds: its heartbeat must outlive that.
-    with running_stack(
-        tiny_model_dir, tmp_path_factory.mktemp("quota-4web"), 4, ENGINE_HEARTBEAT_TTL="60", **UNLIMITED_PLAN
-    ) as stack:
-        yield stack
+def four_webs(tiny_model_dir):
+    # The concurrency case freezes the engine for a few seconds: its heartbeat must outlive that. The quota
+    # ledger's row locks are checked on the production database: `make run DB=postgres`'s embedded PostgreSQL.
+    work = Path(tempfile.mkdtemp(prefix="tessera-quota-4web-"))  # outside pytest's 0700 folder: postgres enters it
+    work.chmod(0o755)
+    try:
+        with running_stack(
+            tiny_model_dir, work, 4, ENGINE_HEARTBEAT_TTL="60", TESSERA_DB="postgres", **UNLIMITED_PLAN
+        ) as stack:
+            yield stack
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- helpers
@@ -103,7 +112,10 @@ def stack_redis(stack: RunStack) -> redis.Redis:
     return redis.Redis.from_url(environ(web_pids(stack)[0])["REDIS_URL"])
 
 
-def database(stack: RunStack) -> sqlite3.Connection:
+def database(stack: RunStack):
+    """The stack's database: its embedded PostgreSQL (TESSERA_DB=postgres), else var/db.sqlite3."""
+    if url := environ(web_pids(stack)[0]).get("DATABASE_URL"):
+        return psycopg.connect(url, connect_timeout=10)
     return sqlite3.connect(Path(stack.env["TESSERA_VAR_DIR"]) / "db.sqlite3", timeout=30)
 
 
@@ -379,7 +391,7 @@ def test_quota_admission_is_exact_across_four_web_processes(four_webs, chaos_rep
     with closing(database(stack)) as db:
         recorded = {
             name: Counter(
-                db.execute("SELECT status_code FROM usage_usagerecord WHERE user_id = ?", (user["id"],)).fetchall()
+                db.execute(f"SELECT status_code FROM usage_usagerecord WHERE user_id = {int(user['id'])}").fetchall()
             )
             for name, user in users.items()
         }
