@@ -48,7 +48,7 @@ PLATFORM_DIR = REPO_DIR / "platform"
 # Every child, Redis included, as compose's `restart: unless-stopped`: back after 1, 2, 4... s (at
 # most 30 s); five deaths in a row, each within 10 s of its start, and `make run` gives up.
 RESTART = RestartPolicy(backoff_s=1.0, max_backoff_s=30.0, min_uptime_s=10.0, max_fast_failures=5)
-WEB_SERVERS = ("uvicorn", "daphne")  # the first is the default (measured: README, "Serving over HTTP")
+WEB_SERVERS = ("uvicorn", "daphne")  # the first is the default (measured: docs/benchmarks.md, "Serving over HTTP")
 
 
 @dataclass

@@ -3,7 +3,7 @@
     python -m tessera.web --host 127.0.0.1 --port 8000
     python -m tessera.web --fd 3          (accept on an inherited listening socket: WEB_PROCESSES > 1)
 
-Chosen over daphne by CPU time per streamed token (README, "Serving over HTTP"); WEB_SERVER=daphne
+Chosen over daphne by CPU time per streamed token (docs/benchmarks.md, "Serving over HTTP"); WEB_SERVER=daphne
 still runs daphne. `make run`, compose and the Dockerfile all start this module, so the server's
 settings live here once.
 """
