@@ -5,11 +5,12 @@ full (max_num_seqs small) so both stay backlogged; then four tenants with weight
 the paper's weighted tokens (prompt x1 when the first token comes, output x2 as they come).
 
 Without --stack this runs the bare engine in this process. With --stack it drives `make run`'s stack
-(the web tier, Redis and one engine worker, as tests/platform/live_stack.py starts them) over HTTP with
-two users' API keys, one fresh stack per policy: per-user served tokens over time (each request's
-service spread over [first token, last token] as the paper's artifact does), max |W_A - W_B|, the final
-ratio, throughput and TTFT p50/p99 per user; then, on the `fair` stack, an interactive user's TTFT
-alone and under another user's flood.
+(the web tier, Redis and --workers engine workers, as tests/platform/live_stack.py starts them) over
+HTTP with two users' API keys, one fresh stack per policy: per-user served tokens over time (each
+request's service spread over [first token, last token] as the paper's artifact does), max |W_A - W_B|
+against the 2U bound, the final ratio, throughput and TTFT p50/p99 per user; then, on the `fair` stack,
+four users whose plans have shares 1:2:3:4, and an interactive user's TTFT alone and under another
+user's flood. --vllm runs the same two-user workload against `vllm serve` (FCFS, no tenants) too.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import bench_model_dir, print_table
+from benchmarks.common import bench_model_dir, print_table, real_model_path
 from inference import LLM, SamplingParams
 from inference.fairness import service_bound
 
@@ -109,6 +111,9 @@ def main(argv: list[str]) -> str:
     parser.add_argument("--stack", action="store_true", help="through the served stack over HTTP, two API keys")
     parser.add_argument("--rounds", type=int, default=1, help="--stack: FCFS and fair stacks, alternating")
     parser.add_argument("--max-inflight", type=int, default=512, help="--stack: requests the worker may hold")
+    parser.add_argument("--workers", type=int, default=1, help="--stack: engine workers reading one request stream")
+    parser.add_argument("--model", choices=STACK_MODELS, default="bench", help="--stack: the model served")
+    parser.add_argument("--vllm", action="store_true", help="--stack: the two users against vllm serve too")
     parser.add_argument("--interactive-interval", type=float, default=2.0)
     parser.add_argument("--interactive-seconds", type=float, default=30.0)
     args = parser.parse_args(argv)
@@ -175,34 +180,46 @@ class Streamed:
     error: str = ""
 
 
+# --model: the 31M random-weight bench model in float32, or make run's default GGUF file as make run serves it
+STACK_MODELS = ("bench", "smollm2")
+
+
 def launch(policy: str, args, work_dir: Path):
     from tests.platform.live_stack import LiveStack
 
-    print(f"starting the stack (scheduling_policy {policy}) ...", flush=True)
+    print(f"starting the stack (scheduling_policy {policy}, {args.workers} worker(s), {args.model}) ...", flush=True)
     engine_args = {
-        "dtype": "float32",
         "device": "cpu",
         "max_model_len": 1024,
         "max_num_seqs": args.max_num_seqs,
         "scheduling_policy": policy,
         "seed": 0,
     }
+    if args.model == "bench":
+        model, engine_args["dtype"] = bench_model_dir(), "float32"
+    else:
+        model, engine_args["dtype"] = real_model_path(), "auto"  # a GGUF file on CPU: packed weights
     env = {
         "SERVED_MODEL_NAME": "bench",
         "ENGINE_HEARTBEAT_INTERVAL": "1",
         "ENGINE_HEARTBEAT_TTL": "5",
         "ENGINE_MAX_INFLIGHT": str(args.max_inflight),
     }
-    return LiveStack.start(bench_model_dir(), work_dir, engine_args=engine_args, env=env)
+    if args.workers > 1:  # the workers share the cores instead of each spinning a thread per core
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.workers))
+    return LiveStack.start(model, work_dir, engine_args=engine_args, env=env, workers=args.workers)
 
 
-def key_for(stack, username: str) -> str:
-    """A second user with an API key of their own (the stack's first user is stack.username)."""
-    stack.manage(
-        "shell",
-        "-c",
-        f"from django.contrib.auth.models import User; User.objects.create_user({username!r}, password='bench-pw-123')",
-    )
+def key_for(stack, username: str, share: float | None = None) -> str:
+    """Another user with an API key of their own (the stack's first user is stack.username); with share, on a
+    plan of that fair-share weight and no limits."""
+    code = f"from django.contrib.auth.models import User; user = User.objects.create_user({username!r})"
+    if share is not None:
+        code += (
+            "; from quotas.models import Plan, UserPlan"
+            f"; UserPlan.objects.create(user=user, plan=Plan.objects.create(name={username!r}, share={share}))"
+        )
+    stack.manage("shell", "-c", code)
     return stack.manage("create_api_key", username, "--name", "fairness").strip().splitlines()[-1]
 
 
@@ -282,8 +299,33 @@ def stack_run(policy: str, args, work_dir: Path) -> dict:
         result = summarize_stack(records, start, args)
         result["preemptions"] = sum(int(w.get("num_preemptions", 0)) for w in stack.worker_stats())
         if policy == "fair":
+            result["weighted"] = weighted_shares(stack, args)
             result["interactive"] = interactive(stack, keys, args)
     return result
+
+
+def vllm_run(args) -> dict:
+    """The two users' workload against vllm serve with the same batch size (it has no tenants: FCFS)."""
+    from benchmarks.serving_peers import vllm_server
+
+    extra = ("--max-num-seqs", str(args.max_num_seqs))
+    with vllm_server(bench_model_dir(), "float32", extra_args=extra) as (base_url, key, _, _):
+        rates = {"A": args.rate, "B": 2 * args.rate}
+        records, start = asyncio.run(open_loop(base_url, {"A": key, "B": key}, rates, args.seconds, args, seed=1))
+    return {**summarize_stack(records, start, args), "preemptions": "-"}
+
+
+WEIGHTS = {"w1": 1.0, "w2": 2.0, "w3": 3.0, "w4": 4.0}
+
+
+def weighted_shares(stack, args) -> dict[str, float]:
+    """Four users on plans of share 1:2:3:4, each sending at A's rate: their shares of the service."""
+    keys = {user: key_for(stack, user, share) for user, share in WEIGHTS.items()}
+    rates = dict.fromkeys(WEIGHTS, args.rate)
+    records, start = asyncio.run(open_loop(stack.base_url, keys, rates, args.seconds, args, seed=4))
+    served = {user: curve[-1] for user, curve in service_curves(records, start, args.seconds, args.prompt).items()}
+    total = sum(served.values()) or 1.0
+    return {user: served.get(user, 0.0) / total for user in WEIGHTS}
 
 
 def summarize_stack(records: list[Streamed], start: float, args) -> dict:
@@ -319,31 +361,34 @@ def interactive(stack, keys: dict, args) -> dict:
 def main_stack(args) -> str:
     import tempfile
 
-    results = {}
+    results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         for round_ in range(args.rounds):
             for policy in ("fcfs", "fair"):
                 results.setdefault(policy, []).append(stack_run(policy, args, Path(tmp) / f"{policy}-{round_}"))
+            if args.vllm:
+                results.setdefault("vllm serve (fcfs)", []).append(vllm_run(args))
+    bound = service_bound(args.prompt, args.workers * args.max_num_seqs * (args.prompt + args.output))
     rows, over_time = [], []
     for policy, runs in results.items():
         for run_ in runs:
-            rows.append(
-                [policy, *served_cells(run_), run_["tok_s"], run_["finished"], run_["preemptions"], *ttft_cells(run_)]
-            )
+            cells = [run_["tok_s"], run_["finished"], run_["preemptions"], *ttft_cells(run_)]
+            rows.append([policy, *served_cells(run_), round(bound), *cells])
             over_time += [[policy, t, round(wa), round(wb)] for t, wa, wb in run_["over_time"]]
     sent = results["fair"][0]["sent"]
     tables = [
         print_table(
-            f"Through the stack: B at 2x A's rate ({args.rate}/s and {2 * args.rate}/s; {sent['A']} and {sent['B']} "
-            f"requests sent in {args.seconds:.0f} s), prompt {args.prompt}, output {args.output}, max_num_seqs "
-            f"{args.max_num_seqs}, worker max_inflight {args.max_inflight}; service = prompt x1 + output x2, "
-            "spread over [first token, last token]",
+            f"Through the stack ({args.model}, {args.workers} worker(s)): B at 2x A's rate ({args.rate}/s and "
+            f"{2 * args.rate}/s; {sent['A']} and {sent['B']} requests sent in {args.seconds:.0f} s), prompt "
+            f"{args.prompt}, output {args.output}, max_num_seqs {args.max_num_seqs}, worker max_inflight "
+            f"{args.max_inflight}; service = prompt x1 + output x2, spread over [first token, last token]",
             [
                 "policy",
                 "W_A",
                 "W_B",
                 "W_B/W_A",
                 "max |W_A-W_B|",
+                "2U",
                 "output tok/s",
                 "finished req/s",
                 "preemptions",
@@ -356,6 +401,14 @@ def main_stack(args) -> str:
         ),
         print_table("Served weighted tokens over time", ["policy", "t s", "W_A", "W_B"], over_time),
     ]
+    shares = results["fair"][0]["weighted"]
+    tables.append(
+        print_table(
+            f"Four users on plans of share 1:2:3:4, each at {args.rate}/s for {args.seconds:.0f} s (fair)",
+            ["user", "share", "service share", "target"],
+            [[user, WEIGHTS[user], shares[user], WEIGHTS[user] / sum(WEIGHTS.values())] for user in WEIGHTS],
+        )
+    )
     inter = results["fair"][0]["interactive"]
     tables.append(
         print_table(

@@ -61,7 +61,7 @@ def tessera_server(model_dir: str, dtype: str, web_server: str):
 
 
 @contextlib.contextmanager
-def vllm_server(model_dir: str, dtype: str):
+def vllm_server(model_dir: str, dtype: str, extra_args: tuple[str, ...] = ()):
     python, env = engine_command("vllm")
     cmd = python + [
         "-m",
@@ -81,6 +81,7 @@ def vllm_server(model_dir: str, dtype: str):
         "127.0.0.1",
         "--port",
         str(VLLM_PORT),
+        *extra_args,
     ]
     print(f"starting vllm serve on {model_dir} ({dtype}) ...", flush=True)
     log = tempfile.NamedTemporaryFile("wb", prefix="vllm-serve-", suffix=".log", delete=False)

@@ -14,10 +14,13 @@ def test_service_is_spread_over_first_to_last_token():
 
 
 @pytest.mark.slow
-def test_a_brief_stack_run_prints_both_policies_and_the_interactive_user(capsys):
+def test_a_brief_stack_run_prints_both_policies_the_weighted_users_and_the_interactive_user(capsys):
     argv = ["--stack", "--seconds", "4", "--rate", "1", "--interactive-seconds", "3", "--interactive-interval", "1"]
     report = fairness.main(argv)
     rows = [line for line in report.splitlines() if line.startswith("| fcfs |") or line.startswith("| fair |")]
     assert {row.split("|")[1].strip() for row in rows} == {"fcfs", "fair"}
-    assert "Through the stack: B at 2x A's rate" in report
+    assert "Through the stack (bench, 1 worker(s)): B at 2x A's rate" in report
+    shares = [line.split("|") for line in report.splitlines() if line.startswith("| w")]
+    assert [row[1].strip() for row in shares] == ["w1", "w2", "w3", "w4"]
+    assert abs(sum(float(row[3]) for row in shares) - 1.0) < 0.03  # service shares of the four users
     assert "| alone |" in report and "| flood |" in report
