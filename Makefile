@@ -60,9 +60,10 @@ test: install lint browser assets $(if $(filter sqlite,$(DB)),,postgres-server)
 chaos: install postgres-server netfilter
 	$(BIN)/python -m pytest -m chaos tests/chaos
 
-# Clients against the real stack (tests/compat): LiteLLM's proxy and the openai-agents SDK, each installed
-# into its own virtualenv under var/compat/; prints what passed and writes it to var/compat-report.md.
-compat: install
+# Clients against the real stack (tests/compat): LiteLLM's proxy, the openai-agents SDK and Open WebUI (its UI
+# driven in headless Chromium), each installed into its own virtualenv under var/compat/; prints what passed and
+# writes it to var/compat-report.md (Open WebUI's screenshots: var/compat/screenshots/).
+compat: install browser
 	$(BIN)/python -m pytest -m compat tests/compat
 
 # The README's screenshots (docs/screenshots/) are refreshed only here; a plain test run writes them
