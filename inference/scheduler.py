@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -236,8 +238,9 @@ class Scheduler:
         self.running.append(request)
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
-        """A higher-priority arrival preempts the worst running request of strictly lower priority."""
-        candidates = [r for r in self.running if self.policy.outranks(request, r)]
+        """A waiting request preempts the worst running request it outranks (policy.outranks)."""
+        seats: Counter[Hashable] = Counter(r.tenant_key for r in self.running)
+        candidates = [r for r in self.running if self.policy.outranks(request, r, seats)]
         if not candidates:
             return False
         self._preempt(max(candidates, key=self.policy.key), out)

@@ -5,7 +5,9 @@
   strictly lower priority.
 - `fair`: priority stays the outer key; within a priority level the tenant with the smallest virtual
   token counter (fairness.py) goes first, then arrival. The preemption victim is therefore the latest
-  request of the tenant furthest ahead in the lowest priority.
+  request of the tenant furthest ahead in the lowest priority. A waiting request of a tenant with
+  nothing running may also preempt a tenant ahead of it that holds two or more seats, so a full batch
+  gives a newcomer the next step, not the next seat that frees.
 
 One `key` orders everything the scheduler compares: the waiting heads, running requests (whose
 chunks go first) and, by its maximum, the preemption victim.
@@ -14,7 +16,7 @@ chunks go first) and, by its maximum, the preemption victim.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 
 from inference.fairness import VirtualTokenCounters
 from inference.request import Request
@@ -39,8 +41,8 @@ class SchedulingPolicy:
     def key(self, request: Request) -> tuple:
         return self.static_key(request)
 
-    def outranks(self, request: Request, running: Request) -> bool:
-        """May a waiting request preempt this running one to get in?"""
+    def outranks(self, request: Request, running: Request, seats: Mapping[Hashable, int]) -> bool:
+        """May a waiting request preempt this running one to get in? seats: running requests per tenant."""
         return request.priority < running.priority
 
 
@@ -50,7 +52,7 @@ class FcfsPolicy(SchedulingPolicy):
     def static_key(self, request: Request) -> tuple:
         return (request.arrival_order, request.index)
 
-    def outranks(self, request: Request, running: Request) -> bool:
+    def outranks(self, request: Request, running: Request, seats: Mapping[Hashable, int]) -> bool:
         return False
 
 
@@ -62,6 +64,18 @@ class FairPolicy(SchedulingPolicy):
 
     def key(self, request: Request) -> tuple:
         return (request.priority, self.counters.value(request.tenant_key), request.arrival_order, request.index)
+
+    def outranks(self, request: Request, running: Request, seats: Mapping[Hashable, int]) -> bool:
+        if request.priority != running.priority:
+            return request.priority < running.priority
+        # One seat for every tenant before a second for anyone ahead: a tenant holding two or more never
+        # loses its last, and a tenant with a seat never preempts, so two backlogged tenants do not thrash.
+        tenant, other = request.tenant_key, running.tenant_key
+        return (
+            seats.get(tenant, 0) == 0
+            and seats.get(other, 0) >= 2
+            and self.counters.value(other) > self.counters.value(tenant)
+        )
 
 
 def make_policy(name: str, counters: VirtualTokenCounters) -> SchedulingPolicy:

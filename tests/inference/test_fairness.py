@@ -162,10 +162,47 @@ def flood_then_late_arrival(policy):
     return [r.request_id for r in flood], [r.request_id for r in late], order
 
 
-def test_fair_admits_a_late_tenant_at_the_next_free_seat_instead_of_behind_a_flood():
+def test_fair_admits_a_late_tenant_first_instead_of_behind_a_flood():
     flood, late, order = flood_then_late_arrival("fair")
-    assert order[0] == late[0]  # the first seat after the flood's first two
+    assert order[0] == late[0]  # the first admission after the flood's first two
     assert order.index(late[1]) < order.index(flood[5])
+
+
+def full_batch_then_newcomer(policy):
+    """Tenant a fills both seats with long answers; b's one request comes while they decode."""
+    sim = FairSim(policy, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    flood = [sim.add(4, max_tokens=30, tenant="a") for _ in range(4)]
+    for _ in range(3):
+        sim.step()
+    newcomer = sim.add(4, max_tokens=4, tenant="b")
+    return sim, flood, newcomer, sim.step()
+
+
+def test_a_tenant_with_nothing_running_gets_the_next_step_not_the_next_seat_that_frees():
+    sim, flood, newcomer, out = full_batch_then_newcomer("fair")
+    assert newcomer in out.scheduled
+    assert out.preempted == [flood[1]]  # the latest running request of the tenant ahead
+    sim.run()
+    assert all(r.num_output_tokens == 30 for r in flood) and newcomer.num_output_tokens == 4
+    sim.assert_no_leak()
+
+
+def test_fcfs_and_priority_make_the_newcomer_wait_for_a_free_seat():
+    for policy in ("fcfs", "priority"):
+        _, _, newcomer, out = full_batch_then_newcomer(policy)
+        assert newcomer not in out.scheduled and not out.preempted
+
+
+def test_a_tenant_keeps_its_last_seat_and_tenants_that_hold_one_never_preempt_each_other():
+    sim = FairSim(num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    for _ in range(40):
+        sim.add(4, max_tokens=8, tenant="a")
+    sim.step()  # a holds both seats; b, c and d come one request each
+    late = [sim.add(4, max_tokens=8, tenant=tenant) for tenant in "bcd"]
+    outs = sim.run()
+    assert sim.sched.num_preemptions == 1  # b takes one of a's two seats; a's last and b's are never taken
+    assert late[0] in outs[0].scheduled and late[1] not in outs[0].scheduled  # c waits for a seat to free
+    sim.assert_no_leak()
 
 
 def test_fcfs_and_priority_serve_the_flood_first():
