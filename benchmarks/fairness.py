@@ -414,8 +414,8 @@ def main_stack(args) -> str:
         print_table(
             f"Interactive user: one request every {args.interactive_interval} s, {args.interactive_seconds:.0f} s "
             f"alone, then as long with another user flooding at {3 * args.rate}/s (fair)",
-            ["phase", "requests", "TTFT p50 ms", "TTFT p99 ms"],
-            [[phase, len(v), pct(v, 50), pct(v, 99)] for phase, v in inter.items()],
+            ["phase", "requests", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"],
+            [[phase, len(v), pct(v, 50), pct(v, 90), pct(v, 99)] for phase, v in inter.items()],
         )
     )
     return "\n".join(tables)
