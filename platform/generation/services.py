@@ -20,9 +20,8 @@ token and a batch line polled once a second measure the same way.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import time
-from collections.abc import AsyncIterator, Callable, Hashable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -37,7 +36,6 @@ from quotas import services as quotas
 from quotas.ledger import Reservation
 from usage.services import record_usage
 
-from .lanes import FairLanes
 from .result import Result
 
 T = TypeVar("T")
@@ -141,35 +139,25 @@ class Generation:
 
 # ---------------------------------------------------------------- the bookkeeping thread
 
-# Admission, quota renewal and settlement (database + Redis) run on one dedicated thread, in one lane
-# per user taken in turn (lanes.py): on Django's per-request threads a burst of requests ran its
-# admissions side by side under the GIL, so every one finished late (docs/architecture.md has the
-# measurement), and first come first served one user's flood held up everyone else's admissions.
+# Admission, quota renewal and settlement (database + Redis) run on one dedicated thread, first
+# come first served. On Django's per-request threads a burst of requests ran its admissions side
+# by side under the GIL, so every one finished late (docs/architecture.md has the measurement).
 # A large admission (a long prompt to tokenize: milliseconds to seconds) runs on a thread of its
 # own instead, so a flood of them queues behind itself, never in front of the small ones.
-_bookkeeping = FairLanes("generation-bookkeeping")
+_bookkeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-bookkeeping")
 _large_admissions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation-large-admissions")
 
 
-async def on_bookkeeping_thread(
-    fn: Callable[..., T], /, *args, lane: Hashable = None, large: bool = False, **kwargs
-) -> T:
-    """fn(*args, **kwargs) on the bookkeeping thread in the lane of the user it is for (large: on the
-    large-admission thread), awaited: two thread hops, the event loop's to that thread and the
-    result's (or exception's) back to the loop."""
+async def on_bookkeeping_thread(fn: Callable[..., T], /, *args, large: bool = False, **kwargs) -> T:
+    """fn(*args, **kwargs) on the bookkeeping thread (large: the large-admission one), awaited: two
+    thread hops, the event loop's to that thread and the result's (or exception's) back to the loop."""
 
     def run() -> T:
         close_old_connections()  # this thread never sees request_finished: honour CONN_MAX_AGE here
         return fn(*args, **kwargs)
 
-    if large:
-        return await sync_to_async(run, thread_sensitive=False, executor=_large_admissions)()
-    context = contextvars.copy_context()
-    return await asyncio.wrap_future(_bookkeeping.submit(lane, lambda: context.run(run)))
-
-
-def lane_of(gen: Generation) -> Hashable:
-    return getattr(gen.user, "pk", None)
+    executor = _large_admissions if large else _bookkeeping
+    return await sync_to_async(run, thread_sensitive=False, executor=executor)()
 
 
 # ---------------------------------------------------------------- admit, submit
@@ -217,7 +205,7 @@ async def asubmit(gen: Generation) -> None:
     the loop (lease() keeps it alive from a task of that loop), and the requests go out on the
     bookkeeping thread, where one redis-py round trip costs less than one on the event loop."""
     lease_id = engine.aclient().lease()
-    await on_bookkeeping_thread(submit, gen, lease_id=lease_id, lane=lane_of(gen))
+    await on_bookkeeping_thread(submit, gen, lease_id=lease_id)
 
 
 async def abort(gen: Generation) -> None:
@@ -238,7 +226,7 @@ async def follow(gen: Generation, *, timeout: float | None = None) -> AsyncItera
             gen.result.add(event)
             if gen.reservation is not None and time.monotonic() - last_renew > QUOTA_RENEW_S:
                 last_renew = time.monotonic()
-                await on_bookkeeping_thread(quotas.renew, gen.reservation, lane=lane_of(gen))
+                await on_bookkeeping_thread(quotas.renew, gen.reservation)
             yield event
     finally:
         if not gen.result.ended:
@@ -386,7 +374,7 @@ async def afinish(gen: Generation, *, save: Save | None = None) -> bool:
     """finish() on the bookkeeping thread, shielded: a client that hangs up right after its last
     chunk cancels the caller, and the settlement must run on regardless (or the concurrency slot
     stays held for the lease)."""
-    finishing = asyncio.ensure_future(on_bookkeeping_thread(finish, gen, save=save, lane=lane_of(gen)))
+    finishing = asyncio.ensure_future(on_bookkeeping_thread(finish, gen, save=save))
     _finishing.add(finishing)
     finishing.add_done_callback(_finishing.discard)
     return await asyncio.shield(finishing)

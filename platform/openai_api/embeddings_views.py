@@ -17,7 +17,7 @@ from generation.services import on_bookkeeping_thread
 from . import embeddings, views
 from .embeddings_serializers import EmbeddingListSerializer, EmbeddingRequestSerializer
 from .errors import error_response
-from .views import ERRORS, LARGE_BODY_BYTES, AsyncAPIView, authenticate, caller_lane, parse_json, start
+from .views import ERRORS, LARGE_BODY_BYTES, AsyncAPIView, authenticate, parse_json, start
 
 
 class EmbeddingsView(AsyncAPIView):
@@ -30,11 +30,7 @@ class EmbeddingsView(AsyncAPIView):
     async def post(self, request):
         try:
             call = await on_bookkeeping_thread(
-                admit,
-                request,
-                engine.aclient().lease(),
-                lane=caller_lane(request),
-                large=len(request.body) > LARGE_BODY_BYTES,
+                admit, request, engine.aclient().lease(), large=len(request.body) > LARGE_BODY_BYTES
             )
         except ServiceError as error:
             return views._with_headers(error_response(error), error.headers)

@@ -27,7 +27,7 @@ from .responses_serializers import (
     ResponseDeletedSerializer,
     ResponseObjectSerializer,
 )
-from .views import ERRORS, LARGE_BODY_BYTES, AsyncAPIView, authenticate, caller_lane, parse_json, start
+from .views import ERRORS, LARGE_BODY_BYTES, AsyncAPIView, authenticate, parse_json, start
 
 STREAM_NOTE = (
     "With stream=true the response is text/event-stream: `event: <type>` / `data: {event}` pairs, "
@@ -48,11 +48,7 @@ class ResponsesView(AsyncAPIView):
     async def post(self, request):
         try:
             rc = await on_bookkeeping_thread(
-                admit,
-                request,
-                engine.aclient().lease(),
-                lane=caller_lane(request),
-                large=len(request.body) > LARGE_BODY_BYTES,
+                admit, request, engine.aclient().lease(), large=len(request.body) > LARGE_BODY_BYTES
             )
         except ServiceError as error:
             return error_response(error)

@@ -112,14 +112,9 @@ class CompletionsView(AsyncAPIView):
         return await generate(request, "completions")
 
 
-def caller_lane(request) -> str | None:
-    """The bookkeeping lane of a request not yet authenticated: its credentials (a key, a lane)."""
-    return request.headers.get("Authorization")
-
-
 async def _authenticated(request) -> ServiceError | None:
     try:
-        await on_bookkeeping_thread(authenticate, request, lane=caller_lane(request))
+        await on_bookkeeping_thread(authenticate, request)
     except ServiceError as error:
         return error
     return None
@@ -281,12 +276,7 @@ async def generate(request, kind: str):
     """POST /v1/chat/completions and /v1/completions."""
     try:
         call = await on_bookkeeping_thread(
-            admit,
-            request,
-            kind,
-            engine.aclient().lease(),
-            lane=caller_lane(request),
-            large=len(request.body) > LARGE_BODY_BYTES,
+            admit, request, kind, engine.aclient().lease(), large=len(request.body) > LARGE_BODY_BYTES
         )
     except ServiceError as error:
         return _with_headers(error_response(error), error.headers)
