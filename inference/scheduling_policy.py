@@ -5,9 +5,9 @@
   strictly lower priority.
 - `fair`: priority stays the outer key; within a priority level the tenant with the smallest virtual
   token counter (fairness.py) goes first, then arrival. The preemption victim is therefore the latest
-  request of the tenant furthest ahead in the lowest priority. A waiting request of a tenant with
-  nothing running may also preempt a tenant ahead of it that holds two or more seats, so a full batch
-  gives a newcomer the next step, not the next seat that frees.
+  request of the tenant furthest ahead in the lowest priority. A waiting request may also preempt a
+  tenant ahead of it that holds at least two more seats than its own tenant, so a full batch gives a
+  newcomer (or an interactive user's next request) the next step, not the next seat that frees.
 
 One `key` orders everything the scheduler compares: the waiting heads, running requests (whose
 chunks go first) and, by its maximum, the preemption victim.
@@ -68,13 +68,11 @@ class FairPolicy(SchedulingPolicy):
     def outranks(self, request: Request, running: Request, seats: Mapping[Hashable, int]) -> bool:
         if request.priority != running.priority:
             return request.priority < running.priority
-        # One seat for every tenant before a second for anyone ahead: a tenant holding two or more never
-        # loses its last, and a tenant with a seat never preempts, so two backlogged tenants do not thrash.
+        # A seat moves only from a tenant ahead holding at least two more: every move narrows the gap, so
+        # seats even out and never swing back (no thrashing), and nobody loses its last seat.
         tenant, other = request.tenant_key, running.tenant_key
-        return (
-            seats.get(tenant, 0) == 0
-            and seats.get(other, 0) >= 2
-            and self.counters.value(other) > self.counters.value(tenant)
+        return seats.get(tenant, 0) + 2 <= seats.get(other, 0) and self.counters.value(other) > self.counters.value(
+            tenant
         )
 
 

@@ -8,6 +8,7 @@ weighted tokens). Prompts never share a prefix, so no position is served by the 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -202,6 +203,27 @@ def test_a_tenant_keeps_its_last_seat_and_tenants_that_hold_one_never_preempt_ea
     outs = sim.run()
     assert sim.sched.num_preemptions == 1  # b takes one of a's two seats; a's last and b's are never taken
     assert late[0] in outs[0].scheduled and late[1] not in outs[0].scheduled  # c waits for a seat to free
+    sim.assert_no_leak()
+
+
+def test_a_tenant_two_seats_behind_takes_the_next_step_and_seats_even_out_without_swinging_back():
+    """An interactive user's second request while its first still runs: a flood holds the other seats."""
+    sim = FairSim(num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64)
+    flood = [sim.add(4, max_tokens=30, tenant="a") for _ in range(20)]
+    sim.step()  # a holds all four seats
+    first = sim.add(4, max_tokens=30, tenant="b")
+    assert first in sim.step().scheduled  # a 3, b 1
+    second = sim.add(4, max_tokens=30, tenant="b")
+    out = sim.step()
+    assert second in out.scheduled and out.preempted == [flood[2]]  # a 2, b 2: a's latest running request
+    third = sim.add(4, max_tokens=30, tenant="b")
+    assert third not in sim.step().scheduled  # 2 against 2: it waits for a seat to free
+    while sim.sched.running or sim.sched.waiting:
+        out = sim.step()
+        seats = Counter(r.tenant for r in sim.sched.running)
+        assert all(victim.tenant == "a" for victim in out.preempted)  # b, behind, never loses a seat
+        assert not out.preempted or seats["b"] <= seats["a"]  # a move narrows the gap, never swings it
+    assert all(r.num_output_tokens == 30 for r in [*flood, first, second, third])
     sim.assert_no_leak()
 
 
