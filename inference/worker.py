@@ -15,6 +15,7 @@ No Django here: the web tier and this loop share nothing but Redis.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -98,6 +99,7 @@ class WorkerConfig:
     reap_interval: float = 2.0
     drain_timeout: float = 30.0  # on SIGTERM, how long in-flight requests may finish
     extra_info: dict = field(default_factory=dict)  # published in the heartbeat's config field
+    freeze_heap: bool = False  # the process is this worker's own (manage.py engine): see setup()
 
     @property
     def served_model_names(self) -> list[str]:
@@ -183,6 +185,11 @@ class EngineWorker:
         pubsub.subscribe(protocol.ABORT_CHANNEL)
         # Before the first heartbeat: what loads on first use must not be the first request's wait.
         getattr(self.engine, "warm_up", lambda: None)()
+        if self.config.freeze_heap:
+            # What start-up allocated lives as long as the process: out of the collector's sight, a full
+            # collection walks only what serving allocates, instead of pausing the steps for all of it.
+            gc.collect()
+            gc.freeze()
         self.membership.join()
         log.info("engine worker %s serving %s", self.worker_id, ", ".join(self.config.served_model_names))
 

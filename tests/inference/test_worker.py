@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -390,3 +392,28 @@ def test_a_fair_worker_reads_more_of_the_backlog_by_default(tiny_model_dir, poli
     engine = LLM(model=tiny_model_dir, **{**ENGINE_ARGS, "scheduling_policy": policy}).llm_engine
     worker = worker_module.EngineWorker(engine, redis.Redis.from_url(settings.REDIS_URL), worker_module.WorkerConfig())
     assert worker.max_inflight == batches * ENGINE_ARGS["max_num_seqs"]
+
+
+FREEZE_CHECK = """
+import gc, sys
+import redis
+from inference.worker import EngineWorker, WorkerConfig
+from tests.inference.worker_helpers import tiny_llm
+
+model_dir, redis_url, freeze = sys.argv[1:]
+config = WorkerConfig(model_name="freeze-check", freeze_heap=freeze == "1")
+worker = EngineWorker(tiny_llm(model_dir).llm_engine, redis.Redis.from_url(redis_url), config)
+worker.setup()
+print(gc.get_freeze_count())
+worker.shutdown()
+"""
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_a_worker_in_its_own_process_freezes_what_start_up_allocated(tiny_model_dir, r, freeze):
+    """manage.py engine asks for it (test_engine_command); a worker in a test's own process must not."""
+    args = [sys.executable, "-c", FREEZE_CHECK, tiny_model_dir, settings.REDIS_URL, "1" if freeze else "0"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=settings.REPO_DIR)
+    assert done.returncode == 0, done.stderr
+    frozen = int(done.stdout.split()[-1])
+    assert frozen > 10_000 if freeze else frozen == 0  # torch and the model's modules, or nothing

@@ -42,3 +42,15 @@ def test_worker_knobs_come_from_the_environment():
         }
     )
     assert config == {"heartbeat_ttl": 3.0, "max_inflight": 10, "worker_id": "w1", "stream_interval": 4}
+
+
+def test_the_engine_process_freezes_its_start_up_heap():
+    """The worker's process is its own: it may move what start-up allocated out of the collector's sight."""
+    from types import SimpleNamespace
+
+    from engine_client.management.commands.engine import Command
+    from inference.worker import WorkerConfig
+
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(max_model_len=64))
+    config = Command().build_worker(llm, "tiny", {}, {}, None, lambda engine, client, config: config, WorkerConfig)
+    assert config.freeze_heap and config.extra_info["model_path"] == "tiny"

@@ -22,3 +22,25 @@ def test_web_warm_up_loads_the_served_models_tokenizer_before_serving(tiny_model
 
 def test_a_model_that_cannot_load_here_does_not_stop_the_web_process(tmp_path):
     assert tokenization.warm_up(str(tmp_path / "missing")) is False
+
+
+def test_the_web_process_freezes_what_warm_up_allocated_before_it_serves(monkeypatch):
+    """Under load a full collection then walks only the open requests' objects, not Django's and torch's."""
+    import gc
+
+    frozen_when_serving = []
+
+    class Server:
+        def __init__(self, config):
+            pass
+
+        def run(self):
+            frozen_when_serving.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(web, "warm_up", lambda: None)
+    monkeypatch.setattr(web.uvicorn, "Server", Server)
+    try:
+        web.main(["--port", "0"])
+    finally:
+        gc.unfreeze()  # this test process keeps collecting as before
+    assert frozen_when_serving[0] > 10_000

@@ -138,7 +138,7 @@ class Command(BaseCommand):
             "memory": getattr(engine, "memory", None),
         }
         info.update(getattr(engine, "served_info", dict)())  # an embedding model: its task and sizes
-        config = config_cls(model_name=served, extra_info=info, **worker_config_from_env())
+        config = config_cls(model_name=served, extra_info=info, freeze_heap=True, **worker_config_from_env())
         if options.get("alias"):
             config.aliases = tuple(options["alias"])
         if options.get("worker_id"):
