@@ -225,7 +225,9 @@ def key_for(stack, username: str, share: float | None = None) -> str:
 
 async def stream_one(session, url: str, key: str, prompt: list[int], max_tokens: int, record: Streamed) -> None:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    # logprobs: every token comes in a chunk of its own, also one whose text the detokenizer holds back (the
+    # bench model's random weights emit partial UTF-8), so the first chunk is the first token
+    body |= {"stream": True, "stream_options": {"include_usage": True}, "logprobs": 0}
     try:
         async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
             if response.status != 200:
@@ -238,7 +240,7 @@ async def stream_one(session, url: str, key: str, prompt: list[int], max_tokens:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     record.tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices") and chunk["choices"][0].get("logprobs"):
                     now = time.monotonic()
                     record.first = record.first or now
                     record.last = now
