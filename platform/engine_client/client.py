@@ -38,6 +38,11 @@ from common import connections
 from inference import protocol
 
 POLL_MS = 1000  # how long one XREAD blocks before liveness is re-checked
+# The async hub names a stream in every XREAD while it is hot: followed or written to this recently. A
+# colder one (a request waiting in an engine's queue) is named at most every COLD_READ_S, so a flood's
+# backlog of quiet streams does not make every read walk all of them.
+HOT_S = 0.5
+COLD_READ_S = 0.05
 NO_WORKER_GRACE_S = 5.0
 
 LiveWorkers = dict[str, list[str]]  # worker id -> the model names it serves
@@ -377,7 +382,8 @@ class StreamHub:
     the reader. A subscription made while the XREAD blocks wakes it through the hub's own wake
     stream, so its first events are not held back until the block times out; a burst of
     subscriptions sends one wake, since the next XREAD names them all. Two subscriptions to one
-    stream (a browser tab that reconnects) each get every entry after their own last id.
+    stream (a browser tab that reconnects) each get every entry after their own last id. A stream
+    neither followed nor written to for HOT_S is named only every COLD_READ_S (`query`).
     """
 
     def __init__(self, engine: AsyncEngineClient):
@@ -386,12 +392,15 @@ class StreamHub:
         self.wake_key = f"{protocol.PREFIX}:hub-wake:{uuid.uuid4().hex}"
         self.wake_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
         self.by_key: dict[str, dict[asyncio.Queue, RequestSubscription]] = {}
+        self.active_at: dict[str, float] = {}  # stream key -> when it was last followed or written to
+        self.cold_read_at = 0.0  # when an XREAD last named every followed stream
         self.reader: asyncio.Task | None = None
         self.wake_sent = False  # one wake per blocked XREAD: a burst of subscriptions must not re-read n times
 
     async def subscribe(self, key: str, last_id: str) -> asyncio.Queue:
         inbox: asyncio.Queue = asyncio.Queue()
         self.by_key.setdefault(key, {})[inbox] = RequestSubscription(_id_tuple(last_id), time.monotonic())
+        self.active_at[key] = time.monotonic()
         if self.reader is None or self.reader.done():
             self.reader = asyncio.get_running_loop().create_task(self._read())
         elif not self.wake_sent:
@@ -407,21 +416,32 @@ class StreamHub:
         subscriptions.pop(inbox, None)
         if not subscriptions:
             self.by_key.pop(key, None)
+            self.active_at.pop(key, None)
+
+    def query(self, now: float) -> dict[KeyT, StreamIdT]:
+        """The next XREAD's streams: the hot ones, and every one when the last cold read is COLD_READ_S old."""
+        cold_read = now - self.cold_read_at >= COLD_READ_S
+        if cold_read:
+            self.cold_read_at = now
+        query: dict[KeyT, StreamIdT] = {}
+        for key, subscriptions in self.by_key.items():
+            if cold_read or now - self.active_at[key] < HOT_S:
+                query[key] = "%d-%d" % min(sub.last_id for sub in subscriptions.values())
+                for sub in subscriptions.values():
+                    sub.in_query = True
+        return query
 
     async def _read(self) -> None:
         try:
             while self.by_key:
                 self.wake_sent = False  # whoever subscribes after this query is built has to wake the XREAD
-                query: dict[KeyT, StreamIdT] = {
-                    key: "%d-%d" % min(sub.last_id for sub in subscriptions.values())
-                    for key, subscriptions in self.by_key.items()
-                }
-                for subscriptions in self.by_key.values():
-                    for sub in subscriptions.values():
-                        sub.in_query = True
+                query = self.query(time.monotonic())
+                every_stream = len(query) == len(self.by_key)
                 query[self.wake_key] = self.wake_id
-                self._deliver(await self.r.xread(query, block=POLL_MS, count=256))
-                await self._tick_quiet()
+                block_ms = POLL_MS if every_stream else round(COLD_READ_S * 1000)
+                self._deliver(await self.r.xread(query, block=block_ms, count=256))
+                if every_stream:  # the quiet ones are among the cold: look for them when those were read
+                    await self._tick_quiet()
         except Exception as exc:  # Redis went away: every subscription hears it
             for subscriptions in self.by_key.values():
                 for inbox in subscriptions:
@@ -435,6 +455,8 @@ class StreamHub:
             if key == self.wake_key:
                 self.wake_id = _text(items[-1][0])
                 continue
+            if key in self.active_at:
+                self.active_at[key] = now
             for inbox, sub in self.by_key.get(key, {}).items():
                 if not sub.in_query:  # joined during this XREAD, maybe behind its start: the next one reads its gap
                     continue

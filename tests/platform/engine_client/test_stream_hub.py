@@ -146,3 +146,31 @@ def test_a_follower_that_joins_behind_the_xread_in_flight_still_gets_every_entry
 
     events = asyncio.run(run())
     assert [e.get("text") for e in events] == ["a", "b", None]
+
+
+def test_streams_quiet_for_half_a_second_are_named_only_in_the_cold_reads(r):
+    """A flood's backlog waits in the engine's queue with nothing to read: naming each of its streams in
+    every XREAD made each read walk them all. They are read every COLD_READ_S instead."""
+
+    async def run():
+        tasks = [asyncio.create_task(collect(f"backlog-{i}")) for i in range(3)]
+        await asyncio.sleep(0.1)  # all three are followed now
+        hub = engine.aclient().hub
+        keys = {protocol.output_stream(f"backlog-{i}") for i in range(3)}
+        now = time.monotonic()
+        hub.cold_read_at = now  # a cold read just happened
+        assert set(hub.query(now)) == keys  # followed within HOT_S: hot
+        now = max(hub.active_at.values()) + engine.HOT_S
+        hub.cold_read_at = now
+        assert hub.query(now) == {}  # quiet since, and the last cold read is fresh: none
+        now += engine.COLD_READ_S
+        assert set(hub.query(now)) == keys  # the cold read names them all
+        assert hub.query(now) == {}  # and then not again until the next
+        hub.active_at[protocol.output_stream("backlog-1")] = now  # written to: hot again
+        assert set(hub.query(now)) == {protocol.output_stream("backlog-1")}
+        for i in range(3):  # a cold stream's events still arrive, from the next cold read
+            write(r, f"backlog-{i}", DELTA, FINISH)
+        return await asyncio.gather(*tasks)
+
+    for events in asyncio.run(run()):
+        assert [e["type"] for e in events] == ["delta", "finish"]
