@@ -293,14 +293,15 @@ def service_curves(records: list[Streamed], start: float, seconds: float, prompt
     return curves
 
 
-def stack_run(policy: str, args, work_dir: Path) -> dict:
+def stack_run(policy: str, args, work_dir: Path, first_round: bool = True) -> dict:
+    """The two users' workload; on the first round's fair stack, the weighted users and the interactive one too."""
     with launch(policy, args, work_dir) as stack:
         keys = {"A": key_for(stack, "user-a"), "B": stack.api_key}
         rates = {"A": args.rate, "B": 2 * args.rate}
         records, start = asyncio.run(open_loop(stack.base_url, keys, rates, args.seconds, args, seed=1))
         result = summarize_stack(records, start, args)
         result["preemptions"] = sum(int(w.get("num_preemptions", 0)) for w in stack.worker_stats())
-        if policy == "fair":
+        if policy == "fair" and first_round:
             result["weighted"] = weighted_shares(stack, args)
             result["interactive"] = interactive(stack, keys, args)
     return result
@@ -367,7 +368,8 @@ def main_stack(args) -> str:
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         for round_ in range(args.rounds):
             for policy in ("fcfs", "fair"):
-                results.setdefault(policy, []).append(stack_run(policy, args, Path(tmp) / f"{policy}-{round_}"))
+                run_ = stack_run(policy, args, Path(tmp) / f"{policy}-{round_}", first_round=round_ == 0)
+                results.setdefault(policy, []).append(run_)
             if args.vllm:
                 results.setdefault("vllm serve (fcfs)", []).append(vllm_run(args))
     bound = service_bound(args.prompt, args.workers * args.max_num_seqs * (args.prompt + args.output))
@@ -403,6 +405,17 @@ def main_stack(args) -> str:
         ),
         print_table("Served weighted tokens over time", ["policy", "t s", "W_A", "W_B"], over_time),
     ]
+    pairs = list(zip(results["fcfs"], results["fair"]))
+    tables.append(
+        print_table(
+            "Output tok/s per round (each round starts a fresh FCFS stack, then a fresh fair one)",
+            ["round", "fcfs", "fair", "fair / fcfs"],
+            [
+                [i + 1, fcfs["tok_s"], fair["tok_s"], fair["tok_s"] / fcfs["tok_s"]]
+                for i, (fcfs, fair) in enumerate(pairs)
+            ],
+        )
+    )
     shares = results["fair"][0]["weighted"]
     tables.append(
         print_table(

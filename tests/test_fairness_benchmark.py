@@ -24,3 +24,5 @@ def test_a_brief_stack_run_prints_both_policies_the_weighted_users_and_the_inter
     assert [row[1].strip() for row in shares] == ["w1", "w2", "w3", "w4"]
     assert abs(sum(float(row[3]) for row in shares) - 1.0) < 0.03  # service shares of the four users
     assert "| alone |" in report and "| flood |" in report
+    per_round = [line.split("|") for line in report.splitlines() if line.startswith("| 1 |")]
+    assert len(per_round) == 1 and float(per_round[0][4]) > 0  # round 1's fair / fcfs throughput
