@@ -71,9 +71,8 @@ class FairPolicy(SchedulingPolicy):
         # A seat moves only from a tenant ahead holding at least two more: every move narrows the gap, so
         # seats even out and never swing back (no thrashing), and nobody loses its last seat.
         tenant, other = request.tenant_key, running.tenant_key
-        return seats.get(tenant, 0) + 2 <= seats.get(other, 0) and self.counters.value(other) > self.counters.value(
-            tenant
-        )
+        ahead = self.counters.value(other) > self.counters.value(tenant)
+        return ahead and seats.get(tenant, 0) + 2 <= seats.get(other, 0)
 
 
 def make_policy(name: str, counters: VirtualTokenCounters) -> SchedulingPolicy:
