@@ -1,7 +1,8 @@
 """`make bench`: every benchmark in one run; the tables are printed and saved to var/bench/results.md.
 
 Sections run one after another in this process (the serving one starts its own stack).
-Select with `make bench ARGS="throughput scheduling"`; kernels print a notice without CUDA.
+Select with `make bench ARGS="throughput scheduling"`; the options after a section's name are its own
+(`make bench ARGS="fairness --stack --rounds 3"`). Kernels print a notice without CUDA.
 """
 
 from __future__ import annotations
@@ -30,27 +31,40 @@ SECTIONS = [
 ]
 
 
-def run_section(name: str) -> str:
+def run_section(name: str, argv: list[str]) -> str:
     module = importlib.import_module(f"benchmarks.{name}")
-    result = module.main([])
+    result = module.main(argv)
     if isinstance(result, dict):  # serving returns its whole report
         return result.get("tables", "")
     return result if isinstance(result, str) else ""
 
 
+def parse_sections(argv: list[str]) -> dict[str, list[str]]:
+    """Section name -> its options: every word after a section's name up to the next section's name."""
+    chosen: dict[str, list[str]] = {}
+    for word in argv:
+        if word in SECTIONS:
+            chosen[word] = []
+        elif not chosen:
+            raise ValueError(f"unknown section {word!r}; choose from {SECTIONS}")
+        else:
+            chosen[list(chosen)[-1]].append(word)
+    return chosen or {name: [] for name in SECTIONS}
+
+
 def main(argv: list[str]) -> int:
-    chosen = argv or SECTIONS
-    unknown = set(chosen) - set(SECTIONS)
-    if unknown:
-        print(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    try:
+        chosen = parse_sections(argv)
+    except ValueError as exc:
+        print(exc)
         return 2
     print(f"Tessera benchmarks on {machine_line()}", flush=True)
     tables, failed = [f"Machine: {machine_line()}\n"], []
-    for name in chosen:
-        print(f"\n== {name} ==", flush=True)
+    for name, options in chosen.items():
+        print(f"\n== {' '.join([name, *options])} ==", flush=True)
         start = time.perf_counter()
         try:
-            tables.append(run_section(name))
+            tables.append(run_section(name, options))
         except Exception:  # one broken section should not hide the others' figures
             traceback.print_exc()
             failed.append(name)

@@ -3,7 +3,9 @@ walk, and short runs of the scripts."""
 
 import json
 
-from benchmarks import peers
+import pytest
+
+from benchmarks import peers, run_all
 
 
 def test_an_engine_run_reports_every_requested_token_and_batch_one_figures(tiny_model_dir, tmp_path):
@@ -22,6 +24,19 @@ def test_a_missing_peer_is_skipped_with_how_to_get_it(monkeypatch, capsys):
     assert peers.available_engines(["tessera", "vllm", "llama.cpp"]) == ["tessera"]
     out = capsys.readouterr().out
     assert "vllm-cpu.sh" in out and "llama-cpp.sh" in out
+
+
+def test_make_bench_gives_each_section_the_options_after_its_name():
+    argv = ["fairness", "--stack", "--rounds", "3", "spec", "gguf", "--weights", "packed"]
+    assert run_all.parse_sections(argv) == {
+        "fairness": ["--stack", "--rounds", "3"],
+        "spec": [],
+        "gguf": ["--weights", "packed"],
+    }
+    assert list(run_all.parse_sections([])) == run_all.SECTIONS
+    with pytest.raises(ValueError, match="unknown section '--stack'"):
+        run_all.parse_sections(["--stack", "fairness"])
+    assert run_all.main(["nonsense"]) == 2
 
 
 def test_the_summary_row_pairs_runs_of_one_repeat():
