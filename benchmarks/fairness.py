@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -352,13 +353,23 @@ def summarize_stack(records: list[Streamed], start: float, args) -> dict:
 
 
 def interactive(stack, keys: dict, args) -> dict:
-    """User A sends one short request every `interval` s, alone and then while user B floods."""
+    """User A sends one short request every `interval` s, alone and then while user B floods. A's client runs
+    in a process of its own, as another user's would: it shares no event loop and no garbage collector with
+    the flood's thousand open streams."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        pool.apply(time.sleep, (0,))  # the probe's process is up before either phase starts
+        alone = pool.apply(probe_ttfts, (stack.base_url, keys["A"], args, 2))
+        loaded = pool.apply_async(probe_ttfts, (stack.base_url, keys["A"], args, 3))
+        flood = {"B": 3 * args.rate}  # a second longer than the probe, so each of A's requests meets it
+        asyncio.run(open_loop(stack.base_url, keys, flood, args.interactive_seconds + 1, args, seed=5))
+        return {"alone": alone, "flood": loaded.get()}
+
+
+def probe_ttfts(base_url: str, key: str, args, seed: int) -> list[float]:
+    """The interactive user's TTFTs in ms over args.interactive_seconds."""
     probe = {"A": 1.0 / args.interactive_interval}
-    alone, _ = asyncio.run(open_loop(stack.base_url, keys, probe, args.interactive_seconds, args, seed=2))
-    flood = {**probe, "B": 3 * args.rate}
-    loaded, _ = asyncio.run(open_loop(stack.base_url, keys, flood, args.interactive_seconds, args, seed=3))
-    ttft = lambda rs: [(r.first - r.sent) * 1000 for r in rs if r.user == "A" and r.first]  # noqa: E731
-    return {"alone": ttft(alone), "flood": ttft(loaded)}
+    records, _ = asyncio.run(open_loop(base_url, {"A": key}, probe, args.interactive_seconds, args, seed))
+    return [(r.first - r.sent) * 1000 for r in records if r.first]
 
 
 def main_stack(args) -> str:
@@ -367,7 +378,7 @@ def main_stack(args) -> str:
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="fairness-") as tmp:
         for round_ in range(args.rounds):
-            for policy in ("fcfs", "fair"):
+            for policy in ("fcfs", "fair") if round_ % 2 == 0 else ("fair", "fcfs"):  # a drifting host favours neither
                 run_ = stack_run(policy, args, Path(tmp) / f"{policy}-{round_}", first_round=round_ == 0)
                 results.setdefault(policy, []).append(run_)
             if args.vllm:
@@ -406,14 +417,17 @@ def main_stack(args) -> str:
         print_table("Served weighted tokens over time", ["policy", "t s", "W_A", "W_B"], over_time),
     ]
     pairs = list(zip(results["fcfs"], results["fair"]))
+    per_round = [
+        [i + 1, fcfs["tok_s"], fair["tok_s"], fair["tok_s"] / fcfs["tok_s"]] for i, (fcfs, fair) in enumerate(pairs)
+    ]
+    if len(pairs) > 1:
+        fcfs_all, fair_all = (sum(run_["tok_s"] for run_ in results[policy]) for policy in ("fcfs", "fair"))
+        per_round.append(["all", fcfs_all / len(pairs), fair_all / len(pairs), fair_all / fcfs_all])
     tables.append(
         print_table(
-            "Output tok/s per round (each round starts a fresh FCFS stack, then a fresh fair one)",
+            "Output tok/s per round (fresh stacks; odd rounds start with FCFS, even rounds with fair)",
             ["round", "fcfs", "fair", "fair / fcfs"],
-            [
-                [i + 1, fcfs["tok_s"], fair["tok_s"], fair["tok_s"] / fcfs["tok_s"]]
-                for i, (fcfs, fair) in enumerate(pairs)
-            ],
+            per_round,
         )
     )
     shares = results["fair"][0]["weighted"]
