@@ -285,6 +285,7 @@ class LLMEngine:
         return False
 
     def _run(self, plan: SchedulerOutput) -> list[Request]:
+        start = time.perf_counter()
         try:
             self.executor.copy_blocks(plan.block_copies)
             inputs = self.runner.prepare(plan)
@@ -296,7 +297,10 @@ class LLMEngine:
         self._record_prompt_logprobs(inputs, hidden, plan)
         sampled = self._sample_and_verify(inputs.sampling_requests, logits, plan) if logits is not None else []
         self._detokenize(sampled, plan)
-        return self.scheduler.update_from_output(plan, sampled)
+        updated = self.scheduler.update_from_output(plan, sampled)
+        if self.speculator is not None:  # what k weighs: this machine's step time at this size
+            self.speculator.costs.observe_step(plan.num_tokens, time.perf_counter() - start)
+        return updated
 
     def _sample_and_verify(
         self, requests: list[Request], logits: torch.Tensor, plan: SchedulerOutput

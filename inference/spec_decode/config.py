@@ -21,8 +21,8 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft's HF folder or GGUF file (the target's tokenizer)
     disable_by_batch_size: int | None = None  # no speculation while more requests than this run (vLLM's name)
     # draft_model: one proposed token's cost in plain target steps, which the choice of k weighs against
-    # acceptance (default: the draft's share of the target's weight bytes; 0 speculates whenever accepted
-    # tokens alone pay)
+    # acceptance (default: measured as the engine runs, the draft's share of the target's weight bytes until
+    # then; a value given here is used as it is: 0 speculates whenever accepted tokens alone pay)
     draft_cost: float | None = None
 
     @classmethod

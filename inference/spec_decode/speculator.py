@@ -5,16 +5,19 @@ speculating decode as a query of 1 + k tokens, the target verifies them (Rejecti
 the scheduler keeps the accepted ones.
 
 k adapts per sequence and step. With an acceptance probability a per proposal, k proposals yield
-E(k) = 1 + a + ... + a^k tokens for a step that costs step_cost(B * (1 + k)) instead of
-step_cost(B) at batch size B, where a step of T tokens costs 1 + cost_per_token * (T - 1) of a
-one-token step (on CPU a decode step reads every weight once, so extra rows are cheap at small B).
-k is the one with the best speed-up, and 0 (plain decoding) when no k beats 1: a busy engine runs
-at plain-decoding speed. The acceptance rate is measured per sequence (decayed, so it follows the
-text); a sequence at k = 0 drifts back to the prior and tries again later.
+E(k) = 1 + a + ... + a^k tokens for a step of B * (1 + k) tokens plus k proposed tokens, where plain
+decoding at batch size B gets 1 token for a step of B tokens. What those steps cost is measured as
+the engine runs (StepCosts); until a size is measured a model stands in (a step of T tokens costs
+1 + COST_PER_TOKEN * (T - 1) of a one-token step: on CPU a decode step reads every weight once, so extra
+rows are cheap at small B). k is the one with the best speed-up, and 0 (plain decoding) when no k
+beats 1: a busy engine, or a proposer that costs more than it saves, runs at plain-decoding speed. The
+acceptance rate is measured per sequence (decayed, so it follows the text); a sequence at k = 0
+drifts back to the prior and tries again later.
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +34,8 @@ PRIOR_WEIGHT = 2.0  # how many verified proposals the prior is worth
 DECAY = 0.8  # weight of older verifications at each new one (and at each step without proposals)
 COST_PER_TOKEN = 0.02  # extra cost of one more token in a step, relative to a one-token step (CPU; docs/benchmarks.md)
 MIN_SPEEDUP = 1.02  # below this expected gain a step runs plain (proposing and verifying cost something too)
+MEASURED_WEIGHT = 0.25  # of the newest timing in a size's moving average
+STALE_AFTER = 256  # steps after which a size's timing is measured afresh, so a k once found dear is retried
 
 
 class Proposer(Protocol):
@@ -76,27 +81,87 @@ def may_speculate(seq: Request) -> bool:
     )
 
 
-def expected_speedup(
-    k: int, acceptance: float, batch_size: int, proposal_cost: float = 0.0, cost_per_token: float = COST_PER_TOKEN
-) -> float:
-    """Tokens per step over the step's cost, both against plain decoding; proposal_cost is the proposer's
-    cost_per_token (k proposals of it, in plain steps)."""
+def expected_speedup(k: int, acceptance: float, batch_size: int, costs: StepCosts) -> float:
+    """Tokens per step over the step's cost, both against plain decoding at this batch size."""
     tokens = sum(acceptance**j for j in range(k + 1))
-    plain = step_cost(batch_size, cost_per_token)
-    return tokens * plain / (step_cost(batch_size * (1 + k), cost_per_token) + k * proposal_cost * plain)
+    return tokens / (costs.step(batch_size * (1 + k), batch_size) + k * costs.proposal(batch_size))
 
 
-def step_cost(num_tokens: int, cost_per_token: float) -> float:
-    return 1.0 + cost_per_token * (num_tokens - 1)
+def step_cost(num_tokens: int) -> float:
+    """The model: a step of num_tokens in one-token steps."""
+    return 1.0 + COST_PER_TOKEN * (num_tokens - 1)
 
 
-def best_k(max_k: int, acceptance: float, batch_size: int, proposal_cost: float = 0.0) -> int:
+def best_k(max_k: int, acceptance: float, batch_size: int, costs: StepCosts) -> int:
     best, best_gain = 0, MIN_SPEEDUP
     for k in range(1, max_k + 1):
-        gain = expected_speedup(k, acceptance, batch_size, proposal_cost)
+        gain = expected_speedup(k, acceptance, batch_size, costs)
         if gain > best_gain:
             best, best_gain = k, gain
     return best
+
+
+@dataclass
+class Timing:
+    seconds: float
+    at: int  # StepCosts.clock when last measured
+
+
+class StepCosts:
+    """What speculation's k weighs, measured on this machine: the target's step seconds by the tokens in
+    the step, and the proposer's seconds per proposed token by batch size (moving averages; a new timing
+    counts at most twice or half the average, so one stall does not swing it).
+
+    `step(T, B)` is a T-token step's cost in plain steps of batch B, `proposal(B)` one proposed token's.
+    Without fresh timings of both sizes the model stands in (step_cost, and the proposer's own
+    cost_per_token): k starts from the model and follows the machine once it has timings. A configured
+    draft_cost is the proposal's cost as given, never measured.
+    """
+
+    def __init__(self, proposal_cost: float, measure_proposals: bool = True):
+        self.model_proposal_cost = proposal_cost
+        self.measure_proposals = measure_proposals  # False: proposal_cost was configured, and is used as given
+        self.steps: dict[int, Timing] = {}
+        self.proposals: dict[int, Timing] = {}
+        self.clock = 0  # steps observed
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.clock += 1
+        self._observe(self.steps, num_tokens, seconds)
+
+    def observe_proposal(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+        """num_tokens proposed tokens per sequence (the draft's forwards) took seconds for this batch."""
+        if num_tokens and self.measure_proposals:
+            self._observe(self.proposals, batch_size, seconds / num_tokens)
+
+    def needs_plain_timing(self, batch_size: int) -> bool:
+        """No fresh timing of a plain step at this batch size: every speed-up is measured against one."""
+        return self._seconds(self.steps, batch_size) is None
+
+    def step(self, num_tokens: int, batch_size: int) -> float:
+        plain, step = self._seconds(self.steps, batch_size), self._seconds(self.steps, num_tokens)
+        if plain is not None and step is not None:
+            return step / plain
+        return step_cost(num_tokens) / step_cost(batch_size)
+
+    def proposal(self, batch_size: int) -> float:
+        plain, token = self._seconds(self.steps, batch_size), self._seconds(self.proposals, batch_size)
+        if plain is not None and token is not None:
+            return token / plain
+        return self.model_proposal_cost
+
+    def _observe(self, table: dict[int, Timing], size: int, seconds: float) -> None:
+        timing = table.get(size)
+        if timing is None or self.clock - timing.at > STALE_AFTER:
+            table[size] = Timing(seconds, self.clock)
+            return
+        seconds = min(max(seconds, timing.seconds / 2), timing.seconds * 2)
+        timing.seconds += MEASURED_WEIGHT * (seconds - timing.seconds)
+        timing.at = self.clock
+
+    def _seconds(self, table: dict[int, Timing], size: int) -> float | None:
+        timing = table.get(size)
+        return timing.seconds if timing is not None and self.clock - timing.at <= STALE_AFTER else None
 
 
 class Speculator:
@@ -112,6 +177,7 @@ class Speculator:
         self.verify_rows = RejectionSampler(sampler)
         self.max_model_len = max_model_len
         self.acceptance: weakref.WeakKeyDictionary[Request, Acceptance] = weakref.WeakKeyDictionary()
+        self.costs = StepCosts(proposer.cost_per_token, measure_proposals=config.draft_cost is None)
 
     def propose(self, running: list[Request]) -> list[tuple[Request, BaseException]]:
         """Set spec_token_ids of every running sequence (empty where it does not speculate this step);
@@ -119,7 +185,7 @@ class Speculator:
         for seq in running:
             seq.spec_token_ids = []
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) > limit:
+        if limit is not None and len(running) > limit or self.costs.needs_plain_timing(len(running)):
             return []
         seqs, ks = [], []
         for seq in running:
@@ -127,8 +193,13 @@ class Speculator:
             if k:
                 seqs.append(seq)
                 ks.append(k)
+        if not seqs:
+            return []
+        start = time.perf_counter()
+        proposals = self.proposer.propose(seqs, ks)
+        self.costs.observe_proposal(len(running), max(ks), time.perf_counter() - start)
         failed = []
-        for seq, drafts in zip(seqs, self.proposer.propose(seqs, ks) if seqs else []):
+        for seq, drafts in zip(seqs, proposals):
             if isinstance(drafts, BaseException):
                 failed.append((seq, drafts))
             else:
@@ -148,7 +219,7 @@ class Speculator:
         if max_k <= 0:
             return 0
         acceptance = self.acceptance.setdefault(seq, Acceptance())
-        k = best_k(max_k, acceptance.rate, batch_size, self.proposer.cost_per_token)
+        k = best_k(max_k, acceptance.rate, batch_size, self.costs)
         if k == 0:
             acceptance.decay()  # back towards the prior: it tries again once that says it may pay
         return k

@@ -2,6 +2,7 @@
 start-up errors that name the field, the opt-out, and the rejection rule's output distribution."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from inference.request import Request
 from inference.sampler import Sampler
 from inference.spec_decode.ngram import ngram_proposal
 from inference.spec_decode.rejection_sampler import RejectionSampler
-from inference.spec_decode.speculator import best_k
+from inference.spec_decode.speculator import MEASURED_WEIGHT, STALE_AFTER, StepCosts, best_k
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -245,18 +246,81 @@ def test_a_failing_draft_model_fails_only_its_own_requests(tiny_model_dir, plain
 
 
 def test_adaptive_k_turns_speculation_down_with_batch_size_and_low_acceptance():
-    assert best_k(4, 0.8, 1) == 4
-    assert best_k(4, 0.01, 1) == 0
-    assert best_k(4, 0.3, 256) == 0
-    assert best_k(4, 0.8, 8) <= best_k(4, 0.8, 1)
+    model = StepCosts(0.0)  # nothing measured yet: the step-cost model
+    assert best_k(4, 0.8, 1, model) == 4
+    assert best_k(4, 0.01, 1, model) == 0
+    assert best_k(4, 0.3, 256, model) == 0
+    assert best_k(4, 0.8, 8, model) <= best_k(4, 0.8, 1, model)
 
 
 def test_a_costly_draft_speculates_only_where_acceptance_pays_for_it():
     """Qwen2.5-Coder-0.5B drafting for 1.5B costs about 0.43 of a target step a token (their weight bytes)."""
-    assert best_k(4, 0.42, 1) > 0  # a free lookup still pays at open chat's acceptance
-    assert best_k(4, 0.42, 1, proposal_cost=0.43) == 0  # the draft does not: plain decoding
-    assert best_k(4, 0.93, 1, proposal_cost=0.43) == 4  # code editing's acceptance does
-    assert best_k(4, 1.0, 1, proposal_cost=1.0) == 0  # a draft as big as the target never pays
+    assert best_k(4, 0.42, 1, StepCosts(0.0)) > 0  # a free lookup still pays at open chat's acceptance
+    assert best_k(4, 0.42, 1, StepCosts(0.43)) == 0  # the draft does not: plain decoding
+    assert best_k(4, 0.93, 1, StepCosts(0.43)) == 4  # code editing's acceptance does
+    assert best_k(4, 1.0, 1, StepCosts(1.0)) == 0  # a draft as big as the target never pays
+
+
+def measured(step_ms: dict[int, float], proposal_ms: float | None = None, batch_size: int = 1) -> StepCosts:
+    costs = StepCosts(0.43)
+    for size, ms in step_ms.items():
+        costs.observe_step(size, ms / 1000)
+    if proposal_ms is not None:
+        costs.observe_proposal(batch_size, 4, 4 * proposal_ms / 1000)
+    return costs
+
+
+def test_measured_step_times_replace_the_model_where_they_disagree():
+    # the 1.5B/0.5B pair's open chat: verifying on the packed kernel costs far more than the model's 2% a row
+    dear = measured({1: 107, 2: 175, 3: 190, 4: 205, 5: 220}, proposal_ms=47)
+    assert dear.step(2, 1) == pytest.approx(175 / 107) and dear.proposal(1) == pytest.approx(47 / 107)
+    assert best_k(4, 0.66, 1, StepCosts(0.43)) > 0  # the model says it pays
+    assert best_k(4, 0.66, 1, dear) == 0  # the timings say it does not: plain decoding
+    # a draft measured cheaper than its weight bytes say pays where the model said it would not
+    cheap = measured({1: 107, 2: 110, 3: 112, 4: 114, 5: 116}, proposal_ms=10)
+    assert best_k(4, 0.42, 1, StepCosts(0.43)) == 0 and best_k(4, 0.42, 1, cheap) > 0
+
+
+def test_a_step_size_needs_a_fresh_plain_timing_and_a_stall_moves_the_average_boundedly():
+    costs = StepCosts(0.0)
+    assert costs.needs_plain_timing(1)
+    costs.observe_step(1, 0.010)
+    assert not costs.needs_plain_timing(1) and costs.needs_plain_timing(2)
+    costs.observe_step(1, 1.0)  # a 100x stall counts as 2x
+    assert costs.steps[1].seconds == pytest.approx(0.010 * (1 + MEASURED_WEIGHT))
+    costs.observe_step(5, 0.050)
+    assert costs.step(5, 1) == pytest.approx(0.050 / costs.steps[1].seconds)
+    for _ in range(STALE_AFTER + 1):
+        costs.observe_step(1, 0.010)
+    assert costs.step(5, 1) == pytest.approx(1.08)  # not measured lately: the model again, so k = 4 is retried
+    assert not costs.needs_plain_timing(1)
+
+
+def test_a_configured_draft_cost_is_used_as_given_and_never_measured():
+    costs = StepCosts(0.0, measure_proposals=False)
+    costs.observe_step(1, 0.010)
+    costs.observe_proposal(1, 4, 4.0)
+    assert costs.proposal(1) == 0.0
+
+
+def test_a_proposer_that_costs_more_than_it_saves_is_turned_off_by_its_timings(tiny_model_dir):
+    """Proposing takes 0.1 s a token, many of the tiny model's plain steps: after the first proposal its
+    measured cost says plain decoding for the rest of the request, and the outputs stay plain decoding's."""
+    llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    proposer = llm.llm_engine.speculator.proposer
+    fast, calls = proposer.propose, []
+
+    def slow(seqs, ks):
+        calls.append(ks)
+        time.sleep(0.1 * max(ks))
+        return fast(seqs, ks)
+
+    proposer.propose = slow
+    prompt = repetitive_prompts()[1]
+    assert generate(llm, [prompt], temperature=0, max_tokens=40) == hf_greedy(tiny_model_dir, [prompt], 40)
+    assert len(calls) == 1  # the first decode step ran plain (its timing), the second proposed, no other did
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] <= 1
+    assert llm.llm_engine.speculator.costs.proposal(1) > 1  # a proposed token costs more than a plain step
 
 
 def test_the_draft_cost_defaults_to_its_share_of_the_targets_weight_bytes(tiny_model_dir, model_factory):
