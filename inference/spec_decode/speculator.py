@@ -178,6 +178,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.acceptance: weakref.WeakKeyDictionary[Request, Acceptance] = weakref.WeakKeyDictionary()
         self.costs = StepCosts(proposer.cost_per_token, measure_proposals=config.draft_cost is None)
+        self.proposed_for: weakref.WeakSet[Request] = weakref.WeakSet()
 
     def propose(self, running: list[Request]) -> list[tuple[Request, BaseException]]:
         """Set spec_token_ids of every running sequence (empty where it does not speculate this step);
@@ -197,7 +198,9 @@ class Speculator:
             return []
         start = time.perf_counter()
         proposals = self.proposer.propose(seqs, ks)
-        self.costs.observe_proposal(len(running), max(ks), time.perf_counter() - start)
+        if all(seq in self.proposed_for for seq in seqs):  # a first proposal includes a draft's prompt prefill
+            self.costs.observe_proposal(len(running), max(ks), time.perf_counter() - start)
+        self.proposed_for.update(seqs)
         failed = []
         for seq, drafts in zip(seqs, proposals):
             if isinstance(drafts, BaseException):

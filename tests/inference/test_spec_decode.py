@@ -304,8 +304,9 @@ def test_a_configured_draft_cost_is_used_as_given_and_never_measured():
 
 
 def test_a_proposer_that_costs_more_than_it_saves_is_turned_off_by_its_timings(tiny_model_dir):
-    """Proposing takes 0.1 s a token, many of the tiny model's plain steps: after the first proposal its
-    measured cost says plain decoding for the rest of the request, and the outputs stay plain decoding's."""
+    """Proposing takes 0.1 s a token, many of the tiny model's plain steps: once a proposal is timed its
+    measured cost says plain decoding for the rest of the request, and the outputs stay plain decoding's.
+    A sequence's first proposal is not timed (a draft model's would include the prompt's prefill)."""
     llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
     proposer = llm.llm_engine.speculator.proposer
     fast, calls = proposer.propose, []
@@ -318,8 +319,8 @@ def test_a_proposer_that_costs_more_than_it_saves_is_turned_off_by_its_timings(t
     proposer.propose = slow
     prompt = repetitive_prompts()[1]
     assert generate(llm, [prompt], temperature=0, max_tokens=40) == hf_greedy(tiny_model_dir, [prompt], 40)
-    assert len(calls) == 1  # the first decode step ran plain (its timing), the second proposed, no other did
-    assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] <= 1
+    assert len(calls) == 2  # the first decode step ran plain (its timing), the next two proposed, no other did
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] <= 2
     assert llm.llm_engine.speculator.costs.proposal(1) > 1  # a proposed token costs more than a plain step
 
 
