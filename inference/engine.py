@@ -298,7 +298,7 @@ class LLMEngine:
         sampled = self._sample_and_verify(inputs.sampling_requests, logits, plan) if logits is not None else []
         self._detokenize(sampled, plan)
         updated = self.scheduler.update_from_output(plan, sampled)
-        if self.speculator is not None:  # what k weighs: this machine's step time at this size
+        if self.speculator is not None and is_decoding(plan):  # what k weighs: this machine's decode steps
             self.speculator.costs.observe_step(plan.num_tokens, time.perf_counter() - start)
         return updated
 
@@ -514,3 +514,8 @@ def profile_cuda(engine: LLMEngine) -> tuple[int, int]:
     """Total device memory and the activation peak of a forward at max_num_batched_tokens."""
     total = torch.cuda.get_device_properties(engine.device).total_memory
     return total, engine.executor.activation_peak_bytes(engine)
+
+
+def is_decoding(plan: SchedulerOutput) -> bool:
+    """Every scheduled request decodes one token or verifies proposals: no prefill in the step."""
+    return all(num_new == 1 or request in plan.spec_tokens for request, num_new in plan.scheduled.items())

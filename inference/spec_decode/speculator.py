@@ -34,7 +34,8 @@ PRIOR_WEIGHT = 2.0  # how many verified proposals the prior is worth
 DECAY = 0.8  # weight of older verifications at each new one (and at each step without proposals)
 COST_PER_TOKEN = 0.02  # extra cost of one more token in a step, relative to a one-token step (CPU; docs/benchmarks.md)
 MIN_SPEEDUP = 1.02  # below this expected gain a step runs plain (proposing and verifying cost something too)
-MEASURED_WEIGHT = 0.25  # of the newest timing in a size's moving average
+MEASURED_WEIGHT = 0.25  # of a newest timing slower than a size's moving average
+FASTER_WEIGHT = 0.5  # of one faster: a cold first step is forgotten within a few
 STALE_AFTER = 256  # steps after which a size's timing is measured afresh, so a k once found dear is retried
 
 
@@ -109,8 +110,8 @@ class Timing:
 
 class StepCosts:
     """What speculation's k weighs, measured on this machine: the target's step seconds by the tokens in
-    the step, and the proposer's seconds per proposed token by batch size (moving averages; a new timing
-    counts at most twice or half the average, so one stall does not swing it).
+    the step, and the proposer's seconds per proposed token by batch size (moving averages that fall faster
+    than they rise; a new timing counts at most twice the average, so one stall does not swing it).
 
     `step(T, B)` is a T-token step's cost in plain steps of batch B, `proposal(B)` one proposed token's.
     Without fresh timings of both sizes the model stands in (step_cost, and the proposer's own
@@ -155,8 +156,9 @@ class StepCosts:
         if timing is None or self.clock - timing.at > STALE_AFTER:
             table[size] = Timing(seconds, self.clock)
             return
-        seconds = min(max(seconds, timing.seconds / 2), timing.seconds * 2)
-        timing.seconds += MEASURED_WEIGHT * (seconds - timing.seconds)
+        seconds = min(seconds, timing.seconds * 2)
+        weight = FASTER_WEIGHT if seconds < timing.seconds else MEASURED_WEIGHT
+        timing.seconds += weight * (seconds - timing.seconds)
         timing.at = self.clock
 
     def _seconds(self, table: dict[int, Timing], size: int) -> float | None:

@@ -294,6 +294,10 @@ def test_a_step_size_needs_a_fresh_plain_timing_and_a_stall_moves_the_average_bo
         costs.observe_step(1, 0.010)
     assert costs.step(5, 1) == pytest.approx(1.08)  # not measured lately: the model again, so k = 4 is retried
     assert not costs.needs_plain_timing(1)
+    costs.observe_step(2, 0.500)  # a cold first step
+    for _ in range(4):
+        costs.observe_step(2, 0.010)
+    assert costs.steps[2].seconds < 0.050  # forgotten within a few
 
 
 def test_a_configured_draft_cost_is_used_as_given_and_never_measured():
