@@ -188,7 +188,7 @@ class Speculator:
         for seq in running:
             seq.spec_token_ids = []
         limit = self.config.disable_by_batch_size
-        if limit is not None and len(running) > limit or self.costs.needs_plain_timing(len(running)):
+        if (limit is not None and len(running) > limit) or self.costs.needs_plain_timing(len(running)):
             return []
         seqs, ks = [], []
         for seq in running:
