@@ -6,7 +6,7 @@ prefill is computed, output tokens x2 as they are sampled. The `fair` policy (sc
 admits from the backlogged tenant with the smallest counter, and a tenant that becomes active again is
 lifted to the smallest counter of the active tenants, so it cannot bank credit while idle. Between two
 continuously backlogged tenants the difference in weighted service then stays within 2U
-(`service_bound`).
+(`service_bound`), also with the seat moves the policy adds to the paper (`seat_slack`).
 
 A request with no tenant is its own tenant. The counters also keep a one-minute window of raw service
 per tenant for the dashboard's share panel (top tenants, the rest summed, so label counts stay bounded).
@@ -40,6 +40,19 @@ def service_bound(max_prompt_tokens: int, kv_capacity_tokens: int) -> float:
     """The paper's 2U: the most the weighted service of two continuously backlogged tenants may differ by,
     U = max(w_p x longest prompt, w_q x KV capacity in tokens)."""
     return 2 * max(PROMPT_TOKEN_COST * max_prompt_tokens, OUTPUT_TOKEN_COST * kv_capacity_tokens)
+
+
+def seat_slack(request: Request) -> float:
+    """How far a waiting request's tenant may be ahead and still take a seat in a full batch
+    (scheduling_policy.FairPolicy): what this request's prompt will be charged, in counter units.
+
+    It keeps the bound: after a tenant's last admission its counter grows by at most what the requests it
+    then holds are charged, and U prices every token they hold at the output rate (w_q); this request's
+    prompt tokens are charged w_p, and as w_q >= 2 w_p the headroom left covers the slack, so backlogged
+    tenants' counters still stay within U of each other. A recompute's prompt was charged already: no slack.
+    """
+    unserved = max(0, request.num_prompt_tokens - request.served_prompt_tokens)
+    return PROMPT_TOKEN_COST * unserved / request.weight
 
 
 def new_prompt_tokens(request: Request, num_new: int) -> int:

@@ -206,10 +206,13 @@ class Scheduler:
 
     def _admit_one(self, out: SchedulerOutput) -> bool:
         """Try to start the head of the waiting queue; False means stop admitting this step."""
-        request = self.waiting.head()
-        if request in out.preempted:
+        head = self.waiting.head()
+        if head in out.preempted:
             return False  # no thrashing: a request preempted in this step waits for the next
-        if len(self.running) >= self.config.max_num_seqs and not self._preempt_lower(request, out):
+        request: Request | None = head
+        if len(self.running) >= self.config.max_num_seqs:
+            request = self._take_seat(head, out)
+        if request is None:
             return False
         computed, num_cached = self.kv.get_computed_blocks(request)
         num_new = request.num_tokens - num_cached
@@ -236,6 +239,16 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+
+    def _take_seat(self, head: Request, out: SchedulerOutput) -> Request | None:
+        """A full batch: the head, or else the best waiting request the policy lets pass it, preempts a
+        running request it outranks; returns which of them got the seat."""
+        others = [r for r in self.waiting.heads() if r is not head and r not in out.preempted]
+        passing = sorted((r for r in others if self.policy.may_pass(r, head)), key=self.policy.key)
+        for request in [head, *passing]:
+            if self._preempt_lower(request, out):
+                return request
+        return None
 
     def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
         """A waiting request preempts the worst running request it outranks (policy.outranks)."""

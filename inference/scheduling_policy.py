@@ -5,9 +5,11 @@
   strictly lower priority.
 - `fair`: priority stays the outer key; within a priority level the tenant with the smallest virtual
   token counter (fairness.py) goes first, then arrival. The preemption victim is therefore the latest
-  request of the tenant furthest ahead in the lowest priority. A waiting request may also preempt a
-  tenant ahead of it that holds at least two more seats than its own tenant, so a full batch gives a
-  newcomer (or an interactive user's next request) the next step, not the next seat that frees.
+  request of the tenant furthest ahead in the lowest priority. When the batch is full, a waiting request
+  may also take a seat from a tenant holding at least two more seats than its own, if its tenant is
+  ahead of that tenant and of the head's by less than this request's own prompt charge (`seat_slack`),
+  so a newcomer, or an interactive user's next request while its last still streams, gets the next
+  step, not the next seat that frees.
 
 One `key` orders everything the scheduler compares: the waiting heads, running requests (whose
 chunks go first) and, by its maximum, the preemption victim.
@@ -18,7 +20,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterator, Mapping
 
-from inference.fairness import VirtualTokenCounters
+from inference.fairness import VirtualTokenCounters, seat_slack
 from inference.request import Request
 
 POLICIES = ("fcfs", "priority", "fair")
@@ -45,6 +47,10 @@ class SchedulingPolicy:
         """May a waiting request preempt this running one to get in? seats: running requests per tenant."""
         return request.priority < running.priority
 
+    def may_pass(self, request: Request, head: Request) -> bool:
+        """May a waiting request other than the head take a seat in a full batch where the head could not?"""
+        return False
+
 
 class FcfsPolicy(SchedulingPolicy):
     name = "fcfs"
@@ -68,11 +74,18 @@ class FairPolicy(SchedulingPolicy):
     def outranks(self, request: Request, running: Request, seats: Mapping[Hashable, int]) -> bool:
         if request.priority != running.priority:
             return request.priority < running.priority
-        # A seat moves only from a tenant ahead holding at least two more: every move narrows the gap, so
-        # seats even out and never swing back (no thrashing), and nobody loses its last seat.
+        # A seat moves only from a tenant holding at least two more: every move narrows the gap, so seats
+        # even out and never swing back (no thrashing), and nobody loses its last seat.
         tenant, other = request.tenant_key, running.tenant_key
-        ahead = self.counters.value(other) > self.counters.value(tenant)
-        return ahead and seats.get(tenant, 0) + 2 <= seats.get(other, 0)
+        return seats.get(tenant, 0) + 2 <= seats.get(other, 0) and self.within_slack(request, other)
+
+    def may_pass(self, request: Request, head: Request) -> bool:
+        # the head's tenant has the smallest counter of the backlogged ones at its priority
+        return request.priority == head.priority and self.within_slack(request, head.tenant_key)
+
+    def within_slack(self, request: Request, other: Hashable) -> bool:
+        """Is request's tenant ahead of the other tenant by less than request's own prompt charge?"""
+        return self.counters.value(request.tenant_key) - self.counters.value(other) < seat_slack(request)
 
 
 def make_policy(name: str, counters: VirtualTokenCounters) -> SchedulingPolicy:
@@ -99,7 +112,11 @@ class WaitingQueue:
     def head(self) -> Request:
         if len(self.heaps) == 1:
             return next(iter(self.heaps.values()))[0][1]
-        return min((heap[0][1] for heap in self.heaps.values()), key=self.policy.key)
+        return min(self.heads(), key=self.policy.key)
+
+    def heads(self) -> Iterator[Request]:
+        """Each heap's head (one per tenant under fair), in no particular order."""
+        return (heap[0][1] for heap in self.heaps.values())
 
     def remove(self, request: Request) -> bool:
         """Take request out (the head's removal is a heap pop); False if it was not waiting."""

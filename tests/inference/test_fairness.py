@@ -22,6 +22,7 @@ from inference.fairness import (
     ServiceWindow,
     VirtualTokenCounters,
     check_weight,
+    seat_slack,
     service_bound,
 )
 from inference.request import Request, RequestStatus
@@ -127,6 +128,13 @@ def test_leave_of_a_request_that_never_entered_is_ignored():
     assert counters.active == {}
 
 
+def test_the_seat_slack_is_the_prompt_charge_still_to_come():
+    light, heavy = seq("a", prompt_len=10), seq("b", weight=4.0, prompt_len=10)
+    assert seat_slack(light) == 10.0 and seat_slack(heavy) == 2.5  # in counter units: divided by the weight
+    light.served_prompt_tokens = 10  # preempted after its prefill: its recompute is not charged again
+    assert seat_slack(light) == 0.0
+
+
 @pytest.mark.parametrize("bad", [0, -1, 0.0, math.nan, math.inf, "1", None, True])
 def test_a_weight_must_be_a_positive_number(bad):
     with pytest.raises(ValueError, match="weight must be a positive number"):
@@ -225,6 +233,78 @@ def test_a_tenant_two_seats_behind_takes_the_next_step_and_seats_even_out_withou
         assert not out.preempted or seats["b"] <= seats["a"]  # a move narrows the gap, never swings it
     assert all(r.num_output_tokens == 30 for r in [*flood, first, second, third])
     sim.assert_no_leak()
+
+
+def flood_holds_seven_of_eight_seats() -> FairSim:
+    """Another tenant's flood fills an eight-seat batch with the benchmark's request sizes."""
+    sim = FairSim(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    for _ in range(60):
+        sim.add(64, max_tokens=32, tenant="flood")
+    for _ in range(10):
+        sim.step()
+    return sim
+
+
+def test_an_interactive_users_next_request_runs_in_the_next_step_though_its_first_put_it_ahead():
+    """Lifted level with the flood and charged its first prompt, the user is ahead when its second request
+    comes while the first still streams; within that request's prompt charge it still takes a seat."""
+    sim = flood_holds_seven_of_eight_seats()
+    first = sim.add(64, max_tokens=32, tenant="user")
+    assert first in sim.step().scheduled  # the flood 7, the user 1
+    sim.step()
+    counters = sim.sched.counters
+    assert counters.value("flood") < counters.value("user") < counters.value("flood") + 64
+    latest = max((r for r in sim.sched.running if r.tenant == "flood"), key=lambda r: r.arrival_order)
+    second = sim.add(64, max_tokens=32, tenant="user")
+    out = sim.step()
+    assert second in out.scheduled and out.preempted == [latest]  # the flood 6, the user 2
+    third = sim.add(64, max_tokens=32, tenant="user")  # now ahead by more than its prompt charge: it waits
+    assert third not in sim.step().scheduled
+    sim.run()
+    assert all(r.num_output_tokens == r.params.max_tokens for r in sim.requests)
+    sim.assert_no_leak()
+
+
+def test_a_recompute_takes_no_seat_ahead_of_its_tenants_counter():
+    """A preempted request has no prompt charge to come, so it moves only when its tenant is behind."""
+    sim = flood_holds_seven_of_eight_seats()
+    first = sim.add(64, max_tokens=32, tenant="user")
+    sim.step()
+    sim.step()
+    first.served_prompt_tokens = first.num_prompt_tokens  # as if its prefill was charged before a preemption
+    second = sim.add(64, max_tokens=32, tenant="user")
+    second.served_prompt_tokens = second.num_prompt_tokens
+    assert sim.sched.counters.value("user") > sim.sched.counters.value("flood")
+    assert second not in sim.step().scheduled
+
+
+def test_seat_moves_between_backlogged_tenants_never_swing_back_and_keep_the_bound():
+    """Two backlogged tenants, one sending twice the other's rate, with the benchmark's request sizes: every
+    preemption moves a seat from a tenant holding at least two more, so the mover then holds no more than
+    the victim's tenant and no seat goes back until requests end; service stays within 2U."""
+    sim = FairSim(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    seats_at_moves = []
+    preempt = sim.sched._preempt
+
+    def spy(victim, out):
+        seats_at_moves.append((victim.tenant, Counter(r.tenant for r in sim.sched.running)))
+        preempt(victim, out)
+
+    sim.sched._preempt = spy
+    for step in range(1500):
+        if step % 6 == 0:
+            for tenant, count in (("a", 1), ("b", 2)):
+                for _ in range(count):
+                    sim.add(64, max_tokens=32, tenant=tenant)
+        sim.step()
+        if step >= 100:
+            assert sim.backlogged() == {"a", "b"}
+    assert len(seats_at_moves) > 20  # the rule was exercised
+    for victim, seats in seats_at_moves:
+        mover = "b" if victim == "a" else "a"
+        assert seats[mover] + 2 <= seats[victim]
+    assert abs(sim.service("a") - sim.service("b")) <= sim.bound(64, [1.0])
+    assert sim.service("a") > 0.45 * (sim.service("a") + sim.service("b"))
 
 
 def test_fcfs_and_priority_serve_the_flood_first():
