@@ -1,8 +1,12 @@
 """Fair share under overload (issue 34), engine level: FCFS and `fair` alternating on one workload.
 
 Two tenants, B arriving at twice A's rate, fixed prompt and output lengths, the engine's batch kept
-full (max_num_seqs small) so both stay backlogged; then four tenants with weights 1:2:3:4. Service is
-the paper's weighted tokens (prompt x1 when the first token comes, output x2 as they come).
+full (max_num_seqs small); unless --rate is given, A's rate is a share of the capacity measured first
+(--load: the total offered, 2.1x by default, so A sends 0.7x against a fair share of 0.5x and both stay
+backlogged). Each user's backlog is recorded over time, and the max difference is printed both over the
+whole window and over the stretches where both users had requests waiting (the paper's bound is for
+those). Then four tenants with weights 1:2:3:4. Service is the paper's weighted tokens (prompt x1 when
+the first token comes, output x2 as they come).
 
 Without --stack this runs the bare engine in this process. With --stack it drives `make run`'s stack
 (the web tier, Redis and --workers engine workers, as tests/platform/live_stack.py starts them) over
@@ -19,6 +23,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -30,6 +35,20 @@ from pathlib import Path
 from benchmarks.common import bench_model_dir, print_table, real_model_path
 from inference import LLM, SamplingParams
 from inference.fairness import service_bound
+
+
+def engine_capacity(prompt_len: int, output_len: int, max_num_seqs: int) -> float:
+    """Requests/s the bare engine finishes with its batch full: six batches' worth queued at once."""
+    llm = LLM(model=bench_model_dir(), dtype="float32", max_model_len=1024, max_num_seqs=max_num_seqs)
+    engine, rng = llm.llm_engine, random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    count = 6 * max_num_seqs
+    for i in range(count):
+        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(prompt_len)]}, params)
+    start = time.monotonic()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return count / (time.monotonic() - start)
 
 
 def run(
@@ -56,6 +75,7 @@ def run(
     tenant_of, sent_at, seen, ttft = {}, {}, {}, {tenant: [] for tenant in rates}
     served = {tenant: 0.0 for tenant in rates}
     max_diff, tokens, start = 0.0, 0, time.monotonic()
+    times, diffs, both = [], [], []  # per step: W_A - W_B and whether both tenants had requests waiting
     while (now := time.monotonic() - start) < seconds:
         for tenant, rate in rates.items():
             while next_arrival[tenant] <= now:
@@ -75,12 +95,17 @@ def run(
         if len(rates) == 2:
             a, b = (served[t] / weights[t] for t in rates)
             max_diff = max(max_diff, abs(a - b))
+            waiting = {request.tenant for _, request in engine.scheduler.waiting}
+            times.append(time.monotonic() - start)
+            diffs.append(a - b)
+            both.append(waiting >= set(rates))
     elapsed = time.monotonic() - start
     kv_tokens = engine.kv.pool.num_blocks * engine.kv.block_size
     engine.abort_request(list(engine.requests))
     return {
         "served": served,
         "max_diff": max_diff,
+        "backlogged": backlogged_diff([0.0, *times], [0.0, *diffs], [False, *both]),
         "tok_s": tokens / elapsed,
         "ttft": ttft,
         "bound": service_bound(prompt_len, min(kv_tokens, max_num_seqs * (prompt_len + output_len))),
@@ -92,9 +117,49 @@ def pct(values: list[float], q: float) -> float:
 
 
 def served_cells(run: dict) -> list:
-    """W_A, W_B, their ratio and max |W_A - W_B| of one run."""
-    served = run["served"]
-    return [round(served["A"]), round(served["B"]), served["B"] / max(served["A"], 1.0), round(run["max_diff"])]
+    """W_A, W_B, their ratio, max |W_A - W_B| over the whole window, when both users were backlogged, and
+    the max difference over any interval in which both stayed backlogged."""
+    served, backlogged = run["served"], run["backlogged"]
+    return [
+        round(served["A"]),
+        round(served["B"]),
+        served["B"] / max(served["A"], 1.0),
+        round(run["max_diff"]),
+        backlog_cell(backlogged),
+        backlogged["max_diff"] if math.isnan(backlogged["max_diff"]) else round(backlogged["max_diff"]),
+    ]
+
+
+SERVED_HEADERS = ["W_A", "W_B", "W_B/W_A", "max |W_A-W_B|", "both backlogged", "max |dW_A-dW_B| backlogged"]
+
+
+def backlogged_diff(times: list[float], diffs: list[float], both: list[bool]) -> dict:
+    """Over the stretches where both users stayed backlogged (both[i]: throughout the sample interval ending
+    at times[i]): the largest |dW_A - dW_B| over any interval inside one (the spread of W_A - W_B there,
+    since the 2U bound holds for every such interval, not only from its start), the longest stretch in
+    seconds from the window's start, and the share of the window the stretches cover."""
+    stretches, i = [], 0
+    while i < len(both):
+        j = i
+        while j < len(both) and both[j]:
+            j += 1
+        if j > i:
+            stretches.append((max(i - 1, 0), j - 1))  # the samples that bound the stretch
+        i = j + 1
+    if not stretches:
+        return {"max_diff": math.nan, "longest": None, "covered": 0.0}
+    spread = max(max(diffs[a : b + 1]) - min(diffs[a : b + 1]) for a, b in stretches)
+    a, b = max(stretches, key=lambda ab: times[ab[1]] - times[ab[0]])
+    covered = sum(times[b_] - times[a_] for a_, b_ in stretches) / max(times[-1] - times[0], 1e-9)
+    return {"max_diff": spread, "longest": (times[a] - times[0], times[b] - times[0]), "covered": covered}
+
+
+def backlog_cell(backlogged: dict) -> str:
+    """The longest stretch where both users were backlogged, and the share of the window all stretches cover."""
+    if backlogged["longest"] is None:
+        return "never"
+    low, high = backlogged["longest"]
+    return f"{low:.1f}-{high:.1f} s ({backlogged['covered']:.0%})"
 
 
 def ttft_cells(run: dict) -> list:
@@ -105,7 +170,14 @@ def ttft_cells(run: dict) -> list:
 def main(argv: list[str]) -> str:
     parser = argparse.ArgumentParser(prog="fairness")
     parser.add_argument("--seconds", type=float, default=None, help="each run's length (180; 60 with --stack)")
-    parser.add_argument("--rate", type=float, default=4.0, help="A's requests/s (B sends twice as many)")
+    parser.add_argument("--rate", type=float, default=None, help="A's requests/s (B sends twice as many)")
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=2.1,
+        help="without --rate: the total offered load as a multiple of the measured capacity (A a third of it)",
+    )
+    parser.add_argument("--calibrate-seconds", type=float, default=15.0, help="--stack: the capacity measurement")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
@@ -121,6 +193,9 @@ def main(argv: list[str]) -> str:
     args.seconds = args.seconds or (60.0 if args.stack else 180.0)
     if args.stack:
         return main_stack(args)
+    if args.rate is None:
+        args.capacity = engine_capacity(args.prompt, args.output, args.max_num_seqs)
+        args.rate = args.load / 3 * args.capacity
     rows = []
     for policy in ("fcfs", "fair"):
         result = run(
@@ -135,14 +210,12 @@ def main(argv: list[str]) -> str:
         rows.append([policy, *served_cells(result), round(result["bound"]), result["tok_s"], *ttft_cells(result)])
     tables = [
         print_table(
-            f"Two tenants, B at 2x A's rate ({args.rate}/s and {2 * args.rate}/s), prompt {args.prompt}, output "
-            f"{args.output}, max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s each (bare engine)",
+            f"Two tenants, B at 2x A's rate ({rates_line(args)}), prompt {args.prompt}, output "
+            f"{args.output}, max_num_seqs {args.max_num_seqs}, {args.seconds:.0f} s each (bare engine); both "
+            "backlogged: both had requests waiting (the longest such stretch, and the share of the window)",
             [
                 "policy",
-                "W_A",
-                "W_B",
-                "W_B/W_A",
-                "max |W_A-W_B|",
+                *SERVED_HEADERS,
                 "2U",
                 "output tok/s",
                 "A TTFT p50 ms",
@@ -168,6 +241,13 @@ def main(argv: list[str]) -> str:
     return "\n".join(tables)
 
 
+def rates_line(args) -> str:
+    rates = f"{args.rate:.2f}/s and {2 * args.rate:.2f}/s"
+    if getattr(args, "capacity", None) is None:
+        return rates
+    return f"{rates}: {args.load}x the measured capacity of {args.capacity:.2f} requests/s in all"
+
+
 # ---------------------------------------------------------------- through the served stack (--stack)
 
 
@@ -177,6 +257,7 @@ class Streamed:
     sent: float
     first: float | None = None
     last: float | None = None
+    done: float | None = None  # when it finished or failed; None if cut at the window's end
     tokens: int = 0
     error: str = ""
 
@@ -205,6 +286,9 @@ def launch(policy: str, args, work_dir: Path):
         "ENGINE_HEARTBEAT_INTERVAL": "1",
         "ENGINE_HEARTBEAT_TTL": "5",
         "ENGINE_MAX_INFLIGHT": str(args.max_inflight),
+        # one user's backlog may grow as large as the worker may hold: under a long overload the live stack's
+        # quota would refuse part of B's, and a refused request is neither service nor backlog
+        "QUOTA_CONCURRENT_REQUESTS": str(args.max_inflight),
     }
     if args.workers > 1:  # the workers share the cores instead of each spinning a thread per core
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.workers))
@@ -232,7 +316,7 @@ async def stream_one(session, url: str, key: str, prompt: list[int], max_tokens:
     try:
         async with session.post(url, json=body, headers={"Authorization": f"Bearer {key}"}) as response:
             if response.status != 200:
-                record.error = f"HTTP {response.status}"
+                record.error, record.done = f"HTTP {response.status}", time.monotonic()
                 return
             async for raw in response.content:
                 line = raw.strip()
@@ -246,11 +330,12 @@ async def stream_one(session, url: str, key: str, prompt: list[int], max_tokens:
                     record.first = record.first or now
                     record.last = now
                     record.tokens += 0 if chunk.get("usage") else 1
+        record.done = time.monotonic()
     except asyncio.CancelledError:
         record.error = "cut at the end of the window"
         raise
     except Exception as exc:  # a failed request is counted, not fatal
-        record.error = repr(exc)
+        record.error, record.done = repr(exc), time.monotonic()
 
 
 async def open_loop(base_url: str, keys: dict, rates: dict, seconds: float, args, seed: int) -> tuple[list, float]:
@@ -280,9 +365,78 @@ async def open_loop(base_url: str, keys: dict, rates: dict, seconds: float, args
     return records, start
 
 
+async def closed_loop(base_url: str, key: str, concurrency: int, seconds: float, args) -> list[Streamed]:
+    """One user keeping `concurrency` requests in flight for `seconds`; then the open ones are cut."""
+    import aiohttp
+
+    rng = random.Random(0)
+    url = base_url + "/v1/completions"
+    records: list[Streamed] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+
+        async def client() -> None:
+            while True:
+                record = Streamed("C", time.monotonic())
+                records.append(record)
+                prompt = [rng.randrange(3, 8192) for _ in range(args.prompt)]
+                await stream_one(session, url, key, prompt, args.output, record)
+
+        tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+        await asyncio.sleep(seconds)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return records
+
+
+def measure_capacity(base_url: str, key: str, args) -> float:
+    """Requests/s the stack finishes with its batches full: one user keeps twice the seats in flight; the
+    first third of the time is warm-up. Under the benchmark's flood of open streams the web tier takes more
+    of the cores, so the capacity then is lower and the users are, if anything, more backlogged."""
+    concurrency = 2 * args.max_num_seqs * args.workers
+    print(f"measuring the capacity ({concurrency} requests in flight, {args.calibrate_seconds:.0f} s) ...", flush=True)
+    records = asyncio.run(closed_loop(base_url, key, concurrency, args.calibrate_seconds, args))
+    counted_from = records[0].sent + args.calibrate_seconds / 3
+    finished = [r for r in records if r.done is not None and not r.error and r.done >= counted_from]
+    return len(finished) / (args.calibrate_seconds * 2 / 3)
+
+
+def time_grid(start: float, seconds: float, step: float = 0.5) -> list[float]:
+    return [start + step * i for i in range(int(seconds / step) + 1)]
+
+
+def open_spans(spans: list[tuple[float, float | None]], grid: list[float]) -> tuple[list[int], list[int]]:
+    """How many [begin, end) spans are open at each grid time, and the fewest open at any moment of the cell
+    (previous grid time, this one]; an end of None never comes."""
+    events = sorted([(begin, 1) for begin, _ in spans] + [(end, -1) for _, end in spans if end is not None])
+    at, fewest, count, k = [], [], 0, 0
+    for t in grid:
+        low = count
+        while k < len(events) and events[k][0] <= t:
+            count += events[k][1]
+            low = min(low, count)
+            k += 1
+        at.append(count)
+        fewest.append(low)
+    return at, fewest
+
+
+def backlog_curves(records: list[Streamed], grid: list[float]) -> dict:
+    """Per user, client-side: requests in flight (sent, not finished) and waiting (sent, no first token yet)
+    at each grid time, and whether some request waited throughout each grid cell (the user was backlogged)."""
+    curves = {}
+    for user in sorted({r.user for r in records}):
+        mine = [r for r in records if r.user == user]
+        in_flight, _ = open_spans([(r.sent, r.done) for r in mine], grid)
+        waiting, fewest = open_spans([(r.sent, r.first or r.done) for r in mine], grid)
+        curves[user] = {"in_flight": in_flight, "waiting": waiting, "backlogged": [n >= 1 for n in fewest]}
+    return curves
+
+
 def service_curves(records: list[Streamed], start: float, seconds: float, prompt: int, step: float = 0.5) -> dict:
     """W_user(t): prompt x1 + output x2 of each request, spread evenly over [first token, last token]."""
-    grid = [start + step * i for i in range(int(seconds / step) + 1)]
+    grid = time_grid(start, seconds, step)
     curves = {user: [0.0] * len(grid) for user in {r.user for r in records}}
     for r in records:
         if r.first is None or r.last is None:
@@ -298,6 +452,10 @@ def stack_run(policy: str, args, work_dir: Path, first_round: bool = True) -> di
     """The two users' workload; on the first round's fair stack, the weighted users and the interactive one too."""
     with launch(policy, args, work_dir) as stack:
         keys = {"A": key_for(stack, "user-a"), "B": stack.api_key}
+        if args.rate is None:  # the first stack measures the capacity every run's rates come from
+            args.capacity = measure_capacity(stack.base_url, keys["B"], args)
+            args.rate = args.load / 3 * args.capacity
+            time.sleep(2)  # the cut requests' aborts reach the worker before the users start
         rates = {"A": args.rate, "B": 2 * args.rate}
         records, start = asyncio.run(open_loop(stack.base_url, keys, rates, args.seconds, args, seed=1))
         result = summarize_stack(records, start, args)
@@ -334,17 +492,28 @@ def weighted_shares(stack, args) -> dict[str, float]:
 
 def summarize_stack(records: list[Streamed], start: float, args) -> dict:
     curves = service_curves(records, start, args.seconds, args.prompt)
-    a, b = curves.get("A", [0.0]), curves.get("B", [0.0])
+    grid = time_grid(start, args.seconds)
+    a, b = curves.get("A", [0.0] * len(grid)), curves.get("B", [0.0] * len(grid))
+    backlog = backlog_curves(records, grid)
+    idle = {"in_flight": [0] * len(grid), "waiting": [0] * len(grid), "backlogged": [False] * len(grid)}
+    backlog_a, backlog_b = backlog.get("A", idle), backlog.get("B", idle)
+    both = [x and y for x, y in zip(backlog_a["backlogged"], backlog_b["backlogged"])]
     tokens = sum(r.tokens for r in records)
     ttft = {u: [(r.first - r.sent) * 1000 for r in records if r.user == u and r.first] for u in ("A", "B")}
-    points = [int(len(a) * k / 6) for k in range(1, 7)]
+    points = [min(int(len(a) * k / 6), len(a) - 1) for k in range(1, 7)]
     return {
         "served": {"A": a[-1], "B": b[-1]},
         "over_time": [
-            (round(k * args.seconds / 6), a[min(i, len(a) - 1)], b[min(i, len(b) - 1)])
+            (
+                round(k * args.seconds / 6),
+                a[i],
+                b[i],
+                *(user[key][i] for key in ("waiting", "in_flight") for user in (backlog_a, backlog_b)),
+            )
             for k, i in zip(range(1, 7), points)
         ],
         "max_diff": max(abs(x - y) for x, y in zip(a, b)),
+        "backlogged": backlogged_diff([t - start for t in grid], [x - y for x, y in zip(a, b)], both),
         "tok_s": tokens / args.seconds,
         "sent": {u: sum(r.user == u for r in records) for u in ("A", "B")},
         "finished": sum(r.last is not None and not r.error for r in records) / args.seconds,
@@ -389,20 +558,19 @@ def main_stack(args) -> str:
         for run_ in runs:
             cells = [run_["tok_s"], run_["finished"], run_["preemptions"], *ttft_cells(run_)]
             rows.append([policy, *served_cells(run_), round(bound), *cells])
-            over_time += [[policy, t, round(wa), round(wb)] for t, wa, wb in run_["over_time"]]
+            over_time += [[policy, t, round(wa), round(wb), *backlog] for t, wa, wb, *backlog in run_["over_time"]]
     sent = results["fair"][0]["sent"]
     tables = [
         print_table(
-            f"Through the stack ({args.model}, {args.workers} worker(s)): B at 2x A's rate ({args.rate}/s and "
-            f"{2 * args.rate}/s; {sent['A']} and {sent['B']} requests sent in {args.seconds:.0f} s), prompt "
+            f"Through the stack ({args.model}, {args.workers} worker(s)): B at 2x A's rate ({rates_line(args)}; "
+            f"{sent['A']} and {sent['B']} requests sent in {args.seconds:.0f} s), prompt "
             f"{args.prompt}, output {args.output}, max_num_seqs {args.max_num_seqs}, worker max_inflight "
-            f"{args.max_inflight}; service = prompt x1 + output x2, spread over [first token, last token]",
+            f"{args.max_inflight}; service = prompt x1 + output x2, spread over [first token, last token]; both "
+            "backlogged: each user had a request waiting for its first token (client-side; the longest such "
+            "stretch, and the share of the window)",
             [
                 "policy",
-                "W_A",
-                "W_B",
-                "W_B/W_A",
-                "max |W_A-W_B|",
+                *SERVED_HEADERS,
                 "2U",
                 "output tok/s",
                 "finished req/s",
@@ -414,7 +582,12 @@ def main_stack(args) -> str:
             ],
             rows,
         ),
-        print_table("Served weighted tokens over time", ["policy", "t s", "W_A", "W_B"], over_time),
+        print_table(
+            "Served weighted tokens and each user's backlog over time (client-side: waiting = sent, no first token "
+            "yet; in flight = sent, not finished)",
+            ["policy", "t s", "W_A", "W_B", "A waiting", "B waiting", "A in flight", "B in flight"],
+            over_time,
+        ),
     ]
     pairs = list(zip(results["fcfs"], results["fair"]))
     per_round = [
@@ -433,7 +606,7 @@ def main_stack(args) -> str:
     shares = results["fair"][0]["weighted"]
     tables.append(
         print_table(
-            f"Four users on plans of share 1:2:3:4, each at {args.rate}/s for {args.seconds:.0f} s (fair)",
+            f"Four users on plans of share 1:2:3:4, each at {args.rate:.2f}/s for {args.seconds:.0f} s (fair)",
             ["user", "share", "service share", "target"],
             [[user, WEIGHTS[user], shares[user], WEIGHTS[user] / sum(WEIGHTS.values())] for user in WEIGHTS],
         )
@@ -442,7 +615,7 @@ def main_stack(args) -> str:
     tables.append(
         print_table(
             f"Interactive user: one request every {args.interactive_interval} s, {args.interactive_seconds:.0f} s "
-            f"alone, then as long with another user flooding at {3 * args.rate}/s (fair)",
+            f"alone, then as long with another user flooding at {3 * args.rate:.2f}/s (fair)",
             ["phase", "requests", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"],
             [[phase, len(v), pct(v, 50), pct(v, 90), pct(v, 99)] for phase, v in inter.items()],
         )
