@@ -243,16 +243,18 @@ class Scheduler:
     def _take_seat(self, head: Request, out: SchedulerOutput) -> Request | None:
         """A full batch: the head, or else the best waiting request the policy lets pass it, preempts a
         running request it outranks; returns which of them got the seat."""
+        seats: Counter[Hashable] = Counter(r.tenant_key for r in self.running)
+        most = max(seats.values(), default=0)
         others = [r for r in self.waiting.heads() if r is not head and r not in out.preempted]
-        passing = sorted((r for r in others if self.policy.may_pass(r, head)), key=self.policy.key)
+        passing = sorted((r for r in others if self.policy.may_pass(r, head, seats, most)), key=self.policy.key)
         for request in [head, *passing]:
-            if self._preempt_lower(request, out):
+            if self._preempt_lower(request, out, seats):
                 return request
         return None
 
-    def _preempt_lower(self, request: Request, out: SchedulerOutput) -> bool:
+    def _preempt_lower(self, request: Request, out: SchedulerOutput, seats: Counter[Hashable] | None = None) -> bool:
         """A waiting request preempts the worst running request it outranks (policy.outranks)."""
-        seats: Counter[Hashable] = Counter(r.tenant_key for r in self.running)
+        seats = seats or Counter(r.tenant_key for r in self.running)
         candidates = [r for r in self.running if self.policy.outranks(request, r, seats)]
         if not candidates:
             return False
