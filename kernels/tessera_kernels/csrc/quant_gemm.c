@@ -22,6 +22,13 @@
 
 #include "bf16.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
+
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -252,6 +259,29 @@ static inline void decode_row(const format *f, const uint8_t *row, int64_t k, ui
 /* ---- activations to int8 ----------------------------------------------------------------------- */
 
 /* Per block of 32: d = max|x| / 127, q = round(x / d); gsum[g] = d * sum of q over group g (16). */
+#if defined(__AVX512F__)
+static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
+    if (!is_bf16) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* The loop below, 16 values a vector: the same roundings (to nearest even), so the same codes. */
+static void quantize_activation_row(const void *x, int is_bf16, int64_t k, int8_t *q, float *d, float *gsum) {
+    for (int64_t b = 0; b < k / ABLOCK; b++) {
+        const __m512 low = load16(x, b * ABLOCK, is_bf16), high = load16(x, b * ABLOCK + 16, is_bf16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+        const float scale = amax / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
+        const __m512i low_codes = _mm512_cvtps_epi32(_mm512_mul_ps(low, _mm512_set1_ps(inverse)));
+        const __m512i high_codes = _mm512_cvtps_epi32(_mm512_mul_ps(high, _mm512_set1_ps(inverse)));
+        _mm_storeu_si128((__m128i *)(q + b * ABLOCK), _mm512_cvtepi32_epi8(low_codes));
+        _mm_storeu_si128((__m128i *)(q + b * ABLOCK + 16), _mm512_cvtepi32_epi8(high_codes));
+        d[b] = scale;
+        gsum[2 * b] = scale * (float)_mm512_reduce_add_epi32(low_codes);
+        gsum[2 * b + 1] = scale * (float)_mm512_reduce_add_epi32(high_codes);
+    }
+}
+#else
 static void quantize_activation_row(const void *x, int is_bf16, int64_t k, int8_t *q, float *d, float *gsum) {
     for (int64_t b = 0; b < k / ABLOCK; b++) {
         float v[ABLOCK], amax = 0.f;
@@ -271,6 +301,7 @@ static void quantize_activation_row(const void *x, int is_bf16, int64_t k, int8_
         gsum[2 * b + 1] = scale * (float)sums[1];
     }
 }
+#endif
 
 /* ---- the dot product of a decoded row with a quantized activation row -------------------------- */
 
@@ -380,6 +411,376 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
     return total;
 }
 
+/* ---- the fused path (AVX-512 VNNI): codes made in registers, 64 values at a time ---------------
+ *
+ * The common types skip the decoded scratch row: each 64 values of a weight row become 64 unsigned
+ * codes in one register straight from the block's bytes, and their scales a vector of 16 lanes (one
+ * lane per 4 values, the span of one vpdpbusd sum). An activation row is laid out per lane too, once
+ * per call: its block scale d, the integer sum of the lane's 4 values, and d times that sum. Then,
+ * per lane l of each 64 values,
+ *
+ *   symmetric types (w = scale * (code - offset)):  acc += scale_l * d_l * (sum code q - offset * sum q)
+ *   types with a min    (w = scale * code - min):   acc += scale_l * d_l * sum code q - min_l * d_l * sum q
+ *
+ * where the offset (a power of two) is subtracted in integers before the one conversion to float.
+ * Each activation row's arithmetic is the same whatever rows run beside it, so a row's output does not
+ * depend on the batch (speculative verification relies on it). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define FUSED_ROWS 4 /* activation rows that share each 64 decoded codes */
+/* Accumulators per activation row: one set for even chunks and one for odd chunks, each with the
+ * scaled dot products and, for types with a min, the min terms apart. */
+#define ACC_SET (2 * FUSED_ROWS)
+#define ACCUMULATORS (2 * ACC_SET)
+
+typedef struct {
+    const int8_t *q;
+    const float *scale;       /* per lane: the block's d */
+    const int32_t *sum;       /* per lane: sum of its 4 q */
+    const float *scaled_sum;  /* per lane: d * sum */
+} lanes;
+
+static void activation_lanes(const int8_t *q, const float *d, int64_t k, float *scale, int32_t *sum,
+                             float *scaled_sum) {
+    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t i = 0; i < k; i += 64) {
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q + i));
+        const __m128 two_blocks = _mm_castpd_ps(_mm_load_sd((const double *)(d + i / ABLOCK)));
+        const __m512 block_scale = _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(two_blocks));
+        _mm512_storeu_ps(scale + i / 4, block_scale);
+        _mm512_storeu_si512(sum + i / 4, sums);
+        _mm512_storeu_ps(scaled_sum + i / 4, _mm512_mul_ps(block_scale, _mm512_cvtepi32_ps(sums)));
+    }
+}
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE void dot_symmetric(__m512i codes, __m512 weight_scale, int offset_shift, const lanes *a, int64_t at,
+                                 int rows, __m512 *acc) {
+    for (int j = 0; j < rows; j++) {
+        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(a[j].sum + at / 4), offset_shift);
+        const __m512i dots =
+            _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), offset), codes, _mm512_loadu_si512(a[j].q + at));
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
+        acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
+    }
+}
+
+ALWAYS_INLINE void dot_with_min(__m512i codes, __m512 weight_scale, __m512 weight_min, const lanes *a, int64_t at,
+                                int rows, __m512 *acc) {
+    for (int j = 0; j < rows; j++) {
+        const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(a[j].q + at));
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
+        acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
+        acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(weight_min, _mm512_loadu_ps(a[j].scaled_sum + at / 4), acc[FUSED_ROWS + j]);
+    }
+}
+
+/* Per activation row: the sum of its accumulators, reduced to one float. */
+ALWAYS_INLINE void zero_accumulators(__m512 *acc) {
+    for (int j = 0; j < ACCUMULATORS; j++) acc[j] = _mm512_setzero_ps();
+}
+
+ALWAYS_INLINE void row_totals(const __m512 *acc, int rows, float *out) {
+    for (int j = 0; j < rows; j++) {
+        const __m512 even = _mm512_add_ps(acc[j], acc[FUSED_ROWS + j]);
+        const __m512 odd = _mm512_add_ps(acc[ACC_SET + j], acc[ACC_SET + FUSED_ROWS + j]);
+        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
+}
+
+ALWAYS_INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
+ALWAYS_INLINE __m256i low_nibbles256(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xf)); }
+ALWAYS_INLINE __m256i high_nibbles256(__m256i v) { return low_nibbles256(_mm256_srli_epi16(v, 4)); }
+
+/* 64 codes from 32 bytes whose low nibbles are values 0-31 and high nibbles values 32-63 (Q4_K, Q5_K). */
+ALWAYS_INLINE __m512i nibbles64(const uint8_t *qs) {
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)qs);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles256(packed)), high_nibbles256(packed), 1);
+}
+
+/* Two 32-value blocks' codes from their 16 bytes of nibbles each (low nibbles first, as `nibbles`). */
+ALWAYS_INLINE __m512i nibble_pair(const uint8_t *qs_a, const uint8_t *qs_b) {
+    const __m256i packed = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)qs_b), _mm_loadu_si128((const __m128i *)qs_a));
+    const __m512i low_then_high =
+        _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles256(packed)), high_nibbles256(packed), 1);
+    return _mm512_shuffle_i64x2(low_then_high, low_then_high, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* Sets bit 4 of code j where bit j of `bits` is set. */
+ALWAYS_INLINE __m512i with_fifth_bits(__m512i codes, uint64_t bits) {
+    return _mm512_or_si512(codes, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
+}
+
+ALWAYS_INLINE uint64_t fifth_bits_pair(const uint8_t *qh_a, const uint8_t *qh_b) {
+    uint32_t a, b;
+    memcpy(&a, qh_a, 4);
+    memcpy(&b, qh_b, 4);
+    return (uint64_t)a | ((uint64_t)b << 32);
+}
+
+/* Lanes 0-7 one value, lanes 8-15 another: the scales of two 32-value blocks. */
+ALWAYS_INLINE __m512 two_halves(float low, float high) {
+    return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(low), _mm512_set1_ps(high));
+}
+
+/* Elements [first] in lanes 0-7 and [second] in lanes 8-15 of four floats. */
+ALWAYS_INLINE __m512 spread_pair(__m128 four, int first, int second) {
+    const __m512i index = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(first), _mm512_set1_epi32(second));
+    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(four));
+}
+
+/* Two blocks' f16 scales (at a and b) as [a, b, 0, 0], one conversion for both. */
+ALWAYS_INLINE __m128 two_f16(const uint8_t *a, const uint8_t *b) {
+    uint16_t ha, hb;
+    memcpy(&ha, a, 2);
+    memcpy(&hb, b, 2);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)ha | ((int)hb << 16)));
+}
+
+/* Two blocks' f16 pairs (d, m at a and at b) as [d_a, m_a, d_b, m_b]. */
+ALWAYS_INLINE __m128 two_f16_pairs(const uint8_t *a, const uint8_t *b) {
+    uint32_t pa, pb;
+    memcpy(&pa, a, 4);
+    memcpy(&pb, b, 4);
+    return _mm_cvtph_ps(_mm_cvtsi64_si128((int64_t)((uint64_t)pa | ((uint64_t)pb << 32))));
+}
+
+/* The 32-value block types, two blocks (one chunk of 64 values) at a time; `pair` is the first block. */
+ALWAYS_INLINE void chunk_q4_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
+    const __m512i codes = nibble_pair(pair + 2, pair + 18 + 2);
+    dot_symmetric(codes, spread_pair(two_f16(pair, pair + 18), 0, 1), 3, a, at, rows, acc);
+}
+
+ALWAYS_INLINE void chunk_q4_1(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
+    const __m512i codes = nibble_pair(pair + 4, pair + 20 + 4);
+    const __m128 d_m = two_f16_pairs(pair, pair + 20); /* w = d * code + m */
+    const __m512 scale = spread_pair(d_m, 0, 2), min = spread_pair(_mm_sub_ps(_mm_setzero_ps(), d_m), 1, 3);
+    dot_with_min(codes, scale, min, a, at, rows, acc);
+}
+
+ALWAYS_INLINE void chunk_q5_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
+    const __m512i codes = with_fifth_bits(nibble_pair(pair + 6, pair + 22 + 6), fifth_bits_pair(pair + 2, pair + 22 + 2));
+    dot_symmetric(codes, spread_pair(two_f16(pair, pair + 22), 0, 1), 4, a, at, rows, acc);
+}
+
+ALWAYS_INLINE void chunk_q5_1(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
+    const __m512i codes = with_fifth_bits(nibble_pair(pair + 8, pair + 24 + 8), fifth_bits_pair(pair + 4, pair + 24 + 4));
+    const __m128 d_m = two_f16_pairs(pair, pair + 24);
+    const __m512 scale = spread_pair(d_m, 0, 2), min = spread_pair(_mm_sub_ps(_mm_setzero_ps(), d_m), 1, 3);
+    dot_with_min(codes, scale, min, a, at, rows, acc);
+}
+
+ALWAYS_INLINE void chunk_q8_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
+    const __m256i block_a = _mm256_loadu_si256((const __m256i *)(pair + 2));
+    const __m256i block_b = _mm256_loadu_si256((const __m256i *)(pair + 34 + 2));
+    const __m512i codes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(block_a), block_b, 1),
+                                           _mm512_set1_epi8((char)0x80)); /* int8 + 128 */
+    dot_symmetric(codes, spread_pair(two_f16(pair, pair + 34), 0, 1), 7, a, at, rows, acc);
+}
+
+/* A row of 32-value blocks, chunk by chunk, even and odd chunks into their own accumulators so that
+ * consecutive chunks' multiply-adds do not wait on each other. */
+#define PAIRED_CHUNKS(chunk_fn, block_bytes)                                        \
+    __m512 acc[ACCUMULATORS];                                                       \
+    zero_accumulators(acc);                                                         \
+    int64_t i = 0;                                                                  \
+    for (; i + 128 <= k; i += 128, row += 4 * (block_bytes)) {                      \
+        chunk_fn(row, a, i, rows, acc);                                             \
+        chunk_fn(row + 2 * (block_bytes), a, i + 64, rows, acc + ACC_SET);          \
+    }                                                                               \
+    if (i < k) chunk_fn(row, a, i, rows, acc);                                      \
+    row_totals(acc, rows, out)
+
+ALWAYS_INLINE void row_q4_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    PAIRED_CHUNKS(chunk_q4_0, 18);
+}
+ALWAYS_INLINE void row_q4_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    PAIRED_CHUNKS(chunk_q4_1, 20);
+}
+ALWAYS_INLINE void row_q5_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    PAIRED_CHUNKS(chunk_q5_0, 22);
+}
+ALWAYS_INLINE void row_q5_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    PAIRED_CHUNKS(chunk_q5_1, 24);
+}
+ALWAYS_INLINE void row_q8_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    PAIRED_CHUNKS(chunk_q8_0, 34);
+}
+
+/* A Q4_K / Q5_K block's eight 6-bit scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin),
+ * unpacked from their 12 bytes four at a time (the layout k_scale_min reads one by one). */
+ALWAYS_INLINE __m512 k_block_scales(const uint8_t *block) {
+    uint32_t u[4];
+    memcpy(u, block + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4); /* mins 4-7 */
+    const uint32_t mins_low = u[1] & 0x3f3f3f3f;                          /* mins 0-3 */
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);       /* scales 4-7 */
+    u[2] = mins_low;
+    u[0] &= 0x3f3f3f3f; /* scales 0-3 */
+    const __m512 six_bit = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)));
+    return _mm512_mul_ps(six_bit, two_halves(half_to_float(block), half_to_float(block + 2)));
+}
+
+/* Lanes 0-7 element `low` of v, lanes 8-15 element `high`. */
+ALWAYS_INLINE __m512 spread_two(__m512 v, int low, int high) {
+    return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(low), _mm512_set1_epi32(high)), v);
+}
+
+ALWAYS_INLINE void row_q4_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    __m512 acc[ACCUMULATORS];
+    zero_accumulators(acc);
+    for (int64_t i = 0; i < k; i += 256, row += 144) {
+        const __m512 scales = k_block_scales(row);
+        for (int c = 0; c < 4; c++) {
+            const __m512i codes = nibbles64(row + 16 + 32 * c);
+            dot_with_min(codes, spread_two(scales, 2 * c, 2 * c + 1), spread_two(scales, 8 + 2 * c, 9 + 2 * c), a,
+                         i + 64 * c, rows, acc + (c & 1) * ACC_SET);
+        }
+    }
+    row_totals(acc, rows, out);
+}
+
+ALWAYS_INLINE void row_q5_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    __m512 acc[ACCUMULATORS];
+    zero_accumulators(acc);
+    for (int64_t i = 0; i < k; i += 256, row += 176) {
+        const __m512 scales = k_block_scales(row);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(row + 16));
+        for (int c = 0; c < 4; c++) {
+            const uint64_t low = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c))));
+            const uint64_t high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * c))));
+            const __m512i codes = with_fifth_bits(nibbles64(row + 48 + 32 * c), low | (high << 32));
+            dot_with_min(codes, spread_two(scales, 2 * c, 2 * c + 1), spread_two(scales, 8 + 2 * c, 9 + 2 * c), a,
+                         i + 64 * c, rows, acc + (c & 1) * ACC_SET);
+        }
+    }
+    row_totals(acc, rows, out);
+}
+
+/* Q6_K: 64 values hold 4 groups of 16, each with its own int8 scale; lane l is in group 4c + l / 4. */
+ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    __m512 acc[ACCUMULATORS];
+    zero_accumulators(acc);
+    const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i two_bits = _mm512_set1_epi8(0x30);
+    for (int64_t i = 0; i < k; i += 256, row += 210) {
+        const __m512 scales = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)))),
+            _mm512_set1_ps(half_to_float(row + 208)));
+        for (int half = 0; half < 2; half++) {
+            const __m512i low = _mm512_loadu_si512(row + 64 * half);
+            const __m256i high = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * half));
+            for (int part = 0; part < 2; part++) { /* values 0-63 of the half, then 64-127 */
+                const __m512i nibble = low_nibbles(part ? _mm512_srli_epi16(low, 4) : low);
+                const __m256i first = _mm256_srli_epi16(high, 4 * part), second = _mm256_srli_epi16(high, 4 * part + 2);
+                const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+                const __m512i codes = _mm512_or_si512(nibble, _mm512_and_si512(_mm512_slli_epi16(top, 4), two_bits));
+                const int c = 2 * half + part;
+                const __m512 weight_scale =
+                    _mm512_permutexvar_ps(_mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * c)), scales);
+                dot_symmetric(codes, weight_scale, 5, a, i + 64 * c, rows, acc + part * ACC_SET);
+            }
+        }
+    }
+    row_totals(acc, rows, out);
+}
+
+/* What every thread of one fused_linear call shares. */
+typedef struct {
+    const lanes *a;
+    int64_t m, k, row_bytes, ldy;
+    const uint8_t *w;
+    const void *bias;
+    void *y;
+    int is_bf16;
+} fused_job;
+
+/* Weight rows [first, last) against every activation row, FUSED_ROWS at a time, each count of
+ * rows (1..FUSED_ROWS) a constant in its own copy of row_fn. */
+#define ROW_RANGE(row_fn)                                                                              \
+    for (int64_t n = first; n < last; n++) {                                                           \
+        const uint8_t *row = job->w + n * job->row_bytes;                                              \
+        const float row_bias = job->bias ? load_float(job->bias, n, job->is_bf16) : 0.f;               \
+        for (int64_t r = 0; r < job->m; r += FUSED_ROWS) {                                             \
+            const lanes *a = job->a + r;                                                               \
+            const int64_t k = job->k, count = job->m - r < FUSED_ROWS ? job->m - r : FUSED_ROWS;       \
+            float out[FUSED_ROWS];                                                                     \
+            switch (count) {                                                                           \
+            case 1: row_fn(row, k, a, 1, out); break;                                                  \
+            case 2: row_fn(row, k, a, 2, out); break;                                                  \
+            case 3: row_fn(row, k, a, 3, out); break;                                                  \
+            default: row_fn(row, k, a, FUSED_ROWS, out); break;                                        \
+            }                                                                                          \
+            for (int j = 0; j < count; j++)                                                            \
+                store_float(job->y, (r + j) * job->ldy + n, out[j] + row_bias, job->is_bf16);          \
+        }                                                                                              \
+    }                                                                                                  \
+    break
+
+static void fused_rows(int type, const fused_job *job, int64_t first, int64_t last) {
+    switch (type) {
+    case Q4_0: ROW_RANGE(row_q4_0);
+    case Q4_1: ROW_RANGE(row_q4_1);
+    case Q5_0: ROW_RANGE(row_q5_0);
+    case Q5_1: ROW_RANGE(row_q5_1);
+    case Q8_0: ROW_RANGE(row_q8_0);
+    case Q4_K: ROW_RANGE(row_q4_k);
+    case Q5_K: ROW_RANGE(row_q5_k);
+    case Q6_K: ROW_RANGE(row_q6_k);
+    }
+}
+
+static int fused_supported(int type, int64_t k) {
+    return k % 64 == 0 && (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 ||
+                           type == Q4_K || type == Q5_K || type == Q6_K);
+}
+
+/* gguf_linear for fused_supported types: q and d are the quantized activation rows. */
+static int fused_linear(const int8_t *q, const float *d, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+                        int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    const int64_t lane_count = k / 4;
+    float *scale = malloc(sizeof(float) * (size_t)(m * lane_count));
+    int32_t *sum = malloc(sizeof(int32_t) * (size_t)(m * lane_count));
+    float *scaled_sum = malloc(sizeof(float) * (size_t)(m * lane_count));
+    lanes *a = malloc(sizeof(lanes) * (size_t)m);
+    int status = 0;
+    if (!scale || !sum || !scaled_sum || !a) {
+        status = -2;
+        goto done;
+    }
+    for (int64_t r = 0; r < m; r++) {
+        activation_lanes(q + r * k, d + r * (k / ABLOCK), k, scale + r * lane_count, sum + r * lane_count,
+                         scaled_sum + r * lane_count);
+        a[r] = (lanes){q + r * k, scale + r * lane_count, sum + r * lane_count, scaled_sum + r * lane_count};
+    }
+    const fused_job job = {a, m, k, row_bytes, ldy, w, bias, y, is_bf16};
+    const int threads = rows < num_threads ? (int)rows : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t share = (rows + omp_get_num_threads() - 1) / omp_get_num_threads();
+        const int64_t first = share * omp_get_thread_num(), last = first + share < rows ? first + share : rows;
+        if (first < last) fused_rows(type, &job, first, last);
+    }
+done:
+    free(scale);
+    free(sum);
+    free(scaled_sum);
+    free(a);
+    return status;
+}
+#else
+static int fused_supported(int type, int64_t k) {
+    (void)type, (void)k;
+    return 0;
+}
+static int fused_linear(const int8_t *q, const float *d, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+                        int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    (void)q, (void)d, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
+    (void)ldy, (void)is_bf16, (void)num_threads;
+    return -1;
+}
+#endif
+
 /* ---- entry points ---------------------------------------------------------------------------- */
 
 int gguf_supported(int type) {
@@ -407,6 +808,10 @@ int gguf_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t 
     for (int64_t r = 0; r < m; r++)
         quantize_activation_row((const char *)x + r * ldx * (is_bf16 ? 2 : 4), is_bf16, k, q + r * k, d + r * blocks,
                                 gsum + r * groups);
+    if (fused_supported(type, k)) {
+        status = fused_linear(q, d, m, k, w, row_bytes, rows, type, bias, y, ldy, is_bf16, num_threads);
+        goto done;
+    }
     const int64_t tiles = (rows + TILE - 1) / TILE;
     const int threads = tiles < num_threads ? (int)tiles : num_threads;
 #pragma omp parallel num_threads(threads)
