@@ -522,23 +522,43 @@ def summarize_stack(records: list[Streamed], start: float, args) -> dict:
 
 
 def interactive(stack, keys: dict, args) -> dict:
-    """User A sends one short request every `interval` s, alone and then while user B floods. A's client runs
+    """User A chats: one short request, its whole reply, a pause of about `interval` s, the next request;
+    alone and then while user B floods as in the two-user workload (twice A's rate there). A's client runs
     in a process of its own, as another user's would: it shares no event loop and no garbage collector with
     the flood's thousand open streams."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         pool.apply(time.sleep, (0,))  # the probe's process is up before either phase starts
         alone = pool.apply(probe_ttfts, (stack.base_url, keys["A"], args, 2))
         loaded = pool.apply_async(probe_ttfts, (stack.base_url, keys["A"], args, 3))
-        flood = {"B": 3 * args.rate}  # a second longer than the probe, so each of A's requests meets it
+        flood = {"B": flood_rate(args)}  # a second longer than the probe, so each of A's requests meets it
         asyncio.run(open_loop(stack.base_url, keys, flood, args.interactive_seconds + 1, args, seed=5))
         return {"alone": alone, "flood": loaded.get()}
 
 
+def flood_rate(args) -> float:
+    return 2 * args.rate
+
+
 def probe_ttfts(base_url: str, key: str, args, seed: int) -> list[float]:
-    """The interactive user's TTFTs in ms over args.interactive_seconds."""
-    probe = {"A": 1.0 / args.interactive_interval}
-    records, _ = asyncio.run(open_loop(base_url, {"A": key}, probe, args.interactive_seconds, args, seed))
+    """The interactive user's TTFTs in ms over args.interactive_seconds: a closed loop, as a person chats
+    (the next message after the last reply and a pause drawn with mean args.interactive_interval)."""
+    records = asyncio.run(chat_loop(base_url, key, args, random.Random(seed)))
     return [(r.first - r.sent) * 1000 for r in records if r.first]
+
+
+async def chat_loop(base_url: str, key: str, args, rng: random.Random) -> list[Streamed]:
+    import aiohttp
+
+    records: list[Streamed] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        end = time.monotonic() + args.interactive_seconds
+        while time.monotonic() < end:
+            record = Streamed("A", time.monotonic())
+            records.append(record)
+            prompt = [rng.randrange(3, 8192) for _ in range(args.prompt)]
+            await stream_one(session, base_url + "/v1/completions", key, prompt, args.output, record)
+            await asyncio.sleep(rng.expovariate(1.0 / args.interactive_interval))
+    return records
 
 
 def main_stack(args) -> str:
@@ -614,8 +634,9 @@ def main_stack(args) -> str:
     inter = results["fair"][0]["interactive"]
     tables.append(
         print_table(
-            f"Interactive user: one request every {args.interactive_interval} s, {args.interactive_seconds:.0f} s "
-            f"alone, then as long with another user flooding at {3 * args.rate:.2f}/s (fair)",
+            f"Interactive user: one request, its reply, a pause of {args.interactive_interval} s on average, for "
+            f"{args.interactive_seconds:.0f} s alone, then as long with another user flooding at "
+            f"{flood_rate(args):.2f}/s (fair)",
             ["phase", "requests", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms"],
             [[phase, len(v), pct(v, 50), pct(v, 90), pct(v, 99)] for phase, v in inter.items()],
         )
