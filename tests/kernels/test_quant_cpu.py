@@ -1,7 +1,8 @@
 """kernels/tessera_kernels/quant_cpu.py (csrc/quant_gemm.c) against the gguf package's dequantization.
 
-Every kernel type, on three builds of the library: as the engine builds it (AVX-512 VNNI on the
-machines we run on), without AVX-512 (the AVX2 loop) and without AVX2 (the plain C loop).
+Every kernel type, on four builds of the library: as the engine builds it (AVX-512 VNNI and VBMI on the
+machines we run on), without VBMI (the fused path's plain nibble shuffles), without AVX-512 (the AVX2
+loop) and without AVX2 (the plain C loop).
 
 Tolerance: the kernel quantizes each activation block of 32 values to int8 (step max|x| / 127),
 so an output may differ from the dequantize-then-matmul reference by up to
@@ -27,6 +28,7 @@ from tessera_kernels import native_cpu, quant_cpu
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 BUILDS = {
     "engine build": (),
+    "AVX-512 without VBMI": ("-mno-avx512vbmi",),
     "AVX2 build": ("-mno-avx512f",),
     "portable build": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"),
 }
@@ -115,6 +117,20 @@ def test_the_integer_kernel_on_many_rows_in_blocks_of_four(lib, kind):
     x = torch.randn(quant_cpu.DEQUANTIZE_FROM_ROWS + 3, cols, generator=torch.Generator().manual_seed(12))
     out = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
     assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), dequantized(packed, kind), x)
+
+
+@pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_activation_row_comes_out_as_it_does_alone(lib, kind, dtype):
+    # speculative verification scores 1 + k rows in one call and must give each the bits a one-row
+    # decode gives it: below the crossover a row's output may not depend on the rows beside it
+    cols, rows_in = 512, 7  # a block of 4 rows and a rest of 3
+    packed = gguf_blocks(kind, 37, cols, seed=21)
+    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(22)).to(dtype)
+    together = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
+    for row in range(rows_in):
+        alone = quant_cpu.integer_linear(x[row : row + 1], packed, kind, cols, library=lib)
+        assert torch.equal(together[row], alone[0])
 
 
 def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

@@ -437,6 +437,7 @@ typedef struct {
     const float *scale;       /* per lane: the block's d */
     const int32_t *sum;       /* per lane: sum of its 4 q */
     const float *scaled_sum;  /* per lane: d * sum */
+    const float *block_sum;   /* per block of 32: d * sum of its q */
 } lanes;
 
 static void activation_lanes(const int8_t *q, const float *d, int64_t k, float *scale, int32_t *sum,
@@ -465,26 +466,56 @@ ALWAYS_INLINE void dot_symmetric(__m512i codes, __m512 weight_scale, int offset_
     }
 }
 
-ALWAYS_INLINE void dot_with_min(__m512i codes, __m512 weight_scale, __m512 weight_min, const lanes *a, int64_t at,
-                                int rows, __m512 *acc) {
+/* The scale term alone: the K-quants subtract their mins once a block (block_mins). */
+ALWAYS_INLINE void dot_scaled(__m512i codes, __m512 weight_scale, const lanes *a, int64_t at, int rows, __m512 *acc) {
     for (int j = 0; j < rows; j++) {
         const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(a[j].q + at));
         const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
         acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
-        acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(weight_min, _mm512_loadu_ps(a[j].scaled_sum + at / 4), acc[FUSED_ROWS + j]);
     }
 }
 
-/* Per activation row: the sum of its accumulators, reduced to one float. */
+ALWAYS_INLINE void dot_with_min(__m512i codes, __m512 weight_scale, __m512 weight_min, const lanes *a, int64_t at,
+                                int rows, __m512 *acc) {
+    dot_scaled(codes, weight_scale, a, at, rows, acc);
+    for (int j = 0; j < rows; j++)
+        acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(weight_min, _mm512_loadu_ps(a[j].scaled_sum + at / 4), acc[FUSED_ROWS + j]);
+}
+
+/* A K-quant block's min term: its 8 mins (lanes 8-15 of `scales`) times the activation's 8 block sums. */
+ALWAYS_INLINE void block_mins(__m512 scales, const lanes *a, int64_t at, int rows, __m512 *acc) {
+    const __m512i upper_half = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 14, 13, 12, 11, 10, 9, 8);
+    const __m512 mins = _mm512_maskz_permutexvar_ps(0x00ff, upper_half, scales);
+    for (int j = 0; j < rows; j++) {
+        const __m512 sums = _mm512_maskz_loadu_ps(0x00ff, a[j].block_sum + at / ABLOCK);
+        acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(mins, sums, acc[FUSED_ROWS + j]);
+    }
+}
+
 ALWAYS_INLINE void zero_accumulators(__m512 *acc) {
     for (int j = 0; j < ACCUMULATORS; j++) acc[j] = _mm512_setzero_ps();
 }
 
+/* An add with its rounding spelled out: -ffast-math may reorder plain vector adds, and it did so
+ * differently in the copies for different row counts, which changed a row's bits with its batch. */
+ALWAYS_INLINE __m512 add_in_order(__m512 a, __m512 b) {
+    return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+ALWAYS_INLINE float sum_in_order(__m512 v) {
+    v = add_in_order(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = add_in_order(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+    v = add_in_order(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = add_in_order(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_cvtss_f32(v);
+}
+
+/* Per activation row: its accumulators summed in one fixed order. */
 ALWAYS_INLINE void row_totals(const __m512 *acc, int rows, float *out) {
     for (int j = 0; j < rows; j++) {
-        const __m512 even = _mm512_add_ps(acc[j], acc[FUSED_ROWS + j]);
-        const __m512 odd = _mm512_add_ps(acc[ACC_SET + j], acc[ACC_SET + FUSED_ROWS + j]);
-        out[j] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+        const __m512 even = add_in_order(acc[j], acc[FUSED_ROWS + j]);
+        const __m512 odd = add_in_order(acc[ACC_SET + j], acc[ACC_SET + FUSED_ROWS + j]);
+        out[j] = sum_in_order(add_in_order(even, odd));
     }
 }
 
@@ -504,6 +535,22 @@ ALWAYS_INLINE __m512i nibble_pair(const uint8_t *qs_a, const uint8_t *qs_b) {
     const __m512i low_then_high =
         _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles256(packed)), high_nibbles256(packed), 1);
     return _mm512_shuffle_i64x2(low_then_high, low_then_high, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+/* nibble_pair for two consecutive blocks of block_bytes whose nibbles start qs_offset into each. With
+ * AVX-512 VBMI one masked load and one byte permute place each block's 16 bytes twice (the second copy
+ * is shifted to its high nibbles), where the plain version needs three shuffles. */
+ALWAYS_INLINE __m512i nibble_pair_at(const uint8_t *pair, int qs_offset, int block_bytes) {
+#if defined(__AVX512VBMI__)
+    const __m512i bytes = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * block_bytes)) - 1, pair);
+    const __m512i within = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i start = _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8((char)qs_offset),
+                                                  _mm512_set1_epi8((char)(block_bytes + qs_offset)));
+    const __m512i twice = _mm512_permutexvar_epi8(_mm512_add_epi8(within, start), bytes);
+    return low_nibbles(_mm512_mask_blend_epi64(0xcc, twice, _mm512_srli_epi16(twice, 4)));
+#else
+    return nibble_pair(pair + qs_offset, pair + block_bytes + qs_offset);
+#endif
 }
 
 /* Sets bit 4 of code j where bit j of `bits` is set. */
@@ -547,24 +594,24 @@ ALWAYS_INLINE __m128 two_f16_pairs(const uint8_t *a, const uint8_t *b) {
 
 /* The 32-value block types, two blocks (one chunk of 64 values) at a time; `pair` is the first block. */
 ALWAYS_INLINE void chunk_q4_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = nibble_pair(pair + 2, pair + 18 + 2);
+    const __m512i codes = nibble_pair_at(pair, 2, 18);
     dot_symmetric(codes, spread_pair(two_f16(pair, pair + 18), 0, 1), 3, a, at, rows, acc);
 }
 
 ALWAYS_INLINE void chunk_q4_1(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = nibble_pair(pair + 4, pair + 20 + 4);
+    const __m512i codes = nibble_pair_at(pair, 4, 20);
     const __m128 d_m = two_f16_pairs(pair, pair + 20); /* w = d * code + m */
     const __m512 scale = spread_pair(d_m, 0, 2), min = spread_pair(_mm_sub_ps(_mm_setzero_ps(), d_m), 1, 3);
     dot_with_min(codes, scale, min, a, at, rows, acc);
 }
 
 ALWAYS_INLINE void chunk_q5_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = with_fifth_bits(nibble_pair(pair + 6, pair + 22 + 6), fifth_bits_pair(pair + 2, pair + 22 + 2));
+    const __m512i codes = with_fifth_bits(nibble_pair_at(pair, 6, 22), fifth_bits_pair(pair + 2, pair + 22 + 2));
     dot_symmetric(codes, spread_pair(two_f16(pair, pair + 22), 0, 1), 4, a, at, rows, acc);
 }
 
 ALWAYS_INLINE void chunk_q5_1(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = with_fifth_bits(nibble_pair(pair + 8, pair + 24 + 8), fifth_bits_pair(pair + 4, pair + 24 + 4));
+    const __m512i codes = with_fifth_bits(nibble_pair_at(pair, 8, 24), fifth_bits_pair(pair + 4, pair + 24 + 4));
     const __m128 d_m = two_f16_pairs(pair, pair + 24);
     const __m512 scale = spread_pair(d_m, 0, 2), min = spread_pair(_mm_sub_ps(_mm_setzero_ps(), d_m), 1, 3);
     dot_with_min(codes, scale, min, a, at, rows, acc);
@@ -631,10 +678,10 @@ ALWAYS_INLINE void row_q4_k(const uint8_t *row, int64_t k, const lanes *a, int r
     zero_accumulators(acc);
     for (int64_t i = 0; i < k; i += 256, row += 144) {
         const __m512 scales = k_block_scales(row);
+        block_mins(scales, a, i, rows, acc);
         for (int c = 0; c < 4; c++) {
             const __m512i codes = nibbles64(row + 16 + 32 * c);
-            dot_with_min(codes, spread_two(scales, 2 * c, 2 * c + 1), spread_two(scales, 8 + 2 * c, 9 + 2 * c), a,
-                         i + 64 * c, rows, acc + (c & 1) * ACC_SET);
+            dot_scaled(codes, spread_two(scales, 2 * c, 2 * c + 1), a, i + 64 * c, rows, acc + (c & 1) * ACC_SET);
         }
     }
     row_totals(acc, rows, out);
@@ -645,13 +692,13 @@ ALWAYS_INLINE void row_q5_k(const uint8_t *row, int64_t k, const lanes *a, int r
     zero_accumulators(acc);
     for (int64_t i = 0; i < k; i += 256, row += 176) {
         const __m512 scales = k_block_scales(row);
+        block_mins(scales, a, i, rows, acc);
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(row + 16));
         for (int c = 0; c < 4; c++) {
             const uint64_t low = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c))));
             const uint64_t high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * c))));
             const __m512i codes = with_fifth_bits(nibbles64(row + 48 + 32 * c), low | (high << 32));
-            dot_with_min(codes, spread_two(scales, 2 * c, 2 * c + 1), spread_two(scales, 8 + 2 * c, 9 + 2 * c), a,
-                         i + 64 * c, rows, acc + (c & 1) * ACC_SET);
+            dot_scaled(codes, spread_two(scales, 2 * c, 2 * c + 1), a, i + 64 * c, rows, acc + (c & 1) * ACC_SET);
         }
     }
     row_totals(acc, rows, out);
@@ -735,23 +782,27 @@ static int fused_supported(int type, int64_t k) {
                            type == Q4_K || type == Q5_K || type == Q6_K);
 }
 
-/* gguf_linear for fused_supported types: q and d are the quantized activation rows. */
-static int fused_linear(const int8_t *q, const float *d, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+/* gguf_linear for fused_supported types: q, d and gsum are the quantized activation rows. */
+static int fused_linear(const int8_t *q, const float *d, const float *gsum, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    const int64_t lane_count = k / 4;
+    const int64_t lane_count = k / 4, blocks = k / ABLOCK;
     float *scale = malloc(sizeof(float) * (size_t)(m * lane_count));
     int32_t *sum = malloc(sizeof(int32_t) * (size_t)(m * lane_count));
     float *scaled_sum = malloc(sizeof(float) * (size_t)(m * lane_count));
+    float *block_sum = malloc(sizeof(float) * (size_t)(m * blocks));
     lanes *a = malloc(sizeof(lanes) * (size_t)m);
     int status = 0;
-    if (!scale || !sum || !scaled_sum || !a) {
+    if (!scale || !sum || !scaled_sum || !block_sum || !a) {
         status = -2;
         goto done;
     }
     for (int64_t r = 0; r < m; r++) {
-        activation_lanes(q + r * k, d + r * (k / ABLOCK), k, scale + r * lane_count, sum + r * lane_count,
+        activation_lanes(q + r * k, d + r * blocks, k, scale + r * lane_count, sum + r * lane_count,
                          scaled_sum + r * lane_count);
-        a[r] = (lanes){q + r * k, scale + r * lane_count, sum + r * lane_count, scaled_sum + r * lane_count};
+        for (int64_t b = 0; b < blocks; b++)
+            block_sum[r * blocks + b] = gsum[r * 2 * blocks + 2 * b] + gsum[r * 2 * blocks + 2 * b + 1];
+        a[r] = (lanes){q + r * k, scale + r * lane_count, sum + r * lane_count, scaled_sum + r * lane_count,
+                       block_sum + r * blocks};
     }
     const fused_job job = {a, m, k, row_bytes, ldy, w, bias, y, is_bf16};
     const int threads = rows < num_threads ? (int)rows : num_threads;
@@ -765,6 +816,7 @@ done:
     free(scale);
     free(sum);
     free(scaled_sum);
+    free(block_sum);
     free(a);
     return status;
 }
@@ -773,9 +825,10 @@ static int fused_supported(int type, int64_t k) {
     (void)type, (void)k;
     return 0;
 }
-static int fused_linear(const int8_t *q, const float *d, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
-                        int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    (void)q, (void)d, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
+static int fused_linear(const int8_t *q, const float *d, const float *gsum, int64_t m, int64_t k, const uint8_t *w,
+                        int64_t row_bytes, int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16,
+                        int num_threads) {
+    (void)q, (void)d, (void)gsum, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
     (void)ldy, (void)is_bf16, (void)num_threads;
     return -1;
 }
@@ -809,7 +862,7 @@ int gguf_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t 
         quantize_activation_row((const char *)x + r * ldx * (is_bf16 ? 2 : 4), is_bf16, k, q + r * k, d + r * blocks,
                                 gsum + r * groups);
     if (fused_supported(type, k)) {
-        status = fused_linear(q, d, m, k, w, row_bytes, rows, type, bias, y, ldy, is_bf16, num_threads);
+        status = fused_linear(q, d, gsum, m, k, w, row_bytes, rows, type, bias, y, ldy, is_bf16, num_threads);
         goto done;
     }
     const int64_t tiles = (rows + TILE - 1) / TILE;
