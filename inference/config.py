@@ -38,6 +38,7 @@ class EngineArgs:
     scheduler_delay_ms: float = 0.0
     scheduling_policy: str = "priority"  # "fcfs", "priority" or "fair" (fair share between tenants)
     attention_backend: str | None = None  # "torch" or "triton"; default by device
+    enforce_eager: bool = False  # never replay captured decode steps (inference/decode_graph.py)
     tensor_parallel_size: int = 1
     quantization: str | None = None
     # GGUF weights: "packed" (the file's blocks, C kernels), "float32" or "bfloat16" (dequantized at load);

@@ -49,7 +49,9 @@ class LLMEngine:
             self.memory = self._plan_memory()
             num_blocks = self.memory["num_kv_blocks"]
             self.kv = KVCacheManager(num_blocks, args.block_size, args.enable_prefix_caching)
-            self.runner = ModelRunner(self.model, args.block_size, num_blocks, self.dtype, self.device)
+            self.runner = ModelRunner(
+                self.model, args.block_size, num_blocks, self.dtype, self.device, args.enforce_eager
+            )
             self.executor.bind(self.runner)
         except BaseException:
             self.executor.shutdown()  # no rank left behind by a failed start

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference.decode_graph import DecodeGraphs
 from inference.layers.ops import AttentionMetadata
 from inference.request import Request
 from inference.scheduler import SchedulerOutput
@@ -22,8 +23,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, num_blocks: int, dtype, device):
+    def __init__(self, model, block_size: int, num_blocks: int, dtype, device, enforce_eager: bool = False):
         self.model, self.block_size, self.device = model, block_size, torch.device(device)
+        capture = not enforce_eager and DecodeGraphs.available(model, device)
+        self.decode_graphs = DecodeGraphs(model, num_blocks, device) if capture else None
         attn_layers = [layer.self_attn.attn for layer in model.layers]
         first = attn_layers[0]
         shape = (num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
@@ -126,7 +129,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the forward; returns (hidden states of all tokens, logits of the sampling rows, if any)."""
+        """Run the forward; returns (hidden states of all tokens, logits of the sampling rows, if any).
+        A decode-only step of a captured batch size is replayed (inference/decode_graph.py)."""
+        if self.decode_graphs is not None and self.decode_graphs.eligible(inputs):
+            return self.decode_graphs.execute(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if inputs.sample_rows else None

@@ -83,7 +83,9 @@ class WorkerRunner:
         )
 
     def allocate(self, num_blocks: int) -> None:
-        self.runner = ModelRunner(self.model, self.args.block_size, num_blocks, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model, self.args.block_size, num_blocks, self.dtype, self.device, self.args.enforce_eager
+        )
 
     def loop(self) -> None:
         header = torch.zeros(HEADER, dtype=torch.int64)

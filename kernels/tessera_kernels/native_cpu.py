@@ -21,6 +21,7 @@ the reference.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -29,7 +30,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,6 +145,44 @@ def load():
         return None
 
 
+_capture = threading.local()  # per thread: engines in threads of one process capture apart
+
+
+class Recorder:
+    """Stands in for the library while a decode step is captured (inference/decode_graph.py): each
+    call runs as usual and is kept, with its arguments and what it returned, to be made again."""
+
+    def __init__(self, library):
+        self.library = library
+        self.calls: list[tuple[Callable[..., Any], tuple, Any]] = []
+
+    def __getattr__(self, name):
+        function = getattr(self.library, name)
+
+        def recorded(*args):
+            result = function(*args)
+            self.calls.append((function, args, result))
+            return result
+
+        return recorded
+
+
+@contextlib.contextmanager
+def recording():
+    """While inside, this thread's kernel calls through active_library() are recorded; yields the Recorder."""
+    recorder = Recorder(load())
+    _capture.recorder = recorder
+    try:
+        yield recorder
+    finally:
+        _capture.recorder = None
+
+
+def active_library():
+    """load(), or this thread's Recorder while a step is being captured."""
+    return getattr(_capture, "recorder", None) or load()
+
+
 def supports(q, k_cache) -> bool:
     return q.device.type == "cpu" and q.dtype == k_cache.dtype and q.dtype in SUPPORTED_DTYPES
 
@@ -157,7 +199,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, l
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
-    status = (library or load()).paged_decode_attention(
+    status = (library or active_library()).paged_decode_attention(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -207,7 +249,7 @@ def paged_prefill_attention(
     out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     if q.shape[0] == 0:
         return out
-    status = (library or load()).paged_prefill_attention(
+    status = (library or active_library()).paged_prefill_attention(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -246,7 +288,7 @@ def fused_add_rms_norm(x, residual, weight, eps, library=None, out=None):
     x = x.contiguous()
     new_residual = x if residual is None else torch.empty_like(x)
     out = torch.empty_like(x) if out is None else out
-    (library or load()).fused_add_rms_norm(
+    (library or active_library()).fused_add_rms_norm(
         x.data_ptr(),
         None if residual is None else residual.contiguous().data_ptr(),
         new_residual.data_ptr(),
@@ -266,7 +308,7 @@ def silu_and_mul(x, library=None, out=None):
     x = x.contiguous()
     inter = x.shape[-1] // 2
     out = x.new_empty(*x.shape[:-1], inter) if out is None else out
-    (library or load()).silu_and_mul(
+    (library or active_library()).silu_and_mul(
         x.data_ptr(),
         out.data_ptr(),
         x.numel() // x.shape[-1],
@@ -292,7 +334,7 @@ def supports_rotary(q, k, cos_sin_cache) -> bool:
 def rotary_embedding(positions, q, k, cos_sin_cache, library=None) -> None:
     """Same meaning as torch_ref.rotary_embedding: rotates q and k in place."""
     positions = positions.to(torch.int64).contiguous()
-    (library or load()).rotary_embedding(
+    (library or active_library()).rotary_embedding(
         positions.data_ptr(),
         q.data_ptr(),
         q.stride(0),
@@ -327,7 +369,7 @@ def store_kv_cache(k, v, k_cache, v_cache, slot_mapping, library=None) -> None:
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
     element = k.element_size()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    bad = (library or load()).store_kv_cache(
+    bad = (library or active_library()).store_kv_cache(
         k.data_ptr(),
         k.stride(0) * element,
         v.data_ptr(),

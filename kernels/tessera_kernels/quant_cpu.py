@@ -80,7 +80,7 @@ def integer_linear(
     out = x.new_empty(x.shape[0], rows) if out is None else out
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
-    status = (library or native_cpu.load()).gguf_linear(
+    status = (library or native_cpu.active_library()).gguf_linear(
         x.data_ptr(),
         x.stride(0),
         x.shape[0],
@@ -151,7 +151,7 @@ def dequantize_rows(
         out = torch.empty(ids.shape[0], in_features, dtype=dtype)
     elif out.shape != (ids.shape[0], in_features) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{ids.shape[0]}, {in_features}] {dtype} tensor")
-    status = (library or native_cpu.load()).gguf_dequantize_rows(
+    status = (library or native_cpu.active_library()).gguf_dequantize_rows(
         packed.data_ptr(),
         packed.shape[1],
         packed.shape[0],
