@@ -455,15 +455,30 @@ def stack_run(policy: str, args, work_dir: Path, first_round: bool = True) -> di
         if args.rate is None:  # the first stack measures the capacity every run's rates come from
             args.capacity = measure_capacity(stack.base_url, keys["B"], args)
             args.rate = args.load / 3 * args.capacity
-            time.sleep(2)  # the cut requests' aborts reach the worker before the users start
+            wait_until_idle(stack)
         rates = {"A": args.rate, "B": 2 * args.rate}
         records, start = asyncio.run(open_loop(stack.base_url, keys, rates, args.seconds, args, seed=1))
         result = summarize_stack(records, start, args)
         result["preemptions"] = sum(int(w.get("num_preemptions", 0)) for w in stack.worker_stats())
         if policy == "fair" and first_round:
+            wait_until_idle(stack)
             result["weighted"] = weighted_shares(stack, args)
+            wait_until_idle(stack)
             result["interactive"] = interactive(stack, keys, args)
     return result
+
+
+def wait_until_idle(stack, timeout: float = 600.0) -> None:
+    """Until the workers hold no request: the requests cut at the end of the last window have been aborted,
+    so the next measurement starts on an idle engine (its first requests waited seconds behind them)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = stack.worker_stats()
+        if stats and all(not (w.get("inflight") or w.get("num_running") or w.get("num_waiting")) for w in stats):
+            time.sleep(2)  # a heartbeat later, in case the snapshot predates the last aborts
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the engine still held requests {timeout:.0f} s after the window closed")
 
 
 def vllm_run(args) -> dict:
