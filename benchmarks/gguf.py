@@ -4,8 +4,9 @@ For each file (the default SmolLM2-135M-Instruct Q4_1 file; Qwen2.5-Coder-0.5B-I
 ../shared/models/qwen-coder.sh has assembled it, or QWEN_GGUF names it) and each `weights` format
 (packed: the file's blocks and the C kernels; bfloat16 and float32: dequantized at load), a fresh process
 loads the engine and reports its load time and resident set after load, then one request at batch 1 in
-llama-bench's `-p 512 -n 128` style: prompt tok/s (a 512-token prompt's prefill) and decode tok/s (the
-next 128 tokens, greedy, ignore_eos). Formats alternate within each repeat, so a busy machine slows every
+llama-bench's `-p 512 -n 128` style: prompt tok/s (a 512-token prompt's prefill) and decode tok/s (128
+tokens after the first from a one-token prompt, greedy, ignore_eos; llama-bench's tg test also starts from
+an empty context). Formats alternate within each repeat, so a busy machine slows every
 format alike; the table gives the median over repeats. With LLAMA_BENCH naming llama.cpp's llama-bench
 (bash ../shared/peers/llama-cpp.sh builds it), each repeat also runs `llama-bench -t 2 -p 512 -n 128` on the
 same file, and its row gives the peak resident set of that process.
@@ -63,7 +64,7 @@ def resident_mib() -> float:
 
 def measure(model: str, weights: str, prompt_tokens: int, decode_tokens: int) -> dict:
     """In this process: load, then one request; the figures of one run."""
-    from inference import LLM, SamplingParams
+    from inference import LLM
 
     started = time.perf_counter()
     llm = LLM(
@@ -79,26 +80,32 @@ def measure(model: str, weights: str, prompt_tokens: int, decode_tokens: int) ->
     engine = llm.llm_engine
     engine.warm_up()
     prompt = [1000 + (7919 * i) % 20000 for i in range(prompt_tokens)]  # ordinary tokens, no special ones
-    engine.add_request(
-        "bench",
-        {"prompt_token_ids": prompt},
-        SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True),
-    )
-    started = time.perf_counter()
-    while not any(output.outputs[0].token_ids for output in engine.step()):
-        pass
-    first_token = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    done = time.perf_counter()
+    prefill_s, _ = timed_request(engine, prompt, 1)
+    # as llama-bench's tg test: the decode starts from an (almost) empty context, not after the prompt
+    first_token_s, total_s = timed_request(engine, prompt[:1], decode_tokens + 1)
     engine.shutdown()
     return {
         "load_s": load_s,
         "rss_mib": rss,
-        "prompt_tok_s": prompt_tokens / (first_token - started),
-        "decode_tok_s": (decode_tokens - 1) / (done - first_token),
+        "prompt_tok_s": prompt_tokens / prefill_s,
+        "decode_tok_s": decode_tokens / (total_s - first_token_s),
         "weights_dtype": engine.memory["weights_dtype"],
     }
+
+
+def timed_request(engine, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """One greedy request alone: seconds to its first token and to its last."""
+    from inference import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(f"bench-{len(prompt)}", {"prompt_token_ids": prompt}, params)
+    started = time.perf_counter()
+    while not any(output.outputs[0].token_ids for output in engine.step()):
+        pass
+    first_token = time.perf_counter() - started
+    while engine.has_unfinished_requests():
+        engine.step()
+    return first_token, time.perf_counter() - started
 
 
 def run_child(model: str, weights: str, prompt_tokens: int, decode_tokens: int) -> dict:

@@ -27,6 +27,7 @@ SECTIONS = [
     "kernels",
     "fairness",
     "gguf",
+    "perplexity",
     "spec",
 ]
 
