@@ -8,18 +8,13 @@ enforce_eager, token for token. A file with one dense matrix cannot be captured 
 from __future__ import annotations
 
 import pytest
-from test_gguf import ENGINE, PROMPTS, write_gguf
+from test_gguf import ENGINE, PROMPTS, private_cache, write_gguf  # noqa: F401 (private_cache: autouse)
+from test_gguf_packed import PACKED
 from tiny_models import make_tiny_model
 
 from inference import LLM, SamplingParams, decode_graph
 
-PACKED = {k: v for k, v in ENGINE.items() if k != "dtype"}  # dtype unset: a GGUF file stays packed
 QWEN_MIX = ("Q8_0", "Q5_0", "Q4_K", "Q6_K")  # the 0.5B Qwen file's types
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
 
 
 @pytest.fixture(scope="module")

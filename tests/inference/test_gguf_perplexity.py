@@ -8,16 +8,11 @@ compares with llama.cpp's llama-perplexity on the same file).
 
 from __future__ import annotations
 
-import pytest
+from test_gguf import private_cache  # noqa: F401 (autouse: the tokenizer cache in a tmp dir)
 
 from benchmarks.perplexity import held_out_text, perplexity, window_nll, windows
 from inference.gguf_files import bundled_model
 from inference.outputs import Logprob
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def test_windows_start_with_bos_and_score_their_second_half():

@@ -673,35 +673,35 @@ ALWAYS_INLINE __m512 spread_two(__m512 v, int low, int high) {
     return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(low), _mm512_set1_epi32(high)), v);
 }
 
-ALWAYS_INLINE void row_q4_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+/* Q4_K and Q5_K (fifth_bits: 32 bytes of fifth bits before the nibbles; code j of chunk c takes bit 2c
+ * of byte j % 32 for the low nibbles, bit 2c + 1 for the high ones). */
+ALWAYS_INLINE void row_k_nibbles(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out, int fifth_bits) {
+    const int block_bytes = fifth_bits ? 176 : 144, nibbles_at = fifth_bits ? 48 : 16;
     __m512 acc[ACCUMULATORS];
     zero_accumulators(acc);
-    for (int64_t i = 0; i < k; i += 256, row += 144) {
+    for (int64_t i = 0; i < k; i += 256, row += block_bytes) {
         const __m512 scales = k_block_scales(row);
         block_mins(scales, a, i, rows, acc);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(row + 16));
         for (int c = 0; c < 4; c++) {
-            const __m512i codes = nibbles64(row + 16 + 32 * c);
+            __m512i codes = nibbles64(row + nibbles_at + 32 * c);
+            if (fifth_bits) {
+                const uint64_t low = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c))));
+                const uint64_t high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * c))));
+                codes = with_fifth_bits(codes, low | (high << 32));
+            }
             dot_scaled(codes, spread_two(scales, 2 * c, 2 * c + 1), a, i + 64 * c, rows, acc + (c & 1) * ACC_SET);
         }
     }
     row_totals(acc, rows, out);
 }
 
+ALWAYS_INLINE void row_q4_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
+    row_k_nibbles(row, k, a, rows, out, 0);
+}
+
 ALWAYS_INLINE void row_q5_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    __m512 acc[ACCUMULATORS];
-    zero_accumulators(acc);
-    for (int64_t i = 0; i < k; i += 256, row += 176) {
-        const __m512 scales = k_block_scales(row);
-        block_mins(scales, a, i, rows, acc);
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(row + 16));
-        for (int c = 0; c < 4; c++) {
-            const uint64_t low = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c))));
-            const uint64_t high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * c))));
-            const __m512i codes = with_fifth_bits(nibbles64(row + 48 + 32 * c), low | (high << 32));
-            dot_scaled(codes, spread_two(scales, 2 * c, 2 * c + 1), a, i + 64 * c, rows, acc + (c & 1) * ACC_SET);
-        }
-    }
-    row_totals(acc, rows, out);
+    row_k_nibbles(row, k, a, rows, out, 1);
 }
 
 /* Q6_K: 64 values hold 4 groups of 16, each with its own int8 scale; lane l is in group 4c + l / 4. */
