@@ -1,4 +1,4 @@
-"""Captured decode steps on CPU: a single sequence's decode, its C kernel calls recorded once and replayed.
+"""Captured decode steps on CPU: a decode-only batch's C kernel calls, recorded once and replayed.
 
 At batch 1 a decode step is a few hundred small kernel calls, about ten a layer, and the model's
 Python between them (module calls, views, argument checks) costs about as much as the kernels.
@@ -10,8 +10,8 @@ This is the CPU's counterpart of vLLM's CUDA graphs, and `enforce_eager` turns i
 
 A step can only be replayed if everything it computed was a recorded kernel call. The capture watches
 torch's dispatcher: it keeps every tensor the step makes alive (the recorded pointers point into them)
-and gives up on that batch size for good when anything else computed (a dense GEMM through oneDNN, a
-torch fallback, a collective).
+and gives up for good when anything else computed (a dense GEMM through oneDNN, a torch fallback, a
+collective).
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference.layers.ops import AttentionMetadata
 
-# Larger decode batches run eagerly: the decode attention kernel takes its queries contiguous, and a
-# batch's rows of the fused QKV output are not (the copy would be a torch computation in the step).
-MAX_BATCH = 1
+MAX_BATCH = 8  # well below quant_cpu.DEQUANTIZE_FROM_ROWS, where the packed linears compute through torch
 MIN_TABLE_WIDTH = 64  # blocks; a wider table is captured again at twice the width
 # What a captured step may do in torch besides the recorded calls: make tensors and views of them.
 ALLOCATIONS_AND_VIEWS = {
@@ -128,7 +126,9 @@ class DecodeGraphs:
     def __init__(self, model, num_blocks: int, device):
         self.model, self.num_blocks, self.device = model, num_blocks, torch.device(device)
         self.graphs: dict[int, DecodeGraph] = {}
-        self.refused: dict[int, list[str]] = {}  # batch size -> what computed outside the kernels
+        # batch size -> what computed outside the kernels; one refusal ends capturing: what made it (a dense
+        # GEMM, a fallback) is the model's, and a capture step is slow (speculation times its steps)
+        self.refused: dict[int, list[str]] = {}
         self.replays = 0
 
     @staticmethod
@@ -144,7 +144,7 @@ class DecodeGraphs:
         return (
             inputs.meta.decode_only
             and batch <= MAX_BATCH
-            and batch not in self.refused
+            and not self.refused
             and not inputs.prompt_rows
             and inputs.sample_rows == list(range(batch))
         )

@@ -106,7 +106,7 @@ def open_library(path: Path):
     lib = ctypes.CDLL(str(path))
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     declared = {
-        "paged_decode_attention": [ptr] * 4 + [i64, ptr, ptr] + [i32] * 6 + [f32, i32],
+        "paged_decode_attention": [ptr] * 4 + [i64, ptr, ptr] + [i32] * 6 + [f32, i32, i64],
         "paged_prefill_attention": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr] + [i32] * 6 + [f32, i32],
         "fused_add_rms_norm": [ptr] * 5 + [i64, i32, f32, i32, i32],
         "silu_and_mul": [ptr, ptr, i64, i32, i32, i32],
@@ -190,13 +190,14 @@ def supports(q, k_cache) -> bool:
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, library=None, out=None):
     """Same meaning as torch_ref.paged_decode_attention; `library` defaults to load(); `out` (contiguous,
     q's shape) receives the result when given."""
-    q = q.contiguous()
+    batch, num_heads, head_dim = q.shape
+    if not (q.stride(2) == 1 and q.stride(1) == head_dim):  # rows may be apart (views of the QKV output)
+        q = q.contiguous()
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the paged caches must be contiguous")
-    batch, num_heads, head_dim = q.shape
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
     if batch == 0:
         return out
     status = (library or active_library()).paged_decode_attention(
@@ -215,6 +216,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, l
         SUPPORTED_DTYPES[q.dtype],
         scale,
         torch.get_num_threads(),
+        q.stride(0),
     )
     if status:
         raise MemoryError("native decode attention could not allocate its scratch memory")

@@ -40,17 +40,17 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def test_replayed_decodes_give_the_eager_tokens_alone_and_batched(qwen_file):
     captured, eager = LLM(model=qwen_file, **PACKED), LLM(model=qwen_file, enforce_eager=True, **PACKED)
     assert graphs_of(eager) is None
-    for prompts in ([PROMPTS[0]], [PROMPTS[1]], PROMPTS):  # the batch of 3 runs eagerly beside them
+    for prompts in ([PROMPTS[0]], [PROMPTS[1]], PROMPTS):
         assert tokens(captured, prompts, GREEDY) == tokens(eager, prompts, GREEDY)
     graphs = graphs_of(captured)
-    assert set(graphs.graphs) == {1} and not graphs.refused
-    assert graphs.replays >= 2 * 38 - 1  # every single-sequence decode step after the first
+    assert {1, 3} <= set(graphs.graphs) and not graphs.refused
+    assert graphs.replays >= 2 * 38 - 1 + 30  # every decode step after each batch size's first
 
 
 def test_seeded_sampling_is_unchanged(qwen_file):
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True)
     captured, eager = LLM(model=qwen_file, **PACKED), LLM(model=qwen_file, enforce_eager=True, **PACKED)
-    assert tokens(captured, [PROMPTS[1]], params) == tokens(eager, [PROMPTS[1]], params)
+    assert tokens(captured, PROMPTS, params) == tokens(eager, PROMPTS, params)
     assert graphs_of(captured).replays > 0
 
 

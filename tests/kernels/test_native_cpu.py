@@ -58,6 +58,19 @@ def _check(lib, lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_queries_as_rows_of_the_fused_qkv_output(lib, dtype):
+    # the model hands attention q as a view: each token's heads contiguous, tokens a QKV row apart
+    lens, kv_heads, heads, dim = [5, 40, 17], 2, 6, 64
+    paged = make_paged_kv(lens, kv_heads, dim, 16, dtype, seed=3, device="cpu")
+    qkv = randn(len(lens), (heads + 2 * kv_heads) * dim, dtype=dtype, seed=4, device="cpu")
+    q = qkv[:, : heads * dim].reshape(len(lens), heads, dim)
+    args = (paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, dim**-0.5)
+    out = native_cpu.paged_decode_attention(q, *args, lib)
+    assert not q.is_contiguous()
+    assert_close(out, torch_ref.paged_decode_attention(q.contiguous(), *args), "attention", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_matches_reference(lib, dtype, block_size, group):

@@ -22,7 +22,7 @@ typedef struct {
     const void *q, *k_cache, *v_cache;
     const int32_t *block_tables, *seq_lens;
     void *out;
-    int64_t table_width;
+    int64_t table_width, q_stride; /* q_stride: elements from one query row to the next */
     int num_heads, num_kv_heads, head_dim, block_size, is_bf16;
     float scale;
 } Job;
@@ -58,7 +58,7 @@ static void run_sequence(const Job *job, int seq, float *scores, float *acc, flo
     const int group = hq / job->num_kv_heads;
     const int len = job->seq_lens[seq];
     const int32_t *table = job->block_tables + seq * job->table_width;
-    const int64_t q_offset = (int64_t)seq * hq * d;
+    const int64_t q_offset = (int64_t)seq * job->q_stride, out_offset = (int64_t)seq * hq * d;
 
     for (int i = 0; i < hq * d; i++)
         qf[i] = load_float(job->q, q_offset + i, job->is_bf16);
@@ -83,7 +83,7 @@ static void run_sequence(const Job *job, int seq, float *scores, float *acc, flo
             for (int i = 0; i < d; i++) a[i] += p * vh[i];
         }
     }
-    for (int i = 0; i < hq * d; i++) store_float(job->out, q_offset + i, acc[i], job->is_bf16);
+    for (int i = 0; i < hq * d; i++) store_float(job->out, out_offset + i, acc[i], job->is_bf16);
 }
 
 #if defined(__AVX512F__)
@@ -319,7 +319,7 @@ static inline __attribute__((always_inline)) void run_sequence_avx512(const Job 
     const int hq = job->num_heads, hkv = job->num_kv_heads;
     const int len = job->seq_lens[seq];
     const int32_t *table = job->block_tables + seq * job->table_width;
-    const int64_t q_offset = (int64_t)seq * hq * d;
+    const int64_t q_offset = (int64_t)seq * job->q_stride, out_offset = (int64_t)seq * hq * d;
     size_t rows[CHUNK], later[CHUNK];
 
     for (int i = 0; i < hq * d; i++)
@@ -352,7 +352,7 @@ static inline __attribute__((always_inline)) void run_sequence_avx512(const Job 
         for (int g = 0; g < hkv; g++) chunk_values(job, scores, rows, n, g, t0, len, acc, widened, is_bf16, d);
     }
     for (int h = 0; h < hq; h++) {
-        for (int i = 0; i < d; i++) store_float(job->out, q_offset + (size_t)h * d + i, acc[(size_t)h * d + i] * qf[h], is_bf16);
+        for (int i = 0; i < d; i++) store_float(job->out, out_offset + (size_t)h * d + i, acc[(size_t)h * d + i] * qf[h], is_bf16);
     }
 }
 
@@ -369,8 +369,9 @@ static void run_sequence_fast(const Job *job, int seq, int next, float *scores, 
 /* Returns 0 on success, nonzero when a thread could not get its scratch memory. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                            int64_t table_width, const int32_t *seq_lens, void *out, int batch, int num_heads,
-                           int num_kv_heads, int head_dim, int block_size, int is_bf16, float scale, int num_threads) {
-    const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, table_width, num_heads, num_kv_heads,
+                           int num_kv_heads, int head_dim, int block_size, int is_bf16, float scale, int num_threads,
+                           int64_t q_stride) {
+    const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, table_width, q_stride, num_heads, num_kv_heads,
                      head_dim, block_size, is_bf16, scale};
     int max_len = 0, failed = 0, claimed = 0;
     for (int i = 0; i < batch; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
