@@ -158,12 +158,14 @@ def test_streams_quiet_for_half_a_second_are_named_only_in_the_cold_reads(r):
         hub = engine.aclient().hub
         keys = {protocol.output_stream(f"backlog-{i}") for i in range(3)}
         now = time.monotonic()
+        hub.active_at.update(dict.fromkeys(keys, now))  # explicit clocks: followed just now
         hub.cold_read_at = now  # a cold read just happened
         assert set(hub.query(now)) == keys  # followed within HOT_S: hot
-        now = max(hub.active_at.values()) + engine.HOT_S
+        # each step past its threshold by a margin: (m + x) - m rounds below x for some clock values m
+        now += engine.HOT_S + 0.01
         hub.cold_read_at = now
         assert hub.query(now) == {}  # quiet since, and the last cold read is fresh: none
-        now += engine.COLD_READ_S
+        now += engine.COLD_READ_S + 0.001
         assert set(hub.query(now)) == keys  # the cold read names them all
         assert hub.query(now) == {}  # and then not again until the next
         hub.active_at[protocol.output_stream("backlog-1")] = now  # written to: hot again
