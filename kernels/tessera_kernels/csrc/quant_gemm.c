@@ -434,10 +434,14 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
 
 typedef struct {
     const int8_t *q;
-    const float *scale;       /* per lane: the block's d */
-    const int32_t *sum;       /* per lane: sum of its 4 q */
-    const float *scaled_sum;  /* per lane: d * sum */
-    const float *block_sum;   /* per block of 32: d * sum of its q */
+    /* the 32-value types, per lane: */
+    const float *scale;       /* the block's d */
+    const int32_t *sum;       /* sum of its 4 q */
+    const float *scaled_sum;  /* d * sum */
+    /* the K-quants (k_activation): */
+    const int8_t *k_q;        /* q in the order the type's rows read it */
+    const float *k_scale;     /* per 16 values (Q6_K) or per 256 (Q4_K, Q5_K, with the block sums) */
+    const float *group_sum;   /* per 16 values: d * sum of q (Q6_K) */
 } lanes;
 
 static void activation_lanes(const int8_t *q, const float *d, int64_t k, float *scale, int32_t *sum,
@@ -466,30 +470,15 @@ ALWAYS_INLINE void dot_symmetric(__m512i codes, __m512 weight_scale, int offset_
     }
 }
 
-/* The scale term alone: the K-quants subtract their mins once a block (block_mins). */
-ALWAYS_INLINE void dot_scaled(__m512i codes, __m512 weight_scale, const lanes *a, int64_t at, int rows, __m512 *acc) {
+ALWAYS_INLINE void dot_with_min(__m512i codes, __m512 weight_scale, __m512 weight_min, const lanes *a, int64_t at,
+                                int rows, __m512 *acc) {
     for (int j = 0; j < rows; j++) {
         const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(a[j].q + at));
         const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
         acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
     }
-}
-
-ALWAYS_INLINE void dot_with_min(__m512i codes, __m512 weight_scale, __m512 weight_min, const lanes *a, int64_t at,
-                                int rows, __m512 *acc) {
-    dot_scaled(codes, weight_scale, a, at, rows, acc);
     for (int j = 0; j < rows; j++)
         acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(weight_min, _mm512_loadu_ps(a[j].scaled_sum + at / 4), acc[FUSED_ROWS + j]);
-}
-
-/* A K-quant block's min term: its 8 mins (lanes 8-15 of `scales`) times the activation's 8 block sums. */
-ALWAYS_INLINE void block_mins(__m512 scales, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i upper_half = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 14, 13, 12, 11, 10, 9, 8);
-    const __m512 mins = _mm512_maskz_permutexvar_ps(0x00ff, upper_half, scales);
-    for (int j = 0; j < rows; j++) {
-        const __m512 sums = _mm512_maskz_loadu_ps(0x00ff, a[j].block_sum + at / ABLOCK);
-        acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(mins, sums, acc[FUSED_ROWS + j]);
-    }
 }
 
 ALWAYS_INLINE void zero_accumulators(__m512 *acc) {
@@ -522,12 +511,6 @@ ALWAYS_INLINE void row_totals(const __m512 *acc, int rows, float *out) {
 ALWAYS_INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
 ALWAYS_INLINE __m256i low_nibbles256(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xf)); }
 ALWAYS_INLINE __m256i high_nibbles256(__m256i v) { return low_nibbles256(_mm256_srli_epi16(v, 4)); }
-
-/* 64 codes from 32 bytes whose low nibbles are values 0-31 and high nibbles values 32-63 (Q4_K, Q5_K). */
-ALWAYS_INLINE __m512i nibbles64(const uint8_t *qs) {
-    const __m256i packed = _mm256_loadu_si256((const __m256i *)qs);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles256(packed)), high_nibbles256(packed), 1);
-}
 
 /* Two 32-value blocks' codes from their 16 bytes of nibbles each (low nibbles first, as `nibbles`). */
 ALWAYS_INLINE __m512i nibble_pair(const uint8_t *qs_a, const uint8_t *qs_b) {
@@ -563,11 +546,6 @@ ALWAYS_INLINE uint64_t fifth_bits_pair(const uint8_t *qh_a, const uint8_t *qh_b)
     memcpy(&a, qh_a, 4);
     memcpy(&b, qh_b, 4);
     return (uint64_t)a | ((uint64_t)b << 32);
-}
-
-/* Lanes 0-7 one value, lanes 8-15 another: the scales of two 32-value blocks. */
-ALWAYS_INLINE __m512 two_halves(float low, float high) {
-    return _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(low), _mm512_set1_ps(high));
 }
 
 /* Elements [first] in lanes 0-7 and [second] in lanes 8-15 of four floats. */
@@ -655,42 +633,71 @@ ALWAYS_INLINE void row_q8_0(const uint8_t *row, int64_t k, const lanes *a, int r
 }
 
 /* A Q4_K / Q5_K block's eight 6-bit scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin),
- * unpacked from their 12 bytes four at a time (the layout k_scale_min reads one by one). */
+ * unpacked from their 12 bytes in one register (the layout k_scale_min reads one by one): the low six
+ * bits or low nibble of one byte, plus for scales and mins 4-7 the top two bits of another. */
 ALWAYS_INLINE __m512 k_block_scales(const uint8_t *block) {
-    uint32_t u[4];
-    memcpy(u, block + 4, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4); /* mins 4-7 */
-    const uint32_t mins_low = u[1] & 0x3f3f3f3f;                          /* mins 0-3 */
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);       /* scales 4-7 */
-    u[2] = mins_low;
-    u[0] &= 0x3f3f3f3f; /* scales 0-3 */
-    const __m512 six_bit = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)u)));
-    return _mm512_mul_ps(six_bit, two_halves(half_to_float(block), half_to_float(block + 2)));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)); /* the 12 bytes, then 4 code bytes */
+    const __m128i low = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i top = _mm_shuffle_epi8(bytes, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i low_bits = _mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+    const __m128i high_nibbles = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
+    const __m128i top_bits = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)); /* bits 6-7 to 4-5 */
+    const __m128i six_bit = _mm_or_si128(_mm_or_si128(low_bits, high_nibbles), top_bits);
+    uint32_t d_dmin;
+    memcpy(&d_dmin, block, 4);
+    const __m128 factors = _mm_cvtph_ps(_mm_cvtsi32_si128((int)d_dmin));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six_bit)), spread_pair(factors, 0, 1));
 }
 
-/* Lanes 0-7 element `low` of v, lanes 8-15 element `high`. */
-ALWAYS_INLINE __m512 spread_two(__m512 v, int low, int high) {
-    return _mm512_permutexvar_ps(_mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(low), _mm512_set1_epi32(high)), v);
+/* The K-quants: each row's block scales times the activation's scales make one vector of products a
+ * block (`products`, per activation row), from which each 64 codes take their 16 lanes' factors by one
+ * permute (`index`): per 64 values, one vpdpbusd, one conversion, one permute and one multiply-add. */
+ALWAYS_INLINE void dot_products(__m512i codes, const __m512 *products, __m512i index, const lanes *a, int64_t at,
+                                int rows, __m512 *acc) {
+    for (int j = 0; j < rows; j++) {
+        const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(a[j].k_q + at));
+        acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(index, products[j]), _mm512_cvtepi32_ps(dots), acc[j]);
+    }
 }
 
-/* Q4_K and Q5_K (fifth_bits: 32 bytes of fifth bits before the nibbles; code j of chunk c takes bit 2c
- * of byte j % 32 for the low nibbles, bit 2c + 1 for the high ones). */
+/* Lanes 0-7 index `low`, lanes 8-15 index `high`. */
+ALWAYS_INLINE __m512i two_indices(int low, int high) {
+    return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(low), _mm512_set1_epi32(high));
+}
+
+/* Code j of 64 takes bit `low` of qh byte j (j < 32) or bit `high` of qh byte j - 32. */
+ALWAYS_INLINE uint64_t fifth_bit_mask(__m256i qh, int low, int high) {
+    const uint64_t first = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << low)));
+    return first | ((uint64_t)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << high))) << 32);
+}
+
+/* Q4_K and Q5_K (fifth_bits: 32 bytes of fifth bits before the nibbles; sub-block s takes bit s of
+ * qh byte j % 32). A block's sub-blocks of 32 are the low nibbles of its nibble bytes 0-31 (s = 0),
+ * their high nibbles (s = 1), the low nibbles of bytes 32-63 (s = 2), and so on, so one 64-byte load
+ * holds sub-blocks 0 and 2 in its low nibbles and 1 and 3 in its high ones; the activation comes in
+ * that order (k_activation). Products: lanes 0-7 scale s times the activation's d of s, lanes 8-15
+ * min s times the activation's d * sum of s, subtracted once a block. */
 ALWAYS_INLINE void row_k_nibbles(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out, int fifth_bits) {
     const int block_bytes = fifth_bits ? 176 : 144, nibbles_at = fifth_bits ? 48 : 16;
     __m512 acc[ACCUMULATORS];
     zero_accumulators(acc);
     for (int64_t i = 0; i < k; i += 256, row += block_bytes) {
         const __m512 scales = k_block_scales(row);
-        block_mins(scales, a, i, rows, acc);
+        __m512 products[FUSED_ROWS];
+        for (int j = 0; j < rows; j++) {
+            products[j] = _mm512_mul_ps(scales, _mm512_loadu_ps(a[j].k_scale + i / 16));
+            acc[FUSED_ROWS + j] = _mm512_mask_sub_ps(acc[FUSED_ROWS + j], 0xff00, acc[FUSED_ROWS + j], products[j]);
+        }
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(row + 16));
-        for (int c = 0; c < 4; c++) {
-            __m512i codes = nibbles64(row + nibbles_at + 32 * c);
+        for (int p = 0; p < 2; p++) {
+            const __m512i bytes = _mm512_loadu_si512(row + nibbles_at + 64 * p);
+            __m512i low = low_nibbles(bytes), high = low_nibbles(_mm512_srli_epi16(bytes, 4));
             if (fifth_bits) {
-                const uint64_t low = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * c))));
-                const uint64_t high = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(2 << (2 * c))));
-                codes = with_fifth_bits(codes, low | (high << 32));
+                low = with_fifth_bits(low, fifth_bit_mask(qh, 4 * p, 4 * p + 2));
+                high = with_fifth_bits(high, fifth_bit_mask(qh, 4 * p + 1, 4 * p + 3));
             }
-            dot_scaled(codes, spread_two(scales, 2 * c, 2 * c + 1), a, i + 64 * c, rows, acc + (c & 1) * ACC_SET);
+            dot_products(low, products, two_indices(4 * p, 4 * p + 2), a, i + 128 * p, rows, acc);
+            dot_products(high, products, two_indices(4 * p + 1, 4 * p + 3), a, i + 128 * p + 64, rows, acc + ACC_SET);
         }
     }
     row_totals(acc, rows, out);
@@ -704,7 +711,9 @@ ALWAYS_INLINE void row_q5_k(const uint8_t *row, int64_t k, const lanes *a, int r
     row_k_nibbles(row, k, a, rows, out, 1);
 }
 
-/* Q6_K: 64 values hold 4 groups of 16, each with its own int8 scale; lane l is in group 4c + l / 4. */
+/* Q6_K: 64 values hold 4 groups of 16, each with its own int8 scale; lane l is in group 4c + l / 4.
+ * w = scale * (code - 32): products are scale times the activation's d per group, and the offset
+ * term, 32 * scale times the activation's d * sum per group, is subtracted once a block. */
 ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
     __m512 acc[ACCUMULATORS];
     zero_accumulators(acc);
@@ -714,6 +723,12 @@ ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int r
         const __m512 scales = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)))),
             _mm512_set1_ps(half_to_float(row + 208)));
+        const __m512 offsets = _mm512_mul_ps(scales, _mm512_set1_ps(32.f));
+        __m512 products[FUSED_ROWS];
+        for (int j = 0; j < rows; j++) {
+            products[j] = _mm512_mul_ps(scales, _mm512_loadu_ps(a[j].k_scale + i / 16));
+            acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(offsets, _mm512_loadu_ps(a[j].group_sum + i / 16), acc[FUSED_ROWS + j]);
+        }
         for (int half = 0; half < 2; half++) {
             const __m512i low = _mm512_loadu_si512(row + 64 * half);
             const __m256i high = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * half));
@@ -723,9 +738,8 @@ ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int r
                 const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
                 const __m512i codes = _mm512_or_si512(nibble, _mm512_and_si512(_mm512_slli_epi16(top, 4), two_bits));
                 const int c = 2 * half + part;
-                const __m512 weight_scale =
-                    _mm512_permutexvar_ps(_mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * c)), scales);
-                dot_symmetric(codes, weight_scale, 5, a, i + 64 * c, rows, acc + part * ACC_SET);
+                dot_products(codes, products, _mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * c)), a, i + 64 * c,
+                             rows, acc + part * ACC_SET);
             }
         }
     }
@@ -782,27 +796,51 @@ static int fused_supported(int type, int64_t k) {
                            type == Q4_K || type == Q5_K || type == Q6_K);
 }
 
+/* The K-quants' view of an activation row (lanes.k_q, k_scale): Q6_K reads q as it is, with each 16
+ * values' d; Q4_K and Q5_K read each 256 values' sub-blocks of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7
+ * (row_k_nibbles), with 16 floats a block: the 8 sub-blocks' d, then their d * sum of q. */
+static void k_activation(int type, const int8_t *q, const float *d, const float *gsum, int64_t k, int8_t *k_q,
+                         float *k_scale) {
+    if (type == Q6_K) {
+        for (int64_t g = 0; g < k / GROUP; g++) k_scale[g] = d[g / 2];
+        return;
+    }
+    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+    for (int64_t b = 0; b < k / 256; b++) {
+        for (int s = 0; s < 8; s++) {
+            const int64_t block = 8 * b + s;
+            memcpy(k_q + 256 * b + 32 * s, q + 32 * (8 * b + order[s]), 32);
+            k_scale[16 * b + s] = d[block];
+            k_scale[16 * b + 8 + s] = gsum[2 * block] + gsum[2 * block + 1];
+        }
+    }
+}
+
 /* gguf_linear for fused_supported types: q, d and gsum are the quantized activation rows. */
 static int fused_linear(const int8_t *q, const float *d, const float *gsum, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    const int64_t lane_count = k / 4, blocks = k / ABLOCK;
+    const int k_quant = type == Q4_K || type == Q5_K || type == Q6_K, reordered = type == Q4_K || type == Q5_K;
+    const int64_t lane_count = k / 4, blocks = k / ABLOCK, groups = k / GROUP;
     float *scale = malloc(sizeof(float) * (size_t)(m * lane_count));
     int32_t *sum = malloc(sizeof(int32_t) * (size_t)(m * lane_count));
     float *scaled_sum = malloc(sizeof(float) * (size_t)(m * lane_count));
-    float *block_sum = malloc(sizeof(float) * (size_t)(m * blocks));
+    int8_t *k_q = malloc((size_t)(m * k));
+    float *k_scale = malloc(sizeof(float) * (size_t)(m * groups));
     lanes *a = malloc(sizeof(lanes) * (size_t)m);
     int status = 0;
-    if (!scale || !sum || !scaled_sum || !block_sum || !a) {
+    if (!scale || !sum || !scaled_sum || !k_q || !k_scale || !a) {
         status = -2;
         goto done;
     }
     for (int64_t r = 0; r < m; r++) {
-        activation_lanes(q + r * k, d + r * blocks, k, scale + r * lane_count, sum + r * lane_count,
-                         scaled_sum + r * lane_count);
-        for (int64_t b = 0; b < blocks; b++)
-            block_sum[r * blocks + b] = gsum[r * 2 * blocks + 2 * b] + gsum[r * 2 * blocks + 2 * b + 1];
-        a[r] = (lanes){q + r * k, scale + r * lane_count, sum + r * lane_count, scaled_sum + r * lane_count,
-                       block_sum + r * blocks};
+        if (k_quant)
+            k_activation(type, q + r * k, d + r * blocks, gsum + r * groups, k, k_q + r * k, k_scale + r * groups);
+        else
+            activation_lanes(q + r * k, d + r * blocks, k, scale + r * lane_count, sum + r * lane_count,
+                             scaled_sum + r * lane_count);
+        a[r] = (lanes){q + r * k,           scale + r * lane_count, sum + r * lane_count,
+                       scaled_sum + r * lane_count, (reordered ? k_q : q) + r * k, k_scale + r * groups,
+                       gsum + r * groups};
     }
     const fused_job job = {a, m, k, row_bytes, ldy, w, bias, y, is_bf16};
     const int threads = rows < num_threads ? (int)rows : num_threads;
@@ -816,7 +854,8 @@ done:
     free(scale);
     free(sum);
     free(scaled_sum);
-    free(block_sum);
+    free(k_q);
+    free(k_scale);
     free(a);
     return status;
 }
