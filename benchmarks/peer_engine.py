@@ -1,12 +1,14 @@
 """One engine, one workload, in a process of its own: what benchmarks/peers.py runs for each engine.
 
     python benchmarks/peer_engine.py --engine tessera|vllm --model DIR --dtype float32 --workload work.json
+    python benchmarks/peer_engine.py --engine tessera --model FILE.gguf --dtype packed --workload work.json
 
 Prints one line `RESULT {json}`: output tokens, seconds and tok/s of the whole workload (greedy,
 ignore_eos, every request submitted at once), then batch 1: TTFT (median time of a max_tokens=1
 request) and TPOT (the extra time of 1 + SINGLE_TOKENS tokens, per token), and the KV figures the
-engine reports. Tessera and vLLM share the offline API, so the same lines drive both; under vLLM's
-venv nothing of Tessera is imported.
+engine reports (Tessera's with its KV pool's size). Tessera and vLLM share the offline API, so the
+same lines drive both; under vLLM's venv nothing of Tessera is imported. dtype `packed` (Tessera only)
+loads a GGUF file's blocks as they are.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def load_engine(engine: str, model: str, dtype: str):
     else:
         from inference import LLM, SamplingParams  # noqa: F401
 
-        llm = LLM(model=model, dtype=dtype, max_model_len=1024, seed=0)
+        # "packed": a GGUF file's blocks as they are (the engine's weights option, not a float dtype)
+        weights = {"weights": "packed"} if dtype == "packed" else {"dtype": dtype}
+        llm = LLM(model=model, max_model_len=1024, seed=0, **weights)
     return llm, SamplingParams
 
 
@@ -90,6 +94,7 @@ def main() -> None:
             "kv_fill_at_peak": llm.llm_engine.metrics.kv_fill_at_peak,
             "kv_blocks_used_at_peak": llm.llm_engine.metrics.peak_allocated_slots
             / (llm.llm_engine.kv.pool.num_blocks * llm.llm_engine.kv.block_size),
+            "kv_pool_bytes": llm.llm_engine.memory["kv_pool_bytes"],
         }
     result.update(kv)
     result.update(run_single(llm, SamplingParams, work["single_prompt"]))

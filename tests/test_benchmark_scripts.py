@@ -88,3 +88,32 @@ def test_the_spec_bench_runs_every_workload_and_speculation_keeps_greedy_outputs
         assert float(row[3].replace(",", "")) > 0 and float(row[4].replace(",", "")) > 0
         assert row[-1] == "1/1"  # greedy tokens equal with and without speculation, at batch 1
     assert any(row[8] != "-" for row in rows)  # something was proposed and verified
+
+
+def test_the_peak_rss_sampler_sums_the_whole_process_tree_of_an_engine():
+    import subprocess
+    import sys
+
+    # a parent holding 100 MiB that starts a child holding 200 MiB (its own interpreter, no shared pages)
+    child = "b = bytearray(200 << 20); import time; time.sleep(1.5)"
+    parent = f"import subprocess, sys; b = bytearray(100 << 20); subprocess.run([sys.executable, '-c', {child!r}])"
+    proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    with peers.PeakRss(proc.pid, interval=0.05) as rss:
+        proc.wait()
+    assert 300 <= rss.peak_mib < 400  # both processes, and nothing outside the session (this one holds torch)
+
+
+def test_a_packed_run_loads_the_gguf_file_itself_and_reports_its_kv_pool(tmp_path):
+    from benchmarks.common import real_model_path
+
+    models = peers.engine_models("packed", ["tessera", "llama.cpp"], lambda: pytest.fail("no folder"), real_model_path)
+    assert models == {"tessera": (real_model_path(), "packed")}  # vLLM alone needs the dequantized folder
+    work = {"requests": [[[500, 501, 502, 503], 5], [[600] * 30, 3]], "single_prompt": list(range(700, 720))}
+    workload = tmp_path / "work.json"
+    workload.write_text(json.dumps(work))
+    result = peers.run_offline("tessera", *models["tessera"], str(workload))
+    assert result["tokens"] == 5 + 3 and result["tpot_ms"] > 0
+    assert result["kv_pool_bytes"] > 0 and result["peak_rss_mib"] > 0
+    row = peers.memory_row("smollm2", peers.dtype_label("packed"), {"tessera": [result]})
+    assert row[1] == "packed (vLLM bfloat16)" and row[6] == result["peak_rss_mib"]
+    assert row[9] == result["kv_pool_bytes"] / 2**20 and row[2] == row[-1] == "-"  # no llama.cpp run
