@@ -10,6 +10,12 @@ an empty context). Formats alternate within each repeat, so a busy machine slows
 format alike; the table gives the median over repeats. With LLAMA_BENCH naming llama.cpp's llama-bench
 (bash ../shared/peers/llama-cpp.sh builds it), each repeat also runs `llama-bench -t 2 -p 512 -n 128` on the
 same file, and its row gives the peak resident set of that process.
+
+`make bench ARGS="gguf --models llama3-8b-shape --weights packed"` runs a random-weight file in Llama-3-8B's
+shape, every matrix Q4_K (benchmarks/llama8b_shape.py writes it once, 4.5 GB, to ~/.cache/tessera-models):
+what an 8B model's load takes in time and memory. It is not in the default --models, which would otherwise
+write that file on any machine `make bench` runs on and hold about 7 GB at its load's peak, and it runs
+packed only.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ QWEN_FILES = {  # name: (label, file ../shared/models/qwen-coder.sh assembles, i
     "qwen0.5b": ("Qwen2.5-Coder-0.5B Q4_K_M", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "0.5b"),
     "qwen1.5b": ("Qwen2.5-Coder-1.5B Q4_K_M", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "1.5b"),
 }
+LLAMA8B = ("llama3-8b-shape", "Llama-3-8B shape, random Q4_K")  # name, label (benchmarks/llama8b_shape.py)
+# label -> why it runs in the packed format alone
+PACKED_ONLY = {LLAMA8B[1]: "dequantized, its weights would take 16 GB (bfloat16) or 32 GB (float32)"}
 LLAMA_CPP = "llama.cpp"
 WEIGHTS = ("packed", "bfloat16", "float32")
 
@@ -41,6 +50,12 @@ def model_files(names: list[str]) -> dict[str, str]:
     for name in names:
         if name == "smollm2":
             files["SmolLM2-135M Q4_1"] = real_model_path()
+        elif name == LLAMA8B[0]:
+            from benchmarks import llama8b_shape
+
+            path = llama8b_shape.ensure()
+            print(f"{LLAMA8B[0]}: {path} ({path.stat().st_size / 1e9:.2f} GB)")
+            files[LLAMA8B[1]] = str(path)
         elif name in QWEN_FILES:
             label, file_name, size = QWEN_FILES[name]
             override = os.environ.get("QWEN_GGUF") if name == "qwen0.5b" else None
@@ -50,7 +65,7 @@ def model_files(names: list[str]) -> dict[str, str]:
             else:
                 print(f"skipping {name}: no {path} (bash ../shared/models/qwen-coder.sh {size} assembles it)")
         else:
-            raise ValueError(f"unknown model {name!r}; choose from smollm2, {', '.join(QWEN_FILES)}")
+            raise ValueError(f"unknown model {name!r}; choose from smollm2, {', '.join(QWEN_FILES)}, {LLAMA8B[0]}")
     return files
 
 
@@ -145,11 +160,16 @@ def run_llama_bench(binary: str, model: str, prompt_tokens: int, decode_tokens: 
     }
 
 
+def formats(name: str, weights: list[str]) -> list[str]:
+    """The formats a file runs in: for a PACKED_ONLY file, the packed one alone."""
+    return [fmt for fmt in weights if name not in PACKED_ONLY or fmt == "packed"]
+
+
 def table(files: dict[str, str], weights: list[str], prompt_tokens: int, decode_tokens: int, repeats: int) -> str:
     runs: dict[tuple[str, str], list[dict]] = {}
     for _ in range(repeats):
         for name, path in files.items():
-            for fmt in weights:  # alternating: each repeat runs every format once
+            for fmt in formats(name, weights):  # alternating: each repeat runs every format once
                 runs.setdefault((name, fmt), []).append(run_child(path, fmt, prompt_tokens, decode_tokens))
             if binary := os.environ.get("LLAMA_BENCH"):
                 runs.setdefault((name, LLAMA_CPP), []).append(
@@ -203,7 +223,11 @@ def main(argv=None) -> str:
         print(json.dumps(measure(model, weights, int(prompt), int(decode))), flush=True)
         return ""
     files = model_files(args.models.split(","))
-    return table(files, args.weights.split(","), args.prompt, args.decode, args.repeats)
+    weights = args.weights.split(",")
+    for name in files.keys() & PACKED_ONLY.keys():
+        if skipped := [fmt for fmt in weights if fmt != "packed"]:
+            print(f"skipping {name} in {', '.join(skipped)}: {PACKED_ONLY[name]}")
+    return table(files, weights, args.prompt, args.decode, args.repeats)
 
 
 if __name__ == "__main__":

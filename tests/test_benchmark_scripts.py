@@ -90,6 +90,31 @@ def test_the_spec_bench_runs_every_workload_and_speculation_keeps_greedy_outputs
     assert any(row[8] != "-" for row in rows)  # something was proposed and verified
 
 
+def test_the_llama3_8b_shape_file_is_written_once_and_served_packed_at_a_tiny_size(tmp_path):
+    from benchmarks import gguf, llama8b_shape
+    from benchmarks.llama8b_shape import LLAMA3_8B, Shape, tensor_bytes, tensor_shapes
+    from inference import gguf_loader
+
+    # the full shape's tensors: Llama-3-8B's 8.03B parameters, all at Q4_K's 4.5 bits
+    assert sum(tensor_bytes(dims) for _, dims in tensor_shapes(LLAMA3_8B)) == 4_517_937_152
+    shape = Shape(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=49152 + 128)
+    path = llama8b_shape.ensure(tmp_path / "tiny.gguf", shape)
+    assert llama8b_shape.ensure(path, shape).stat().st_mtime_ns == path.stat().st_mtime_ns  # reused, not rewritten
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tiny")] == ["tiny.gguf"]  # no partial file left
+
+    header = gguf_loader.open_gguf(str(path))
+    assert {t.tensor_type.name for t in header.tensors if len(t.shape) == 2} == {"Q4_K"}
+    assert {t.tensor_type.name for t in header.tensors if len(t.shape) == 1} == {"F32"}
+    config = gguf_loader.config_dict(str(path))
+    assert (config["vocab_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (49280, 2, 2)
+    assert (config["head_dim"], config["rope_theta"], config["tie_word_embeddings"]) == (64, 500000.0, False)
+    tokens = gguf_loader.metadata(str(path), "tokenizer.ggml.tokens")
+    assert len(tokens) == 49280 and tokens[-1] == "<|reserved_special_token_127|>"
+
+    result = gguf.measure(str(path), "packed", 8, 4)
+    assert result["weights_dtype"] == "packed" and result["rss_mib"] > 0 and result["decode_tok_s"] > 0
+
+
 def test_the_peak_rss_sampler_sums_the_whole_process_tree_of_an_engine():
     import subprocess
     import sys
