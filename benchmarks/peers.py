@@ -253,7 +253,8 @@ def run_llama_server(gguf: Path, work: dict) -> dict:
 async def llama_client(base: str, work: dict) -> dict:
     import aiohttp
 
-    async with aiohttp.ClientSession() as session:
+    # no total timeout: 64 streams of a 1.5B model on 2 cores take longer than aiohttp's default 5 minutes
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         await wait_ready(session, base)
 
         async def complete(ids, n):

@@ -53,13 +53,24 @@ BLOCK_TENSORS = {
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
+VOCABULARY_ARRAYS = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.scores",
+)
+
+
 @dataclass(frozen=True)
 class Header:
     """What is kept of a parsed file: its metadata values, its tensors (memory-mapped) and where their data
     starts. Not the GGUFReader: its parsed fields hold numpy views of every token and merge, about 80 MiB
-    for a 49k vocabulary and 180 MiB for a 128k one, for as long as the process runs."""
+    for a 49k vocabulary and 180 MiB for a 128k one, for as long as the process runs. Nor the vocabulary
+    arrays' values (a Python string per token and merge, another 140 MiB for a 128k vocabulary): the
+    tokenizer is built from the file by transformers (load_tokenizer); only their lengths are kept."""
 
-    fields: dict[str, Any]  # key -> value (the field's contents())
+    fields: dict[str, Any]  # key -> value (the field's contents()), VOCABULARY_ARRAYS left out
+    lengths: dict[str, int]  # VOCABULARY_ARRAYS key -> its number of entries
     tensors: list  # gguf's ReaderTensor: name, tensor_type, shape, data_offset, n_bytes, data
     data_offset: int
     data: np.memmap  # the whole file
@@ -73,11 +84,14 @@ def open_gguf(path: str) -> Header:
     if not Path(path).is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     reader = GGUFReader(path)
-    values = {key: field.contents() for key, field in reader.fields.items()}
-    return Header(values, reader.tensors, reader.data_offset, reader.data)
+    values = {key: field.contents() for key, field in reader.fields.items() if key not in VOCABULARY_ARRAYS}
+    lengths = {key: len(field.data) for key, field in reader.fields.items() if key in VOCABULARY_ARRAYS}
+    return Header(values, lengths, reader.tensors, reader.data_offset, reader.data)
 
 
 def metadata(path: str, key: str, default=None):
+    if key in VOCABULARY_ARRAYS:
+        raise KeyError(f"{key} is not kept after parsing (Header); load_tokenizer reads the vocabulary")
     return open_gguf(path).fields.get(key, default)
 
 
@@ -108,7 +122,7 @@ def config_dict(path: str) -> dict:
     eos = end_of_turn_token_ids(path)
     return {
         "architectures": [hf_arch],
-        "vocab_size": get("vocab_size") or len(metadata(path, "tokenizer.ggml.tokens")),
+        "vocab_size": get("vocab_size") or open_gguf(path).lengths["tokenizer.ggml.tokens"],
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
@@ -203,20 +217,24 @@ def iter_weights(path: str, cfg, packed: bool = False) -> Iterator[tuple[str, ob
             loaded = from_gguf_array(kind, values, int(tensor.shape[0]))
         else:
             loaded = torch.from_numpy(np.array(values, dtype=np.float32))
-        unmap_pages(header.data, tensor)
+        unmap_pages(header.data, tensor.data_offset, tensor.data_offset + tensor.n_bytes)
         yield name, loaded
+    # a read maps the cached pages around it too (the kernel's fault-around), some of them tensors
+    # already unmapped: once all are read, the whole data region again
+    unmap_pages(header.data, header.data_offset, len(header.data))
 
 
-def unmap_pages(data: np.memmap, tensor) -> None:
+def unmap_pages(data: np.memmap, start: int, end: int) -> None:
     """Every tensor is copied out of the file's mapping, but the pages read stay mapped while the parsed
     header is cached (open_gguf): the process's resident set would count the whole file a second time
     (4.3 GiB more for an 8B Q4_K file). MADV_DONTNEED on a read-only file mapping only unmaps them: the
-    page cache keeps them, and a later read maps them again."""
+    page cache keeps them, and a later read maps them again. Done per tensor, so a load never holds
+    the file and its copy at once."""
     import mmap
 
     mapping: mmap.mmap = data._mmap  # type: ignore[attr-defined]  # np.memmap's own mmap object
-    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    mapping.madvise(mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start)
+    first_page = start // mmap.PAGESIZE * mmap.PAGESIZE
+    mapping.madvise(mmap.MADV_DONTNEED, first_page, end - first_page)
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

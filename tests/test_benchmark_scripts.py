@@ -108,7 +108,9 @@ def test_the_llama3_8b_shape_file_is_written_once_and_served_packed_at_a_tiny_si
     config = gguf_loader.config_dict(str(path))
     assert (config["vocab_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (49280, 2, 2)
     assert (config["head_dim"], config["rope_theta"], config["tie_word_embeddings"]) == (64, 500000.0, False)
-    tokens = gguf_loader.metadata(str(path), "tokenizer.ggml.tokens")
+    from gguf import GGUFReader
+
+    tokens = GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
     assert len(tokens) == 49280 and tokens[-1] == "<|reserved_special_token_127|>"
 
     result = gguf.measure(str(path), "packed", 8, 4)

@@ -24,8 +24,10 @@ class VocabParallelEmbedding(nn.Module):
         self.start = parallel.rank * self.shard
         self.end = min(self.start + self.shard, vocab_size)
         self.hidden, self.dtype = hidden, dtype
+        # empty, not zeros: a packed GGUF table replaces it, and zeros would write the whole float table
+        # (2 GiB for a 128k x 4096 vocabulary) only to drop it
         self.weight = with_loader(
-            nn.Parameter(torch.zeros(self.shard, hidden, dtype=dtype), requires_grad=False), self.weight_loader
+            nn.Parameter(torch.empty(self.shard, hidden, dtype=dtype), requires_grad=False), self.weight_loader
         )
 
     def weight_loader(self, param, loaded, shard_id=None):
@@ -34,6 +36,7 @@ class VocabParallelEmbedding(nn.Module):
             return
         rows = loaded[self.start : self.end]
         copy_checked(param.data[: rows.shape[0]], rows)
+        param.data[rows.shape[0] :].zero_()  # the last shard's padding past the vocabulary
 
     def keep_packed(self, param, loaded) -> None:
         """A GGUF table kept as its blocks: the parameter holds the bytes and says their type."""

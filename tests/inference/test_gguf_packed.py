@@ -15,7 +15,7 @@ from test_gguf import ENGINE, PROMPTS, write_gguf
 from tiny_models import make_tiny_model
 
 from inference import LLM, SamplingParams
-from inference.gguf_loader import open_gguf, supported_types
+from inference.gguf_loader import metadata, open_gguf, supported_types
 from inference.layers.linear import LinearBase
 
 # Every type the file below can hold: the ten kernel types, three converted to Q8_0 at load
@@ -184,3 +184,28 @@ def test_weights_packed_on_a_folder_and_disagreeing_options_are_refused(tmp_path
         LLM(model=str(every_type_file), **{**ENGINE, "weights": "bfloat16"})
     with pytest.raises(ValueError, match="weights must be one of auto, packed, float32, bfloat16"):
         LLM(model=str(every_type_file), **{**PACKED, "weights": "int3"})
+
+
+def mapped_resident_bytes(path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's first line: range, perms, offset, dev, inode, path
+                inside = fields[-1] == str(path)
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def test_the_loaded_file_is_held_once_not_twice(both_engines, every_type_file):
+    """Tensors are copied out of the file's mapping; the pages they were read from are unmapped again,
+    and the cached header keeps no per-token values, so the process does not hold the file a second time."""
+    header = open_gguf(str(every_type_file))
+    tensor_bytes = sum(int(t.n_bytes) for t in header.tensors)
+    assert tensor_bytes > 8 * header.data_offset  # the test file is mostly tensors
+    assert mapped_resident_bytes(every_type_file) <= header.data_offset + 4096
+    assert "tokenizer.ggml.tokens" not in header.fields and header.lengths["tokenizer.ggml.tokens"] > 0
+    with pytest.raises(KeyError, match="load_tokenizer"):
+        metadata(str(every_type_file), "tokenizer.ggml.tokens")
