@@ -113,6 +113,7 @@ def open_library(path: Path):
         "rotary_embedding": [ptr, ptr, i64, i32, ptr, i64, i32, ptr, i64, i32, i32, i32],
         "store_kv_cache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
         "gguf_supported": [i32],
+        "gguf_fused": [i32, i64],
         "gguf_linear": [ptr, i64, i64, i64, ptr, i64, i64, i32, ptr, ptr, i64, i32, i32],
         "gguf_dequantize_rows": [ptr, i64, i64, i32, ptr, i64, i64, ptr, i32, i32],
     }
@@ -121,6 +122,7 @@ def open_library(path: Path):
         "paged_prefill_attention": ctypes.c_int,
         "store_kv_cache": i64,
         "gguf_supported": ctypes.c_int,
+        "gguf_fused": ctypes.c_int,
         "gguf_linear": ctypes.c_int,
         "gguf_dequantize_rows": ctypes.c_int,
     }

@@ -7,7 +7,7 @@ weight dequantized by the gguf package, then a float matmul). The int8 activatio
 result differ from the reference by at most sum_i |w_i| * max|x| of i's block / 254 (half a step of
 the activation's quantization), which the tests check per output.
 
-At DEQUANTIZE_FROM_ROWS activation rows and more (a prefill, a large decode batch) `linear` instead
+From `dequantize_from_rows` activation rows on (a prefill, a large decode batch) `linear` instead
 dequantizes the weight to bfloat16, a slice of rows at a time into a reused per-thread buffer, and runs
 oneDNN's bfloat16 GEMM on it (AMX where the CPU has it): measured per shape, that is faster from there on,
 and the weight stays packed in memory (docs/kernels.md has the table). Its error against the reference is
@@ -18,6 +18,7 @@ KERNEL_TYPES have kernels; other ggml types are converted at load (inference/qua
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -26,7 +27,10 @@ import torch
 from tessera_kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-DEQUANTIZE_FROM_ROWS = 16  # the crossover measured on SmolLM2's and Qwen2.5-0.5B's layers (docs/kernels.md)
+# Activation rows from which the bfloat16 path is faster, measured per shape (docs/kernels.md): the fused
+# kernel of the K-quants keeps its lead longer than the other types' kernels do.
+DEQUANTIZE_FROM_ROWS = 16
+K_QUANT_DEQUANTIZE_FROM_ROWS = 24
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
@@ -41,6 +45,17 @@ def block_values(name: str) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     return GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
+
+
+def dequantize_from_rows(kind: str, in_features: int, library=None) -> int:
+    """The row count from which `linear` takes the bfloat16 path for this weight."""
+    fused = _fused(library or native_cpu.load(), type_number(kind), in_features)  # load(): never recorded
+    return K_QUANT_DEQUANTIZE_FROM_ROWS if fused and kind in ("Q4_K", "Q5_K", "Q6_K") else DEQUANTIZE_FROM_ROWS
+
+
+@functools.cache
+def _fused(library, type_id: int, in_features: int) -> bool:
+    return bool(library.gguf_fused(type_id, in_features))
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -58,8 +73,8 @@ def linear(
 ) -> torch.Tensor:
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
     x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
-    From DEQUANTIZE_FROM_ROWS rows on, through dequantized_linear."""
-    if x.shape[0] >= DEQUANTIZE_FROM_ROWS:
+    From dequantize_from_rows() rows on, through dequantized_linear."""
+    if x.shape[0] >= dequantize_from_rows(kind, in_features, library):
         return dequantized_linear(x, packed, kind, in_features, bias, out, library)
     return integer_linear(x, packed, kind, in_features, bias, out, library)
 

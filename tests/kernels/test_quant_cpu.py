@@ -8,7 +8,7 @@ Tolerance: the kernel quantizes each activation block of 32 values to int8 (step
 so an output may differ from the dequantize-then-matmul reference by up to
 sum_i |w_i| * max|x| of i's block / 254 (half a step per product); each output is checked
 against its own bound, plus 1e-5 of the output's scale for float32 rounding. Dequantized rows
-must equal the gguf package's values exactly. From quant_cpu.DEQUANTIZE_FROM_ROWS rows on, `linear`
+must equal the gguf package's values exactly. From quant_cpu.dequantize_from_rows rows on, `linear`
 runs a bfloat16 GEMM on the dequantized weight instead: weight and activations rounded to bfloat16
 (2^-8 each, so 2^-7 of sum_i |w_i x_i|), the product rounded once more (2^-8 of the output), plus
 float32 accumulation (in_features * 2^-24 of sum_i |w_i x_i|).
@@ -133,6 +133,21 @@ def test_each_activation_row_comes_out_as_it_does_alone(lib, kind, dtype):
         assert torch.equal(together[row], alone[0])
 
 
+@pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
+def test_linear_keeps_the_integer_kernel_up_to_its_crossover(lib, kind):
+    # the fused K-quant kernel stays faster than the bfloat16 path for more rows than the other kernels
+    # (docs/kernels.md); below the crossover every row comes out as it does alone, as only the integer
+    # kernel guarantees
+    cols = 512
+    fused_k_quant = kind in ("Q4_K", "Q5_K", "Q6_K") and lib.gguf_fused(quant_cpu.type_number(kind), cols)
+    crossover = quant_cpu.dequantize_from_rows(kind, cols, lib)
+    assert crossover == (quant_cpu.K_QUANT_DEQUANTIZE_FROM_ROWS if fused_k_quant else quant_cpu.DEQUANTIZE_FROM_ROWS)
+    packed = gguf_blocks(kind, 37, cols, seed=23)
+    x = torch.randn(crossover - 1, cols, generator=torch.Generator().manual_seed(24))
+    together = quant_cpu.linear(x, packed, kind, cols, library=lib)
+    assert torch.equal(together, quant_cpu.integer_linear(x, packed, kind, cols, library=lib))
+
+
 def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """[m, rows]: the most the bfloat16 path can move each output (see the module docstring)."""
     magnitude = x.float().abs() @ weight.abs().float().T
@@ -142,7 +157,8 @@ def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tenso
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_run_in_bfloat16_within_its_bound(lib, kind, dtype):
-    cols, rows_in = 512, quant_cpu.DEQUANTIZE_FROM_ROWS + 5
+    cols = 512
+    rows_in = quant_cpu.dequantize_from_rows(kind, cols, lib) + 5
     packed = gguf_blocks(kind, 37, cols, seed=13)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(14)).to(dtype)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(15))
@@ -159,7 +175,8 @@ def test_many_rows_run_in_bfloat16_within_its_bound(lib, kind, dtype):
 def test_bfloat16_path_in_slices_of_the_weight_into_an_output_slice(lib, monkeypatch):
     # a scratch of 5 rows: 37 weight rows in 8 slices (the last one partial), as an LM head goes
     monkeypatch.setattr(quant_cpu, "SCRATCH_VALUES", 5 * 256)
-    kind, cols, rows_in = "Q4_K", 256, quant_cpu.DEQUANTIZE_FROM_ROWS
+    kind, cols = "Q4_K", 256
+    rows_in = quant_cpu.dequantize_from_rows(kind, cols, lib)
     packed = gguf_blocks(kind, 37, cols, seed=16)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(17))
     wide = torch.full((rows_in, 45), 7.0)

@@ -880,6 +880,9 @@ int gguf_supported(int type) {
     return find_format(type, &f) == 0;
 }
 
+/* 1 when gguf_linear makes the type's codes in registers for rows of k values (the fused path). */
+int gguf_fused(int type, int64_t k) { return fused_supported(type, k); }
+
 /* y[m, n] (row stride ldy, float32 or bfloat16 like x) = x[m, :k] . W[n, :k] (+ bias[n]) for n < rows.
  * w: rows x row_bytes of type `type`; k a multiple of the type's block (and of 64). Returns 0, -1 for
  * an unknown type or k, -2 when out of memory. */
