@@ -57,16 +57,23 @@ def model_files(names: list[str]) -> dict[str, str]:
             print(f"{LLAMA8B[0]}: {path} ({path.stat().st_size / 1e9:.2f} GB)")
             files[LLAMA8B[1]] = str(path)
         elif name in QWEN_FILES:
-            label, file_name, size = QWEN_FILES[name]
-            override = os.environ.get("QWEN_GGUF") if name == "qwen0.5b" else None
-            path = Path(override or QWEN_DIR / file_name)
-            if path.exists():
-                files[label] = str(path)
-            else:
-                print(f"skipping {name}: no {path} (bash ../shared/models/qwen-coder.sh {size} assembles it)")
+            if path := qwen_file(name):
+                files[QWEN_FILES[name][0]] = path
         else:
             raise ValueError(f"unknown model {name!r}; choose from smollm2, {', '.join(QWEN_FILES)}, {LLAMA8B[0]}")
     return files
+
+
+def qwen_file(name: str) -> str | None:
+    """The Qwen2.5-Coder GGUF ../shared/models/qwen-coder.sh assembles (QWEN_GGUF may name the 0.5B one),
+    or None, having said how to get it."""
+    _, file_name, size = QWEN_FILES[name]
+    override = os.environ.get("QWEN_GGUF") if name == "qwen0.5b" else None
+    path = Path(override or QWEN_DIR / file_name)
+    if not path.exists():
+        print(f"skipping {name}: no {path} (bash ../shared/models/qwen-coder.sh {size} assembles it)", flush=True)
+        return None
+    return str(path)
 
 
 def resident_mib() -> float:

@@ -45,6 +45,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import BENCH_DIR, bench_model_dir, machine_line, print_table, random_workload, real_model_path
+from benchmarks.gguf import qwen_file
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 PEER_ENGINE = Path(__file__).with_name("peer_engine.py")
@@ -93,18 +94,6 @@ def hf_folder(gguf: str, name: str, dtype: str) -> str:
 
 def smollm2_hf_folder() -> str:
     return hf_folder(real_model_path(), "smollm2-135m-instruct-hf", "float32")  # float32: its rows run both dtypes
-
-
-def qwen_file(name: str) -> str | None:
-    """The Qwen2.5-Coder GGUF ../shared/models/qwen-coder.sh assembles, or None (with how to get it)."""
-    from benchmarks.gguf import QWEN_DIR, QWEN_FILES
-
-    _, file_name, size = QWEN_FILES[name]
-    path = QWEN_DIR / file_name
-    if not path.exists():
-        print(f"skipping {name}: no {path} (bash ../shared/models/qwen-coder.sh {size} assembles it)", flush=True)
-        return None
-    return str(path)
 
 
 def qwen(name: str) -> tuple:

@@ -47,15 +47,13 @@ def block_values(name: str) -> int:
     return GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
 
 
+@functools.cache  # asked on every packed linear call: the answer per weight shape never changes
 def dequantize_from_rows(kind: str, in_features: int, library=None) -> int:
     """The row count from which `linear` takes the bfloat16 path for this weight."""
-    fused = _fused(library or native_cpu.load(), type_number(kind), in_features)  # load(): never recorded
-    return K_QUANT_DEQUANTIZE_FROM_ROWS if fused and kind in ("Q4_K", "Q5_K", "Q6_K") else DEQUANTIZE_FROM_ROWS
-
-
-@functools.cache
-def _fused(library, type_id: int, in_features: int) -> bool:
-    return bool(library.gguf_fused(type_id, in_features))
+    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+        return DEQUANTIZE_FROM_ROWS
+    fused = (library or native_cpu.load()).gguf_fused(type_number(kind), in_features)  # load(): never recorded
+    return K_QUANT_DEQUANTIZE_FROM_ROWS if fused else DEQUANTIZE_FROM_ROWS
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -548,10 +548,14 @@ ALWAYS_INLINE uint64_t fifth_bits_pair(const uint8_t *qh_a, const uint8_t *qh_b)
     return (uint64_t)a | ((uint64_t)b << 32);
 }
 
+/* Lanes 0-7 index `low`, lanes 8-15 index `high`. */
+ALWAYS_INLINE __m512i two_indices(int low, int high) {
+    return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(low), _mm512_set1_epi32(high));
+}
+
 /* Elements [first] in lanes 0-7 and [second] in lanes 8-15 of four floats. */
 ALWAYS_INLINE __m512 spread_pair(__m128 four, int first, int second) {
-    const __m512i index = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(first), _mm512_set1_epi32(second));
-    return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(four));
+    return _mm512_permutexvar_ps(two_indices(first, second), _mm512_castps128_ps512(four));
 }
 
 /* Two blocks' f16 scales (at a and b) as [a, b, 0, 0], one conversion for both. */
@@ -658,11 +662,6 @@ ALWAYS_INLINE void dot_products(__m512i codes, const __m512 *products, __m512i i
         const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(a[j].k_q + at));
         acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(index, products[j]), _mm512_cvtepi32_ps(dots), acc[j]);
     }
-}
-
-/* Lanes 0-7 index `low`, lanes 8-15 index `high`. */
-ALWAYS_INLINE __m512i two_indices(int low, int high) {
-    return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(low), _mm512_set1_epi32(high));
 }
 
 /* Code j of 64 takes bit `low` of qh byte j (j < 32) or bit `high` of qh byte j - 32. */
