@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+import weakref
 
 import torch
 
@@ -72,7 +73,10 @@ class Request:
             [None] if params.prompt_logprobs is not None else None
         )
         self.cumulative_logprob = 0.0
-        self.group: list[Request] = [self]
+        # a fork's sequences: the root holds its children, a child only a weak reference to the root, so a
+        # finished request is freed by its reference count instead of waiting for a full collection
+        self.children: list[Request] = []
+        self._root: weakref.ref[Request] | None = None
         self.detok: IncrementalDetokenizer | None = None  # set by the engine when it accepts the request
         self.grammar = None  # structured outputs: a Future of the compiled grammar, and this sequence's matcher
         self.matcher = None
@@ -117,8 +121,15 @@ class Request:
         return self.tenant if self.tenant is not None else ("request", self.request_id)
 
     @property
+    def group(self) -> list["Request"]:
+        """This prompt's sequences, the root (index 0) first."""
+        root = self if self._root is None else self._root()
+        assert root is not None, "a fork's root lives as long as the engine holds its group"
+        return [root, *root.children]
+
+    @property
     def needs_fork(self) -> bool:
-        return self.n > 1 and len(self.group) == 1
+        return self.n > 1 and self._root is None and not self.children
 
     def fork(self) -> list["Request"]:
         """n > 1 after prefill: spawn the other n - 1 sequences of this prompt; returns the group.
@@ -147,8 +158,8 @@ class Request:
             child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
             child.prompt_logprobs = self.prompt_logprobs
             child.grammar = self.grammar  # the engine gives each child a fresh matcher (no token yet)
-            child.group = self.group
-            self.group.append(child)
+            child._root = weakref.ref(self)
+            self.children.append(child)
         return self.group
 
     def append_token(self, token_id: int) -> None:
