@@ -22,6 +22,10 @@ GRACEFUL_SHUTDOWN_S = 10
 # 5 s, aiohttp 15 s, load balancers 60 s). A server that closes first races a client's next request
 # on that connection, which then fails without ever reaching the server (uvicorn's default is 5 s).
 KEEP_ALIVE_S = 75
+# Collector thresholds (young, middle, old): CPython's default young threshold of 700 objects ran a full
+# collection every 4-5 s under a flood of open streams, each pausing every stream 75-230 ms
+# (docs/benchmarks.md, Fair share); at 50,000 the young collections come every ~15 s at 30-45 ms each.
+GC_THRESHOLDS = (50_000, 20, 20)
 
 
 def config(*, host: str, port: int, fd: int | None, proxy_headers: bool) -> uvicorn.Config:
@@ -62,13 +66,18 @@ def warm_up() -> None:
     tokenization.warm_up(str(settings.MODEL))
 
 
+def tune_collector() -> None:
+    """Django, the tokenizer and their imports live as long as the process: out of the collector's sight,
+    a collection under load walks only the open requests' objects; and collections come less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     warm_up()
-    # Django, the tokenizer and their imports live as long as the process: out of the collector's sight,
-    # a full collection under load walks only the open requests' objects instead of pausing every stream.
-    gc.collect()
-    gc.freeze()
+    tune_collector()
     uvicorn.Server(config(host=args.host, port=args.port, fd=args.fd, proxy_headers=args.proxy_headers)).run()
 
 

@@ -24,11 +24,13 @@ def test_a_model_that_cannot_load_here_does_not_stop_the_web_process(tmp_path):
     assert tokenization.warm_up(str(tmp_path / "missing")) is False
 
 
-def test_the_web_process_freezes_what_warm_up_allocated_before_it_serves(monkeypatch):
-    """Under load a full collection then walks only the open requests' objects, not Django's and torch's."""
+def test_the_web_process_freezes_what_warm_up_allocated_and_collects_rarely_when_it_serves(monkeypatch):
+    """Under load a collection then walks only the open requests' objects, not Django's and torch's, and
+    comes every 50,000 new objects instead of 700 (a flood's open streams made a full one every few seconds)."""
     import gc
 
-    frozen_when_serving = []
+    frozen_when_serving, thresholds_when_serving = [], []
+    thresholds = gc.get_threshold()
 
     class Server:
         def __init__(self, config):
@@ -36,6 +38,7 @@ def test_the_web_process_freezes_what_warm_up_allocated_before_it_serves(monkeyp
 
         def run(self):
             frozen_when_serving.append(gc.get_freeze_count())
+            thresholds_when_serving.append(gc.get_threshold())
 
     monkeypatch.setattr(web, "warm_up", lambda: None)
     monkeypatch.setattr(web.uvicorn, "Server", Server)
@@ -43,4 +46,6 @@ def test_the_web_process_freezes_what_warm_up_allocated_before_it_serves(monkeyp
         web.main(["--port", "0"])
     finally:
         gc.unfreeze()  # this test process keeps collecting as before
+        gc.set_threshold(*thresholds)
     assert frozen_when_serving[0] > 10_000
+    assert thresholds_when_serving == [web.GC_THRESHOLDS] and web.GC_THRESHOLDS[0] >= 10_000
