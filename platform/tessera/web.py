@@ -22,9 +22,9 @@ GRACEFUL_SHUTDOWN_S = 10
 # 5 s, aiohttp 15 s, load balancers 60 s). A server that closes first races a client's next request
 # on that connection, which then fails without ever reaching the server (uvicorn's default is 5 s).
 KEEP_ALIVE_S = 75
-# Collector thresholds (young, middle, old): CPython's default young threshold of 700 objects ran a full
-# collection every 4-5 s under a flood of open streams, each pausing every stream 75-230 ms
-# (docs/benchmarks.md, Fair share); at 50,000 the young collections come every ~15 s at 30-45 ms each.
+# Collector thresholds (young, middle, old): under a flood of open streams CPython's default (a young
+# collection every 700 new objects) led to a full collection every few seconds, each pausing every stream
+# (docs/benchmarks.md, Fair share).
 GC_THRESHOLDS = (50_000, 20, 20)
 
 
