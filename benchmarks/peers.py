@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -358,8 +359,7 @@ def median_of(runs: dict[str, list[dict]], engine: str, key: str):
 
 
 def summary_row(model: str, dtype: str, runs: dict[str, list[dict]]) -> list:
-    def med(engine, key):
-        return median_of(runs, engine, key)
+    med = functools.partial(median_of, runs)
 
     ratios = [t["tok_s"] / v["tok_s"] for t, v in zip(runs["tessera"], runs.get("vllm", []))]
     spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
@@ -385,9 +385,7 @@ def summary_row(model: str, dtype: str, runs: dict[str, list[dict]]) -> list:
 
 def memory_row(model: str, dtype: str, runs: dict[str, list[dict]]) -> list:
     """Tessera beside llama.cpp, and each engine's peak RSS: the second table."""
-
-    def med(engine, key):
-        return median_of(runs, engine, key)
+    med = functools.partial(median_of, runs)
 
     ratios = [t["tok_s"] / c["tok_s"] for t, c in zip(runs.get("tessera", []), runs.get("llama.cpp", []))]
     kv_pool = med("tessera", "kv_pool_bytes")

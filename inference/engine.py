@@ -253,7 +253,7 @@ class LLMEngine:
             self.structured.wait(timeout=0.05)  # nothing to run until a grammar is ready: no busy loop
         updated = self._run(plan) if not plan.is_empty else []
         touched = {r.request_id: r for r in plan.finished}
-        touched.update((seq.request_id, seq.group[0]) for seq in updated)
+        touched.update((seq.request_id, seq.root) for seq in updated)
         self._observe_kv_fill()
         roots = list(touched.values())
         return [self._output(root) for root in roots if not final_only or self._group_finished(root)]

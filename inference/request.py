@@ -121,10 +121,16 @@ class Request:
         return self.tenant if self.tenant is not None else ("request", self.request_id)
 
     @property
-    def group(self) -> list["Request"]:
-        """This prompt's sequences, the root (index 0) first."""
+    def root(self) -> "Request":
+        """The prompt's first sequence (index 0), which holds the request's group."""
         root = self if self._root is None else self._root()
         assert root is not None, "a fork's root lives as long as the engine holds its group"
+        return root
+
+    @property
+    def group(self) -> list["Request"]:
+        """This prompt's sequences, the root first."""
+        root = self.root
         return [root, *root.children]
 
     @property

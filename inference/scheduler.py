@@ -314,7 +314,7 @@ class Scheduler:
         """
         if getattr(exc, "fatal", False):
             raise exc
-        root = request.group[0]
+        root = request.root
         if root.error is not None:
             return
         logger.error("request %s failed in %s", request.request_id, stage, exc_info=exc)
@@ -335,7 +335,7 @@ class Scheduler:
 
     def _join_parent(self, child: Request) -> None:
         """An n > 1 fork: the child shares every block of its parent (copy on write later)."""
-        parent = child.group[0]
+        parent = child.root
         child.num_computed_tokens = parent.num_computed_tokens
         self.kv.fork(parent, child)
         self.add_running(child)
