@@ -12,7 +12,9 @@ the prompts one at a time; batch 32 submits 32 requests at once (the prompts rep
 output tokens after each request's first over the time from the first token to the last; TPOT is its
 inverse per request, averaged. Acceptance rate is accepted / proposed tokens and mean acceptance length
 1 + accepted / drafts (vLLM's formula), from the engine's spec_decode counters over that run. "greedy
-equal" counts the requests whose tokens are identical with and without speculation.
+equal" counts the requests whose tokens are identical with and without speculation. A second table gives
+what a decode step of 1 to 1 + k tokens took in the speculating engine (its own timings): the price of a
+verification, which a speed-up target at a given mean accepted length depends on.
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def engines(model: str, config: dict, max_batch: int):
     return plain, speculating
 
 
-def rows_for_pair(name: str, model: str, config: dict, args) -> tuple[list[list], str]:
+def rows_for_pair(name: str, model: str, config: dict, args) -> tuple[list[list], str, list[list]]:
     plain, speculating = engines(model, config, max(args.batches))
     code, origin = code_prompts(args.prompts)
     workloads = {
@@ -234,9 +236,22 @@ def rows_for_pair(name: str, model: str, config: dict, args) -> tuple[list[list]
                     f"{equal}/{len(base.tokens)}",
                 ]
             )
+    costs = step_cost_rows(name, speculating.llm_engine.speculator.costs, 1 + config["num_speculative_tokens"])
     for llm in (plain, speculating):
         llm.llm_engine.shutdown()
-    return rows, origin
+    return rows, origin, costs
+
+
+def step_cost_rows(name: str, costs, max_tokens: int) -> list[list]:
+    """What a decode step of T tokens took (the speculating engine's own moving averages, StepCosts), against
+    a one-token step: the price of verifying T - 1 proposals, which sets the speed-up a mean accepted length buys."""
+    one = costs.steps.get(1)
+    rows = []
+    for tokens in range(1, max_tokens + 1):
+        if tokens in costs.steps:
+            seconds = costs.steps[tokens].seconds
+            rows.append([name, tokens, 1000 * seconds, f"{seconds / one.seconds:.2f}x" if one else "-"])
+    return rows
 
 
 def main(argv=None) -> str:
@@ -246,12 +261,13 @@ def main(argv=None) -> str:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    rows, origins = [], set()
+    rows, origins, costs = [], set(), []
     for name, (model, config) in model_pairs(args.pairs.split(",")).items():
-        pair_rows, origin = rows_for_pair(name, model, config, args)
+        pair_rows, origin, pair_costs = rows_for_pair(name, model, config, args)
         rows.extend(pair_rows)
         origins.add(origin)
-    return print_table(
+        costs.extend(pair_costs)
+    table = print_table(
         f"Speculative decoding, greedy, up to {args.max_tokens} tokens, {args.prompts} prompts per workload "
         f"(code: {', '.join(sorted(origins))}), {machine_line()}",
         [
@@ -268,6 +284,15 @@ def main(argv=None) -> str:
             "greedy equal",
         ],
         rows,
+    )
+    return (
+        table
+        + "\n"
+        + print_table(
+            "Decode step cost by tokens in the step (a speculating sequence verifies tokens - 1 proposals in one)",
+            ["model, method", "tokens", "step ms", "against one token"],
+            costs,
+        )
     )
 
 

@@ -81,13 +81,20 @@ def test_the_gguf_bench_loads_the_default_file_packed_and_reports_its_row():
 def test_the_spec_bench_runs_every_workload_and_speculation_keeps_greedy_outputs_on_the_default_model():
     from benchmarks import spec
 
-    table = spec.main(["--pairs", "smollm2-ngram", "--batches", "1", "--prompts", "1", "--max-tokens", "24"])
-    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines() if "n-gram" in line]
-    assert [row[1] for row in rows] == ["input-grounded", "code editing", "open chat"]
-    for row in rows:
+    speed, costs = [
+        [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines() if "n-gram" in line]
+        for table in spec.main(
+            ["--pairs", "smollm2-ngram", "--batches", "1", "--prompts", "1", "--max-tokens", "24"]
+        ).split("### ")[1:]
+    ]
+    assert [row[1] for row in speed] == ["input-grounded", "code editing", "open chat"]
+    for row in speed:
         assert float(row[3].replace(",", "")) > 0 and float(row[4].replace(",", "")) > 0
         assert row[-1] == "1/1"  # greedy tokens equal with and without speculation, at batch 1
-    assert any(row[8] != "-" for row in rows)  # something was proposed and verified
+    assert any(row[8] != "-" for row in speed)  # something was proposed and verified
+    # the verification steps' cost beside a plain one: what the speed-up a mean accepted length buys rests on
+    assert costs[0][1:] == ["1", costs[0][2], "1.00x"] and float(costs[0][2]) > 0
+    assert len(costs) > 1 and all(1 < int(row[1]) <= 6 and float(row[2]) > 0 for row in costs[1:])
 
 
 def test_the_llama3_8b_shape_file_is_written_once_and_served_packed_at_a_tiny_size(tmp_path):
