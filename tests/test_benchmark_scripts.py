@@ -93,8 +93,9 @@ def test_the_spec_bench_runs_every_workload_and_speculation_keeps_greedy_outputs
         assert row[-1] == "1/1"  # greedy tokens equal with and without speculation, at batch 1
     assert any(row[8] != "-" for row in speed)  # something was proposed and verified
     # the verification steps' cost beside a plain one: what the speed-up a mean accepted length buys rests on
-    assert costs[0][1:] == ["1", costs[0][2], "1.00x"] and float(costs[0][2]) > 0
-    assert len(costs) > 1 and all(1 < int(row[1]) <= 6 and float(row[2]) > 0 for row in costs[1:])
+    assert costs[0][1] == "1" and costs[0][3] == "1.00x"
+    assert len(costs) > 1 and all(1 < int(row[1]) <= 6 for row in costs[1:])
+    assert all(float(row[2].replace(",", "")) > 0 for row in costs)
 
 
 def test_the_llama3_8b_shape_file_is_written_once_and_served_packed_at_a_tiny_size(tmp_path):
