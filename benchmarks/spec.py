@@ -285,15 +285,12 @@ def main(argv=None) -> str:
         ],
         rows,
     )
-    return (
-        table
-        + "\n"
-        + print_table(
-            "Decode step cost by tokens in the step (a speculating sequence verifies tokens - 1 proposals in one)",
-            ["model, method", "tokens", "step ms", "against one token"],
-            costs,
-        )
+    costs_table = print_table(
+        "Decode step cost by tokens in the step (a speculating sequence verifies tokens - 1 proposals in one)",
+        ["model, method", "tokens", "step ms", "against one token"],
+        costs,
     )
+    return table + "\n" + costs_table
 
 
 if __name__ == "__main__":

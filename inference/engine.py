@@ -447,8 +447,9 @@ class LLMEngine:
     @staticmethod
     def _group_finished(root: Request) -> bool:
         """All n sequences are done (or the prompt ended, failed or was aborted before it could fork)."""
-        return all(s.is_finished for s in root.group) and (
-            len(root.group) == root.n
+        group = root.group
+        return all(s.is_finished for s in group) and (
+            len(group) == root.n
             or root.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
             or root.num_output_tokens == 0
         )
