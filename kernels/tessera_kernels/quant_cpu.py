@@ -1,17 +1,19 @@
 """Linear layers and row gathers on GGUF block-format weights, in C (csrc/quant_gemm.c).
 
 A packed weight is the file's bytes, [rows, row_bytes] uint8, and its ggml type. The product
-quantizes the activations to int8 per block of 32 values and runs integer dot products against
-the weight's codes (AVX-512 VNNI, AVX2, or plain C); `reference_linear` is its meaning (the
-weight dequantized by the gguf package, then a float matmul). The int8 activations make the
-result differ from the reference by at most sum_i |w_i| * max|x| of i's block / 254 (half a step of
-the activation's quantization), which the tests check per output.
+quantizes the activations to int8 per block (`activation_block`: 32 values, or 256 for the K-quants
+on the AVX-512 VNNI kernel, as llama.cpp's Q8_K) and runs integer dot products against the weight's
+codes (AVX-512 VNNI, AVX2, or plain C); `reference_linear` is its meaning (the weight dequantized by
+the gguf package, then a float matmul). The int8 activations make the result differ from the
+reference by at most sum_i |w_i| * max|x| of i's block / 254 (half a step of the activation's
+quantization), which the tests check per output.
 
 From `dequantize_from_rows` activation rows on (a prefill, a large decode batch) `linear` instead
 dequantizes the weight to bfloat16, a slice of rows at a time into a reused per-thread buffer, and runs
-oneDNN's bfloat16 GEMM on it (AMX where the CPU has it): measured per shape, that is faster from there on,
-and the weight stays packed in memory (docs/kernels.md has the table). Its error against the reference is
-bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation rounded) plus 2^-8 of the output.
+oneDNN's bfloat16 GEMM on it (AMX where the CPU has it): measured on whole models' decode steps, that is
+faster from there on, and the weight stays packed in memory (docs/kernels.md has the figures). Its error
+against the reference is bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation
+rounded) plus 2^-8 of the output.
 
 KERNEL_TYPES have kernels; other ggml types are converted at load (inference/quantization/gguf.py).
 """
@@ -27,10 +29,10 @@ import torch
 from tessera_kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# Activation rows from which the bfloat16 path is faster, measured per shape (docs/kernels.md): the fused
-# kernel of the K-quants keeps its lead longer than the other types' kernels do.
-DEQUANTIZE_FROM_ROWS = 16
-K_QUANT_DEQUANTIZE_FROM_ROWS = 24
+# Activation rows from which the bfloat16 path is faster, measured on whole models (docs/kernels.md): the
+# K-quants' integer kernel keeps its lead longer than the other types' kernels do.
+DEQUANTIZE_FROM_ROWS = 24
+K_QUANT_DEQUANTIZE_FROM_ROWS = 64
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
@@ -48,12 +50,21 @@ def block_values(name: str) -> int:
 
 
 @functools.cache  # asked on every packed linear call: the answer per weight shape never changes
+def fused_k_quant(kind: str, in_features: int, library=None) -> bool:
+    """Whether this weight runs on the K-quants' integer kernel (AVX-512 VNNI)."""
+    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+        return False
+    return bool((library or native_cpu.load()).gguf_fused(type_number(kind), in_features))  # load(): never recorded
+
+
 def dequantize_from_rows(kind: str, in_features: int, library=None) -> int:
     """The row count from which `linear` takes the bfloat16 path for this weight."""
-    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
-        return DEQUANTIZE_FROM_ROWS
-    fused = (library or native_cpu.load()).gguf_fused(type_number(kind), in_features)  # load(): never recorded
-    return K_QUANT_DEQUANTIZE_FROM_ROWS if fused else DEQUANTIZE_FROM_ROWS
+    return K_QUANT_DEQUANTIZE_FROM_ROWS if fused_k_quant(kind, in_features, library) else DEQUANTIZE_FROM_ROWS
+
+
+def activation_block(kind: str, in_features: int, library=None) -> int:
+    """Values per int8 scale of the activations that `integer_linear` multiplies with this weight."""
+    return 256 if fused_k_quant(kind, in_features, library) else 32
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from tiny_models import make_tiny_model
 from inference import LLM, SamplingParams
 from inference.gguf_loader import metadata, open_gguf, supported_types
 from inference.layers.linear import LinearBase
+from tessera_kernels import quant_cpu
 
 # Every type the file below can hold: the ten kernel types, three converted to Q8_0 at load
 # (the gguf package quantizes TQ1_0, TQ2_0 and MXFP4; it has no quantizer for the IQ types, which
@@ -83,9 +84,19 @@ def conversion_bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return x.abs().float() @ step.T
 
 
-def activation_bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    step = x.float().reshape(x.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 254
+def activation_bound(weight: torch.Tensor, x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    step = x.float().reshape(x.shape[0], -1, block).abs().amax(-1).repeat_interleave(block, -1) / 254
     return step @ weight.abs().T
+
+
+def layer_activation_bound(layer, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """activation_bound per segment of a packed layer, each with its kernel's activation block."""
+    bound = torch.zeros(x.shape[0], weight.shape[0])
+    for seg in layer.segments:
+        block = 32 if seg.kind == "dense" else quant_cpu.activation_block(seg.kind, layer.in_features)
+        columns = slice(seg.start, seg.start + seg.rows)
+        bound[:, columns] = activation_bound(weight[columns], x, block)
+    return bound
 
 
 def test_the_packed_engine_keeps_blocks_and_says_so(both_engines, every_type_file):
@@ -121,7 +132,7 @@ def test_every_packed_layer_is_within_its_rounding_bound_of_float32(both_engines
         weight = dense_weight(reference_layer)
         x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(checked))
         out, reference = layer(x), reference_layer(x)
-        bound = activation_bound(weight, x) + conversion_bound(weight, x) + 1e-5 * reference.abs().max()
+        bound = layer_activation_bound(layer, weight, x) + conversion_bound(weight, x) + 1e-5 * reference.abs().max()
         assert ((out - reference).abs() <= bound).all(), name
         checked += 1
     assert checked == 2 * 4 and converted_layers  # qkv, o, gate_up, down in each layer; some converted
@@ -134,7 +145,8 @@ def test_embedding_rows_and_logits_come_from_the_packed_tables(both_engines):
     hidden = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
     reference = dense.compute_logits(hidden)
     head = dense.lm_head.weight.float()
-    bound = activation_bound(head, hidden) + 1e-5 * reference.abs().max()
+    block = quant_cpu.activation_block(packed.lm_head.weight.ggml_type, 256)
+    bound = activation_bound(head, hidden, block) + 1e-5 * reference.abs().max()
     assert ((packed.compute_logits(hidden) - reference).abs() <= bound).all()
 
 
@@ -163,7 +175,7 @@ def test_qwen2_tied_table_biases_and_mixed_qkv_types(tmp_path):
         layer, reference_layer = packed.get_submodule(name), dense.get_submodule(name)
         x = torch.randn(4, layer.in_features, generator=torch.Generator().manual_seed(3))
         reference = reference_layer(x)
-        bound = activation_bound(dense_weight(reference_layer), x) + 1e-5 * reference.abs().max()
+        bound = layer_activation_bound(layer, dense_weight(reference_layer), x) + 1e-5 * reference.abs().max()
         assert ((layer(x) - reference).abs() <= bound).all(), name
 
 

@@ -4,9 +4,10 @@ Every kernel type, on four builds of the library: as the engine builds it (AVX-5
 machines we run on), without VBMI (the fused path's plain nibble shuffles), without AVX-512 (the AVX2
 loop) and without AVX2 (the plain C loop).
 
-Tolerance: the kernel quantizes each activation block of 32 values to int8 (step max|x| / 127),
-so an output may differ from the dequantize-then-matmul reference by up to
-sum_i |w_i| * max|x| of i's block / 254 (half a step per product); each output is checked
+Tolerance: the kernel quantizes each activation block (quant_cpu.activation_block: 32 values, 256 for
+the K-quants on the AVX-512 VNNI kernel) to int8 (step max|x| / 127), so an output may differ from
+the dequantize-then-matmul reference by up to sum_i |w_i| * max|x| of i's block / 254 (half a step
+per product); each output is checked
 against its own bound, plus 1e-5 of the output's scale for float32 rounding. Dequantized rows
 must equal the gguf package's values exactly. From quant_cpu.dequantize_from_rows rows on, `linear`
 runs a bfloat16 GEMM on the dequantized weight instead: weight and activations rounded to bfloat16
@@ -68,14 +69,15 @@ def dequantized(packed: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(dequantize(packed.numpy(), GGMLQuantizationType[kind])))
 
 
-def activation_bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def activation_bound(weight: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
     """[m, rows]: the most the int8 activations can move each output (see the module docstring)."""
-    step = x.float().reshape(x.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 254
+    step = x.float().reshape(x.shape[0], -1, block).abs().amax(-1).repeat_interleave(block, -1) / 254
     return step @ weight.abs().float().T
 
 
-def assert_within_bound(out, reference, weight, x):
-    bound = activation_bound(weight, x) + 1e-5 * reference.abs().max() + 1e-6
+def assert_within_bound(out, reference, packed, kind, x, lib):
+    block = quant_cpu.activation_block(kind, x.shape[1], lib)
+    bound = activation_bound(dequantized(packed, kind), x, block) + 1e-5 * reference.abs().max() + 1e-6
     excess = ((out.float() - reference).abs() - bound).max()
     assert excess <= 0, f"an output is {float(excess):.3g} past its bound"
 
@@ -89,7 +91,7 @@ def test_linear_matches_dequantize_then_matmul(lib, kind, rows_in):
     bias = torch.randn(37, generator=torch.Generator().manual_seed(2))
     out = quant_cpu.linear(x, packed, kind, cols, bias, library=lib)
     assert out.shape == (rows_in, 37) and out.dtype == torch.float32
-    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind, bias), dequantized(packed, kind), x)
+    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind, bias), packed, kind, x, lib)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q8_0"])
@@ -103,20 +105,21 @@ def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, kind, rows_in):
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(6))
     wide = torch.full((rows_in, 24), 7.0)
     quant_cpu.linear(x, packed, kind, cols, out=wide[:, 3:19], library=lib)
-    assert_within_bound(wide[:, 3:19], quant_cpu.reference_linear(x, packed, kind), dequantized(packed, kind), x)
+    assert_within_bound(wide[:, 3:19], quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
     assert torch.equal(wide[:, :3], torch.full((rows_in, 3), 7.0))
     assert torch.equal(wide[:, 19:], torch.full((rows_in, 5), 7.0))
 
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
-def test_the_integer_kernel_on_many_rows_in_blocks_of_four(lib, kind):
-    # below the crossover only, in the engine; called directly here so blocks of 4 rows and a rest of 3
-    # meet a partial last tile of weight rows at a size `linear` would send to bfloat16
+def test_the_integer_kernel_on_many_rows_in_blocks(lib, kind):
+    # below the crossover only, in the engine; called directly here so the kernels' blocks of rows (8 on
+    # the fused path, 4 on the decoded one) and a rest meet a partial last tile of weight rows at a size
+    # `linear` would send to bfloat16
     cols = 512
     packed = gguf_blocks(kind, 37, cols, seed=11)
     x = torch.randn(quant_cpu.DEQUANTIZE_FROM_ROWS + 3, cols, generator=torch.Generator().manual_seed(12))
     out = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
-    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), dequantized(packed, kind), x)
+    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
 
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
@@ -124,7 +127,7 @@ def test_the_integer_kernel_on_many_rows_in_blocks_of_four(lib, kind):
 def test_each_activation_row_comes_out_as_it_does_alone(lib, kind, dtype):
     # speculative verification scores 1 + k rows in one call and must give each the bits a one-row
     # decode gives it: below the crossover a row's output may not depend on the rows beside it
-    cols, rows_in = 512, 7  # a block of 4 rows and a rest of 3
+    cols, rows_in = 512, 11  # a block of 8 rows and a rest of 3 (fused path), 4 + 4 + 3 (decoded path)
     packed = gguf_blocks(kind, 37, cols, seed=21)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(22)).to(dtype)
     together = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
@@ -195,7 +198,8 @@ def test_bfloat16_activations_give_bfloat16_outputs(lib, kind):
     assert out.dtype == torch.bfloat16
     reference = quant_cpu.reference_linear(x, packed, kind)
     # bfloat16 rounding of the output adds up to 2^-8 of each value
-    bound = activation_bound(dequantized(packed, kind), x) + reference.abs() / 256 + 1e-5
+    bound = activation_bound(dequantized(packed, kind), x, quant_cpu.activation_block(kind, 256, lib))
+    bound = bound + reference.abs() / 256 + 1e-5
     assert ((out.float() - reference).abs() <= bound).all()
 
 

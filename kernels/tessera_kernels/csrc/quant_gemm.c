@@ -414,76 +414,41 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
 /* ---- the fused path (AVX-512 VNNI): codes made in registers, 64 values at a time ---------------
  *
  * The common types skip the decoded scratch row: each 64 values of a weight row become 64 unsigned
- * codes in one register straight from the block's bytes, and their scales a vector of 16 lanes (one
- * lane per 4 values, the span of one vpdpbusd sum). An activation row is laid out per lane too, once
- * per call: its block scale d, the integer sum of the lane's 4 values, and d times that sum. Then,
- * per lane l of each 64 values,
+ * codes in one register straight from the block's bytes, and vpdpbusd sums each 4 products of codes
+ * and int8 activations into a 32-bit lane. Up to FUSED_ROWS activation rows share each 64 codes.
  *
- *   symmetric types (w = scale * (code - offset)):  acc += scale_l * d_l * (sum code q - offset * sum q)
- *   types with a min    (w = scale * code - min):   acc += scale_l * d_l * sum code q - min_l * d_l * sum q
+ * The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take the activation per block of 32, as
+ * llama.cpp's Q8_0 / Q8_1 do; per 64 values and activation row, lane l (4 values):
  *
- * where the offset (a power of two) is subtracted in integers before the one conversion to float.
- * Each activation row's arithmetic is the same whatever rows run beside it, so a row's output does not
- * depend on the batch (speculative verification relies on it). */
+ *   acc += scale_l * d_l * (sum code q - offset * sum q)_l     (vpdpbusd, conversion, multiply, multiply-add)
+ *
+ * Q4_0 and Q5_0 subtract their offset (8, 16) in integers, where the vpdpbusd starts. Q4_1, Q5_1 and
+ * Q8_0 (w = scale * code - min; Q8_0's min is 128 times its scale) subtract their mins against the
+ * activation's block sums (d * sum of q) once per 16 blocks.
+ *
+ * The K-quants (Q4_K, Q5_K, Q6_K) take it per block of 256 (one d a block, llama.cpp's Q8_K), so a
+ * weight block's products stay in integers until the block ends: two vpdpbusd, a vpackssdw of their
+ * sums into 16 bits and a vpdpwssd by the sub-blocks' integer scales per 128 values and row, then per
+ * block and row one conversion and a multiply-add by the block's d times the activation's. Q4_K / Q5_K
+ * mins meet the activation's sums per sub-block once a block; Q6_K's offset (code - 32) is subtracted
+ * in integers.
+ *
+ * A row's arithmetic is the same whatever rows run beside it, so a row's output does not depend on
+ * the batch (speculative verification relies on it). */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
-#define FUSED_ROWS 4 /* activation rows that share each 64 decoded codes */
-/* Accumulators per activation row: one set for even chunks and one for odd chunks, each with the
- * scaled dot products and, for types with a min, the min terms apart. */
-#define ACC_SET (2 * FUSED_ROWS)
-#define ACCUMULATORS (2 * ACC_SET)
+#define FUSED_ROWS 8 /* activation rows that share each 64 decoded codes */
+#define KBLOCK 256   /* values per activation scale for the K-quants */
 
 typedef struct {
-    const int8_t *q;
-    /* the 32-value types, per lane: */
-    const float *scale;       /* the block's d */
-    const int32_t *sum;       /* sum of its 4 q */
-    const float *scaled_sum;  /* d * sum */
-    /* the K-quants (k_activation): */
-    const int8_t *k_q;        /* q in the order the type's rows read it */
-    const float *k_scale;     /* per 16 values (Q6_K) or per 256 (Q4_K, Q5_K, with the block sums) */
-    const float *group_sum;   /* per 16 values: d * sum of q (Q6_K) */
+    const int8_t *q;          /* in the order the type reads its codes */
+    const float *scale;       /* 32-value types: per 4 values (one vpdpbusd lane) their block's d */
+    const int32_t *offset_sum; /* symmetric 32-value types: per 4 values -offset * their sum of q */
+    const float *d;           /* K-quants: per block of 256 */
+    const float *block_sum;   /* per 32 values: d * sum of q, the mins' partner (Q4_1, Q5_1, Q4_K, Q5_K) */
+    const int16_t *group_sum; /* Q6_K: sum of q per 16 values */
 } lanes;
 
-static void activation_lanes(const int8_t *q, const float *d, int64_t k, float *scale, int32_t *sum,
-                             float *scaled_sum) {
-    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t i = 0; i < k; i += 64) {
-        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q + i));
-        const __m128 two_blocks = _mm_castpd_ps(_mm_load_sd((const double *)(d + i / ABLOCK)));
-        const __m512 block_scale = _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(two_blocks));
-        _mm512_storeu_ps(scale + i / 4, block_scale);
-        _mm512_storeu_si512(sum + i / 4, sums);
-        _mm512_storeu_ps(scaled_sum + i / 4, _mm512_mul_ps(block_scale, _mm512_cvtepi32_ps(sums)));
-    }
-}
-
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE void dot_symmetric(__m512i codes, __m512 weight_scale, int offset_shift, const lanes *a, int64_t at,
-                                 int rows, __m512 *acc) {
-    for (int j = 0; j < rows; j++) {
-        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(a[j].sum + at / 4), offset_shift);
-        const __m512i dots =
-            _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), offset), codes, _mm512_loadu_si512(a[j].q + at));
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
-        acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
-    }
-}
-
-ALWAYS_INLINE void dot_with_min(__m512i codes, __m512 weight_scale, __m512 weight_min, const lanes *a, int64_t at,
-                                int rows, __m512 *acc) {
-    for (int j = 0; j < rows; j++) {
-        const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(a[j].q + at));
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
-        acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
-    }
-    for (int j = 0; j < rows; j++)
-        acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(weight_min, _mm512_loadu_ps(a[j].scaled_sum + at / 4), acc[FUSED_ROWS + j]);
-}
-
-ALWAYS_INLINE void zero_accumulators(__m512 *acc) {
-    for (int j = 0; j < ACCUMULATORS; j++) acc[j] = _mm512_setzero_ps();
-}
 
 /* An add with its rounding spelled out: -ffast-math may reorder plain vector adds, and it did so
  * differently in the copies for different row counts, which changed a row's bits with its batch. */
@@ -497,15 +462,6 @@ ALWAYS_INLINE float sum_in_order(__m512 v) {
     v = add_in_order(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
     v = add_in_order(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
     return _mm512_cvtss_f32(v);
-}
-
-/* Per activation row: its accumulators summed in one fixed order. */
-ALWAYS_INLINE void row_totals(const __m512 *acc, int rows, float *out) {
-    for (int j = 0; j < rows; j++) {
-        const __m512 even = add_in_order(acc[j], acc[FUSED_ROWS + j]);
-        const __m512 odd = add_in_order(acc[ACC_SET + j], acc[ACC_SET + FUSED_ROWS + j]);
-        out[j] = sum_in_order(add_in_order(even, odd));
-    }
 }
 
 ALWAYS_INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
@@ -558,110 +514,193 @@ ALWAYS_INLINE __m512 spread_pair(__m128 four, int first, int second) {
     return _mm512_permutexvar_ps(two_indices(first, second), _mm512_castps128_ps512(four));
 }
 
-/* Two blocks' f16 scales (at a and b) as [a, b, 0, 0], one conversion for both. */
-ALWAYS_INLINE __m128 two_f16(const uint8_t *a, const uint8_t *b) {
+/* Two f16 values (at a and b) as one 32-bit word, a first. */
+ALWAYS_INLINE uint32_t two_halves(const uint8_t *a, const uint8_t *b) {
     uint16_t ha, hb;
     memcpy(&ha, a, 2);
     memcpy(&hb, b, 2);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128((int)ha | ((int)hb << 16)));
+    return (uint32_t)ha | ((uint32_t)hb << 16);
 }
 
-/* Two blocks' f16 pairs (d, m at a and at b) as [d_a, m_a, d_b, m_b]. */
-ALWAYS_INLINE __m128 two_f16_pairs(const uint8_t *a, const uint8_t *b) {
-    uint32_t pa, pb;
-    memcpy(&pa, a, 4);
-    memcpy(&pb, b, 4);
-    return _mm_cvtph_ps(_mm_cvtsi64_si128((int64_t)((uint64_t)pa | ((uint64_t)pb << 32))));
+/* Two blocks' f16 scales (two_halves) as [a, b, 0, 0]. */
+ALWAYS_INLINE __m128 two_f16(uint32_t halves) { return _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves)); }
+
+/* Q4_0's and Q5_0's offsets as shifts (w = scale * (code - 2^shift)), subtracted in integers; the other
+ * 32-value types go through their mins (ROW_OF_CHUNKS), which measured faster for Q8_0. */
+static int offset_shift(int type) { return type == Q4_0 ? 3 : type == Q5_0 ? 4 : 0; }
+
+/* An activation row per block of 32 (q, d from quantize_activation_row), laid out for the 32-value
+ * types: each 4 values' d and -2^shift * their sum of q (the symmetric types' offset, subtracted in
+ * integers), and d * sum of q per block (the mins' partner). */
+static void activation_lanes(const int8_t *q, const float *d, int64_t k, int shift, float *scale, int32_t *offset_sum,
+                             float *block_sum) {
+    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t i = 0; i < k; i += 64) {
+        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q + i));
+        const __m128 two_blocks = _mm_castpd_ps(_mm_load_sd((const double *)(d + i / ABLOCK)));
+        _mm512_storeu_ps(scale + i / 4, _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(two_blocks)));
+        _mm512_storeu_si512(offset_sum + i / 4, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, shift)));
+        block_sum[i / ABLOCK] = d[i / ABLOCK] * (float)_mm512_mask_reduce_add_epi32(0x00ff, sums);
+        block_sum[i / ABLOCK + 1] = d[i / ABLOCK + 1] * (float)_mm512_mask_reduce_add_epi32(0xff00, sums);
+    }
 }
 
-/* The 32-value block types, two blocks (one chunk of 64 values) at a time; `pair` is the first block. */
-ALWAYS_INLINE void chunk_q4_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = nibble_pair_at(pair, 2, 18);
-    dot_symmetric(codes, spread_pair(two_f16(pair, pair + 18), 0, 1), 3, a, at, rows, acc);
+/* Per activation row: acc += weight scale * its d * (sum code q - offset * sum q), lane by lane. */
+ALWAYS_INLINE void dot_rows(__m512i codes, __m512 weight_scale, int symmetric, const lanes *a, int64_t at, int rows,
+                            __m512 *acc) {
+    for (int j = 0; j < rows; j++) {
+        const __m512i start = symmetric ? _mm512_loadu_si512(a[j].offset_sum + at / 4) : _mm512_setzero_si512();
+        const __m512i dots = _mm512_dpbusd_epi32(start, codes, _mm512_loadu_si512(a[j].q + at));
+        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
+        acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
+    }
 }
 
-ALWAYS_INLINE void chunk_q4_1(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = nibble_pair_at(pair, 4, 20);
-    const __m128 d_m = two_f16_pairs(pair, pair + 20); /* w = d * code + m */
-    const __m512 scale = spread_pair(d_m, 0, 2), min = spread_pair(_mm_sub_ps(_mm_setzero_ps(), d_m), 1, 3);
-    dot_with_min(codes, scale, min, a, at, rows, acc);
+/* The 32-value block types, two blocks (one chunk of 64 values) at a time; `pair` is the first block.
+ * Each returns the 64 codes and sets their scales (lanes 0-7 the first block's, 8-15 the second's);
+ * Q4_1, Q5_1 and Q8_0 also give the f16 halves of one word from which their two mins follow. */
+ALWAYS_INLINE __m512i chunk_q4_0(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
+    (void)mins;
+    *scale = spread_pair(two_f16(two_halves(pair, pair + 18)), 0, 1);
+    return nibble_pair_at(pair, 2, 18);
 }
 
-ALWAYS_INLINE void chunk_q5_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = with_fifth_bits(nibble_pair_at(pair, 6, 22), fifth_bits_pair(pair + 2, pair + 22 + 2));
-    dot_symmetric(codes, spread_pair(two_f16(pair, pair + 22), 0, 1), 4, a, at, rows, acc);
+ALWAYS_INLINE __m512i chunk_q4_1(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
+    *mins = two_halves(pair + 2, pair + 20 + 2);
+    *scale = spread_pair(two_f16(two_halves(pair, pair + 20)), 0, 1);
+    return nibble_pair_at(pair, 4, 20);
 }
 
-ALWAYS_INLINE void chunk_q5_1(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
-    const __m512i codes = with_fifth_bits(nibble_pair_at(pair, 8, 24), fifth_bits_pair(pair + 4, pair + 24 + 4));
-    const __m128 d_m = two_f16_pairs(pair, pair + 24);
-    const __m512 scale = spread_pair(d_m, 0, 2), min = spread_pair(_mm_sub_ps(_mm_setzero_ps(), d_m), 1, 3);
-    dot_with_min(codes, scale, min, a, at, rows, acc);
+ALWAYS_INLINE __m512i chunk_q5_0(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
+    (void)mins;
+    *scale = spread_pair(two_f16(two_halves(pair, pair + 22)), 0, 1);
+    return with_fifth_bits(nibble_pair_at(pair, 6, 22), fifth_bits_pair(pair + 2, pair + 22 + 2));
 }
 
-ALWAYS_INLINE void chunk_q8_0(const uint8_t *pair, const lanes *a, int64_t at, int rows, __m512 *acc) {
+ALWAYS_INLINE __m512i chunk_q5_1(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
+    *mins = two_halves(pair + 2, pair + 24 + 2);
+    *scale = spread_pair(two_f16(two_halves(pair, pair + 24)), 0, 1);
+    return with_fifth_bits(nibble_pair_at(pair, 8, 24), fifth_bits_pair(pair + 4, pair + 24 + 4));
+}
+
+ALWAYS_INLINE __m512i chunk_q8_0(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
+    *mins = two_halves(pair, pair + 34); /* the scales: the mins are -128 times them */
+    *scale = spread_pair(two_f16(*mins), 0, 1);
     const __m256i block_a = _mm256_loadu_si256((const __m256i *)(pair + 2));
     const __m256i block_b = _mm256_loadu_si256((const __m256i *)(pair + 34 + 2));
-    const __m512i codes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(block_a), block_b, 1),
-                                           _mm512_set1_epi8((char)0x80)); /* int8 + 128 */
-    dot_symmetric(codes, spread_pair(two_f16(pair, pair + 34), 0, 1), 7, a, at, rows, acc);
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(block_a), block_b, 1),
+                            _mm512_set1_epi8((char)0x80)); /* int8 + 128 */
 }
 
-/* A row of 32-value blocks, chunk by chunk, even and odd chunks into their own accumulators so that
- * consecutive chunks' multiply-adds do not wait on each other. */
-#define PAIRED_CHUNKS(chunk_fn, block_bytes)                                        \
-    __m512 acc[ACCUMULATORS];                                                       \
-    zero_accumulators(acc);                                                         \
-    int64_t i = 0;                                                                  \
-    for (; i + 128 <= k; i += 128, row += 4 * (block_bytes)) {                      \
-        chunk_fn(row, a, i, rows, acc);                                             \
-        chunk_fn(row + 2 * (block_bytes), a, i + 64, rows, acc + ACC_SET);          \
-    }                                                                               \
-    if (i < k) chunk_fn(row, a, i, rows, acc);                                      \
-    row_totals(acc, rows, out)
+/* A row of 32-value blocks, chunk by chunk. Unless the type's offset goes in integers (symmetric), each
+ * 16 blocks' f16 words gather in one register (a word a chunk) and, times min_factor, meet the
+ * activation's block sums once. */
+#define ROW_OF_CHUNKS(chunk_fn, block_bytes, symmetric, min_factor)                                    \
+    __m512 acc[FUSED_ROWS];                                                                            \
+    for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();                                       \
+    for (int64_t i = 0; i < k; i += 512) {                                                             \
+        const int chunks = k - i < 512 ? (int)((k - i) / 64) : 8;                                      \
+        __m256i min_halves = _mm256_setzero_si256();                                                   \
+        for (int c = 0; c < chunks; c++, row += 2 * (block_bytes)) {                                   \
+            __m512 scale;                                                                              \
+            uint32_t pair_mins = 0;                                                                    \
+            const __m512i codes = chunk_fn(row, &scale, &pair_mins);                                   \
+            if (!(symmetric)) min_halves = _mm256_mask_set1_epi32(min_halves, (__mmask8)(1u << c), (int)pair_mins); \
+            dot_rows(codes, scale, symmetric, a, i + 64 * c, rows, acc);                               \
+        }                                                                                              \
+        if (symmetric) continue;                                                                       \
+        const __m512 mins = _mm512_mul_ps(_mm512_cvtph_ps(min_halves), _mm512_set1_ps(min_factor));   \
+        const __mmask16 blocks = (__mmask16)((1u << (2 * chunks)) - 1);                                \
+        for (int j = 0; j < rows; j++)                                                                 \
+            acc[j] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(blocks, a[j].block_sum + i / ABLOCK), acc[j]); \
+    }                                                                                                  \
+    for (int j = 0; j < rows; j++) out[j] = sum_in_order(acc[j])
 
 ALWAYS_INLINE void row_q4_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    PAIRED_CHUNKS(chunk_q4_0, 18);
+    ROW_OF_CHUNKS(chunk_q4_0, 18, 1, 0.f);
 }
 ALWAYS_INLINE void row_q4_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    PAIRED_CHUNKS(chunk_q4_1, 20);
+    ROW_OF_CHUNKS(chunk_q4_1, 20, 0, 1.f); /* w = d * code + m */
 }
 ALWAYS_INLINE void row_q5_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    PAIRED_CHUNKS(chunk_q5_0, 22);
+    ROW_OF_CHUNKS(chunk_q5_0, 22, 1, 0.f);
 }
 ALWAYS_INLINE void row_q5_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    PAIRED_CHUNKS(chunk_q5_1, 24);
+    ROW_OF_CHUNKS(chunk_q5_1, 24, 0, 1.f);
 }
 ALWAYS_INLINE void row_q8_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    PAIRED_CHUNKS(chunk_q8_0, 34);
+    ROW_OF_CHUNKS(chunk_q8_0, 34, 0, -128.f); /* w = d * (code - 128) */
 }
 
-/* A Q4_K / Q5_K block's eight 6-bit scales (lanes 0-7, times d) and mins (lanes 8-15, times dmin),
- * unpacked from their 12 bytes in one register (the layout k_scale_min reads one by one): the low six
- * bits or low nibble of one byte, plus for scales and mins 4-7 the top two bits of another. */
-ALWAYS_INLINE __m512 k_block_scales(const uint8_t *block) {
+/* Q4_K and Q5_K read a block's sub-blocks of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7 (row_k_nibbles):
+ * the slot of sub-block s (the order is its own inverse). */
+static const int nibble_order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+
+/* x ~ d * q per block of 256 (d = max|x| / 127, q rounded to nearest even), q laid out for `type`, and
+ * the sums of q that the type's mins (Q4_K, Q5_K) or offsets (Q6_K) need. */
+static void quantize_k_activation_row(const void *x, int is_bf16, int64_t k, int type, int8_t *q, float *d,
+                                      int16_t *group_sum, float *block_sum) {
+    for (int64_t b = 0; b < k / KBLOCK; b++) {
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < KBLOCK; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, b * KBLOCK + i, is_bf16)));
+        const float scale = _mm512_reduce_max_ps(amax) / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
+        d[b] = scale;
+        for (int i = 0; i < KBLOCK; i += 32) {
+            const __m512 factor = _mm512_set1_ps(inverse);
+            const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, b * KBLOCK + i, is_bf16), factor));
+            const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, b * KBLOCK + i + 16, is_bf16), factor));
+            const int sub = i / 32, slot = type == Q6_K ? sub : nibble_order[sub];
+            _mm_storeu_si128((__m128i *)(q + b * KBLOCK + 32 * slot), _mm512_cvtepi32_epi8(low));
+            _mm_storeu_si128((__m128i *)(q + b * KBLOCK + 32 * slot + 16), _mm512_cvtepi32_epi8(high));
+            const int low_sum = _mm512_reduce_add_epi32(low), high_sum = _mm512_reduce_add_epi32(high);
+            if (type == Q6_K) {
+                group_sum[b * 16 + 2 * sub] = (int16_t)low_sum;
+                group_sum[b * 16 + 2 * sub + 1] = (int16_t)high_sum;
+            } else {
+                block_sum[b * 8 + sub] = scale * (float)(low_sum + high_sum);
+            }
+        }
+    }
+}
+
+/* A Q4_K / Q5_K block's eight 6-bit scales (bytes 0-7) and mins (bytes 8-15), unpacked from their 12
+ * bytes in one register (the layout k_scale_min reads one by one): the low six bits or low nibble of
+ * one byte, plus for scales and mins 4-7 the top two bits of another. */
+ALWAYS_INLINE __m128i k_scales_and_mins(const uint8_t *block) {
     const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)); /* the 12 bytes, then 4 code bytes */
     const __m128i low = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
     const __m128i top = _mm_shuffle_epi8(bytes, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
     const __m128i low_bits = _mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
     const __m128i high_nibbles = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
     const __m128i top_bits = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)); /* bits 6-7 to 4-5 */
-    const __m128i six_bit = _mm_or_si128(_mm_or_si128(low_bits, high_nibbles), top_bits);
-    uint32_t d_dmin;
-    memcpy(&d_dmin, block, 4);
-    const __m128 factors = _mm_cvtph_ps(_mm_cvtsi32_si128((int)d_dmin));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(six_bit)), spread_pair(factors, 0, 1));
+    return _mm_or_si128(_mm_or_si128(low_bits, high_nibbles), top_bits);
 }
 
-/* The K-quants: each row's block scales times the activation's scales make one vector of products a
- * block (`products`, per activation row), from which each 64 codes take their 16 lanes' factors by one
- * permute (`index`): per 64 values, one vpdpbusd, one conversion, one permute and one multiply-add. */
-ALWAYS_INLINE void dot_products(__m512i codes, const __m512 *products, __m512i index, const lanes *a, int64_t at,
-                                int rows, __m512 *acc) {
-    for (int j = 0; j < rows; j++) {
-        const __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(a[j].k_q + at));
-        acc[j] = _mm512_fmadd_ps(_mm512_permutexvar_ps(index, products[j]), _mm512_cvtepi32_ps(dots), acc[j]);
-    }
+/* Two registers of 64 codes against an activation row: vpdpbusd sums each 4 products into a 32-bit
+ * lane (at most 4 * 63 * 127, so it fits 16 bits), vpackssdw packs both results into one register of
+ * 16-bit sums (within each 128 bits: 4 sums of `first`, then 4 of `second`), and vpdpwssd multiplies
+ * them by their sub-blocks' scales (`scales`, in the same layout) into the 32-bit totals. */
+ALWAYS_INLINE __m512i scaled_dots(__m512i total, __m512i first, __m512i second, __m512i scales, const int8_t *q) {
+    const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512(q));
+    const __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), second, _mm512_loadu_si512(q + 64));
+    return _mm512_dpwssd_epi32(total, _mm512_packs_epi32(a, b), scales);
+}
+
+/* The permute that puts scales in scaled_dots' layout: 16-bit lane i (in 128-bit part P = i / 8)
+ * takes element (P & part_mask) + first of the scales for i % 8 < 4, (P & part_mask) + second otherwise. */
+ALWAYS_INLINE __m512i scale_index(int first, int second, int part_mask) {
+    const __m512i part = _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           3);
+    const __m512i start = _mm512_mask_blend_epi16(0xf0f0f0f0u, _mm512_set1_epi16((short)first), _mm512_set1_epi16((short)second));
+    return _mm512_add_epi16(start, _mm512_and_si512(part, _mm512_set1_epi16((short)part_mask)));
+}
+
+/* A block's integer total (16 lanes, folded to 8 in integers: exact) times the weight's d and the
+ * activation's, into a row's accumulator. */
+ALWAYS_INLINE __m256 block_total(__m256 acc, __m512i sum, __m256 weight_d, float activation_d) {
+    const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), _mm256_mul_ps(weight_d, _mm256_set1_ps(activation_d)), acc);
 }
 
 /* Code j of 64 takes bit `low` of qh byte j (j < 32) or bit `high` of qh byte j - 32. */
@@ -674,20 +713,19 @@ ALWAYS_INLINE uint64_t fifth_bit_mask(__m256i qh, int low, int high) {
  * qh byte j % 32). A block's sub-blocks of 32 are the low nibbles of its nibble bytes 0-31 (s = 0),
  * their high nibbles (s = 1), the low nibbles of bytes 32-63 (s = 2), and so on, so one 64-byte load
  * holds sub-blocks 0 and 2 in its low nibbles and 1 and 3 in its high ones; the activation comes in
- * that order (k_activation). Products: lanes 0-7 scale s times the activation's d of s, lanes 8-15
- * min s times the activation's d * sum of s, subtracted once a block. */
+ * that order. */
 ALWAYS_INLINE void row_k_nibbles(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out, int fifth_bits) {
     const int block_bytes = fifth_bits ? 176 : 144, nibbles_at = fifth_bits ? 48 : 16;
-    __m512 acc[ACCUMULATORS];
-    zero_accumulators(acc);
-    for (int64_t i = 0; i < k; i += 256, row += block_bytes) {
-        const __m512 scales = k_block_scales(row);
-        __m512 products[FUSED_ROWS];
-        for (int j = 0; j < rows; j++) {
-            products[j] = _mm512_mul_ps(scales, _mm512_loadu_ps(a[j].k_scale + i / 16));
-            acc[FUSED_ROWS + j] = _mm512_mask_sub_ps(acc[FUSED_ROWS + j], 0xff00, acc[FUSED_ROWS + j], products[j]);
-        }
+    /* 128-bit parts 0, 1 of low hold sub-block 4p, parts 2, 3 sub-block 4p + 2; of high 4p + 1, 4p + 3 */
+    const __m512i index[2] = {scale_index(0, 1, 2), scale_index(4, 5, 2)};
+    __m256 acc[FUSED_ROWS];
+    for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / KBLOCK; b++, row += block_bytes) {
+        const __m128i scales_mins = k_scales_and_mins(row);
+        const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales_mins));
         const __m256i qh = _mm256_loadu_si256((const __m256i *)(row + 16));
+        __m512i sum[FUSED_ROWS];
+        for (int j = 0; j < rows; j++) sum[j] = _mm512_setzero_si512();
         for (int p = 0; p < 2; p++) {
             const __m512i bytes = _mm512_loadu_si512(row + nibbles_at + 64 * p);
             __m512i low = low_nibbles(bytes), high = low_nibbles(_mm512_srli_epi16(bytes, 4));
@@ -695,11 +733,19 @@ ALWAYS_INLINE void row_k_nibbles(const uint8_t *row, int64_t k, const lanes *a, 
                 low = with_fifth_bits(low, fifth_bit_mask(qh, 4 * p, 4 * p + 2));
                 high = with_fifth_bits(high, fifth_bit_mask(qh, 4 * p + 1, 4 * p + 3));
             }
-            dot_products(low, products, two_indices(4 * p, 4 * p + 2), a, i + 128 * p, rows, acc);
-            dot_products(high, products, two_indices(4 * p + 1, 4 * p + 3), a, i + 128 * p + 64, rows, acc + ACC_SET);
+            /* low holds sub-blocks 4p (32-bit lanes 0-7) and 4p + 2, high 4p + 1 and 4p + 3 */
+            const __m512i pair_scales = _mm512_permutexvar_epi16(index[p], scales);
+            for (int j = 0; j < rows; j++) sum[j] = scaled_dots(sum[j], low, high, pair_scales, a[j].q + b * KBLOCK + 128 * p);
+        }
+        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))),
+                                          _mm256_set1_ps(half_to_float(row + 2)));
+        const __m256 d = _mm256_set1_ps(half_to_float(row));
+        for (int j = 0; j < rows; j++) {
+            acc[j] = block_total(acc[j], sum[j], d, a[j].d[b]);
+            acc[j] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a[j].block_sum + 8 * b), acc[j]);
         }
     }
-    row_totals(acc, rows, out);
+    for (int j = 0; j < rows; j++) out[j] = sum_in_order(_mm512_zextps256_ps512(acc[j]));
 }
 
 ALWAYS_INLINE void row_q4_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
@@ -710,40 +756,43 @@ ALWAYS_INLINE void row_q5_k(const uint8_t *row, int64_t k, const lanes *a, int r
     row_k_nibbles(row, k, a, rows, out, 1);
 }
 
-/* Q6_K: 64 values hold 4 groups of 16, each with its own int8 scale; lane l is in group 4c + l / 4.
- * w = scale * (code - 32): products are scale times the activation's d per group, and the offset
- * term, 32 * scale times the activation's d * sum per group, is subtracted once a block. */
+/* Q6_K: 64 values hold 4 groups of 16, each with its own int8 scale (16-bit lanes 8g..8g+7 of the
+ * 64 codes' maddubs are group g). w = d * scale * (code - 32). */
 ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    __m512 acc[ACCUMULATORS];
-    zero_accumulators(acc);
-    const __m512i lane_group = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m256 acc[FUSED_ROWS];
+    for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps();
     const __m512i two_bits = _mm512_set1_epi8(0x30);
-    for (int64_t i = 0; i < k; i += 256, row += 210) {
-        const __m512 scales = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)))),
-            _mm512_set1_ps(half_to_float(row + 208)));
-        const __m512 offsets = _mm512_mul_ps(scales, _mm512_set1_ps(32.f));
-        __m512 products[FUSED_ROWS];
-        for (int j = 0; j < rows; j++) {
-            products[j] = _mm512_mul_ps(scales, _mm512_loadu_ps(a[j].k_scale + i / 16));
-            acc[FUSED_ROWS + j] = _mm512_fnmadd_ps(offsets, _mm512_loadu_ps(a[j].group_sum + i / 16), acc[FUSED_ROWS + j]);
+    /* 32-bit lanes 4P..4P+3 of 64 codes are its group P of 16: group 8 half + P, then 8 half + 4 + P */
+    const __m512i index[2] = {scale_index(0, 4, 3), scale_index(8, 12, 3)};
+    for (int64_t b = 0; b < k / KBLOCK; b++, row += 210) {
+        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 192)));
+        const __m512i scales = _mm512_castsi256_si512(scales16);
+        __m512i sum[FUSED_ROWS];
+        for (int j = 0; j < rows; j++) { /* the offset: -32 * sum over groups of scale * sum of q */
+            const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i *)(a[j].group_sum + 16 * b)));
+            sum[j] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5)));
         }
         for (int half = 0; half < 2; half++) {
             const __m512i low = _mm512_loadu_si512(row + 64 * half);
             const __m256i high = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * half));
+            __m512i codes[2];
             for (int part = 0; part < 2; part++) { /* values 0-63 of the half, then 64-127 */
                 const __m512i nibble = low_nibbles(part ? _mm512_srli_epi16(low, 4) : low);
                 const __m256i first = _mm256_srli_epi16(high, 4 * part), second = _mm256_srli_epi16(high, 4 * part + 2);
                 const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
-                const __m512i codes = _mm512_or_si512(nibble, _mm512_and_si512(_mm512_slli_epi16(top, 4), two_bits));
-                const int c = 2 * half + part;
-                dot_products(codes, products, _mm512_add_epi32(lane_group, _mm512_set1_epi32(4 * c)), a, i + 64 * c,
-                             rows, acc + part * ACC_SET);
+                codes[part] = _mm512_or_si512(nibble, _mm512_and_si512(_mm512_slli_epi16(top, 4), two_bits));
             }
+            /* 32-bit lanes 4P..4P+3 of 64 codes are its group P of 16 */
+            const __m512i pair_scales = _mm512_permutexvar_epi16(index[half], scales);
+            for (int j = 0; j < rows; j++)
+                sum[j] = scaled_dots(sum[j], codes[0], codes[1], pair_scales, a[j].q + b * KBLOCK + 128 * half);
         }
+        const __m256 d = _mm256_set1_ps(half_to_float(row + 208));
+        for (int j = 0; j < rows; j++) acc[j] = block_total(acc[j], sum[j], d, a[j].d[b]);
     }
-    row_totals(acc, rows, out);
+    for (int j = 0; j < rows; j++) out[j] = sum_in_order(_mm512_zextps256_ps512(acc[j]));
 }
+
 
 /* What every thread of one fused_linear call shares. */
 typedef struct {
@@ -755,8 +804,8 @@ typedef struct {
     int is_bf16;
 } fused_job;
 
-/* Weight rows [first, last) against every activation row, FUSED_ROWS at a time, each count of
- * rows (1..FUSED_ROWS) a constant in its own copy of row_fn. */
+/* Weight rows [first, last) against every activation row, FUSED_ROWS at a time, each count of rows
+ * (1..FUSED_ROWS) a constant in its own copy of row_fn. */
 #define ROW_RANGE(row_fn)                                                                              \
     for (int64_t n = first; n < last; n++) {                                                           \
         const uint8_t *row = job->w + n * job->row_bytes;                                              \
@@ -769,6 +818,10 @@ typedef struct {
             case 1: row_fn(row, k, a, 1, out); break;                                                  \
             case 2: row_fn(row, k, a, 2, out); break;                                                  \
             case 3: row_fn(row, k, a, 3, out); break;                                                  \
+            case 4: row_fn(row, k, a, 4, out); break;                                                  \
+            case 5: row_fn(row, k, a, 5, out); break;                                                  \
+            case 6: row_fn(row, k, a, 6, out); break;                                                  \
+            case 7: row_fn(row, k, a, 7, out); break;                                                  \
             default: row_fn(row, k, a, FUSED_ROWS, out); break;                                        \
             }                                                                                          \
             for (int j = 0; j < count; j++)                                                            \
@@ -790,56 +843,46 @@ static void fused_rows(int type, const fused_job *job, int64_t first, int64_t la
     }
 }
 
+static int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
 static int fused_supported(int type, int64_t k) {
-    return k % 64 == 0 && (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 ||
-                           type == Q4_K || type == Q5_K || type == Q6_K);
+    if (is_k_quant(type)) return k % KBLOCK == 0;
+    return k % 64 == 0 && (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0);
 }
 
-/* The K-quants' view of an activation row (lanes.k_q, k_scale): Q6_K reads q as it is, with each 16
- * values' d; Q4_K and Q5_K read each 256 values' sub-blocks of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7
- * (row_k_nibbles), with 16 floats a block: the 8 sub-blocks' d, then their d * sum of q. */
-static void k_activation(int type, const int8_t *q, const float *d, const float *gsum, int64_t k, int8_t *k_q,
-                         float *k_scale) {
-    if (type == Q6_K) {
-        for (int64_t g = 0; g < k / GROUP; g++) k_scale[g] = d[g / 2];
-        return;
-    }
-    static const int order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-    for (int64_t b = 0; b < k / 256; b++) {
-        for (int s = 0; s < 8; s++) {
-            const int64_t block = 8 * b + s;
-            memcpy(k_q + 256 * b + 32 * s, q + 32 * (8 * b + order[s]), 32);
-            k_scale[16 * b + s] = d[block];
-            k_scale[16 * b + 8 + s] = gsum[2 * block] + gsum[2 * block + 1];
-        }
-    }
-}
-
-/* gguf_linear for fused_supported types: q, d and gsum are the quantized activation rows. */
-static int fused_linear(const int8_t *q, const float *d, const float *gsum, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+/* gguf_linear for fused_supported types. */
+static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    const int k_quant = type == Q4_K || type == Q5_K || type == Q6_K, reordered = type == Q4_K || type == Q5_K;
-    const int64_t lane_count = k / 4, blocks = k / ABLOCK, groups = k / GROUP;
-    float *scale = malloc(sizeof(float) * (size_t)(m * lane_count));
-    int32_t *sum = malloc(sizeof(int32_t) * (size_t)(m * lane_count));
-    float *scaled_sum = malloc(sizeof(float) * (size_t)(m * lane_count));
-    int8_t *k_q = malloc((size_t)(m * k));
-    float *k_scale = malloc(sizeof(float) * (size_t)(m * groups));
+    const int k_quant = is_k_quant(type);
+    const int64_t blocks = k / ABLOCK, d_count = k_quant ? k / KBLOCK : blocks;
+    int8_t *q = malloc((size_t)(m * k));
+    float *d = malloc(sizeof(float) * (size_t)(m * d_count));
+    float *scale = malloc(sizeof(float) * (size_t)(m * k / 4));
+    int32_t *offset_sum = malloc(sizeof(int32_t) * (size_t)(m * k / 4));
+    float *block_sum = malloc(sizeof(float) * (size_t)(m * blocks));
+    float *group_scaled = malloc(sizeof(float) * (size_t)(m * k / GROUP));
+    int16_t *group_sum = malloc(sizeof(int16_t) * (size_t)(m * k / GROUP));
     lanes *a = malloc(sizeof(lanes) * (size_t)m);
     int status = 0;
-    if (!scale || !sum || !scaled_sum || !k_q || !k_scale || !a) {
+    if (!q || !d || !scale || !offset_sum || !block_sum || !group_scaled || !group_sum || !a) {
         status = -2;
         goto done;
     }
+    const int quantize_threads = m >= 4 ? num_threads : 1;
+#pragma omp parallel for num_threads(quantize_threads) schedule(static)
     for (int64_t r = 0; r < m; r++) {
-        if (k_quant)
-            k_activation(type, q + r * k, d + r * blocks, gsum + r * groups, k, k_q + r * k, k_scale + r * groups);
-        else
-            activation_lanes(q + r * k, d + r * blocks, k, scale + r * lane_count, sum + r * lane_count,
-                             scaled_sum + r * lane_count);
-        a[r] = (lanes){q + r * k,           scale + r * lane_count, sum + r * lane_count,
-                       scaled_sum + r * lane_count, (reordered ? k_q : q) + r * k, k_scale + r * groups,
-                       gsum + r * groups};
+        const void *x_row = (const char *)x + r * ldx * (is_bf16 ? 2 : 4);
+        int8_t *q_row = q + r * k;
+        float *d_row = d + r * d_count, *scale_row = scale + r * k / 4, *block_sum_row = block_sum + r * blocks;
+        int32_t *offset_sum_row = offset_sum + r * k / 4;
+        int16_t *group_sum_row = group_sum + r * k / GROUP;
+        if (k_quant) {
+            quantize_k_activation_row(x_row, is_bf16, k, type, q_row, d_row, group_sum_row, block_sum_row);
+        } else {
+            quantize_activation_row(x_row, is_bf16, k, q_row, d_row, group_scaled + r * k / GROUP);
+            activation_lanes(q_row, d_row, k, offset_shift(type), scale_row, offset_sum_row, block_sum_row);
+        }
+        a[r] = (lanes){q_row, scale_row, offset_sum_row, d_row, block_sum_row, group_sum_row};
     }
     const fused_job job = {a, m, k, row_bytes, ldy, w, bias, y, is_bf16};
     const int threads = rows < num_threads ? (int)rows : num_threads;
@@ -850,11 +893,13 @@ static int fused_linear(const int8_t *q, const float *d, const float *gsum, int6
         if (first < last) fused_rows(type, &job, first, last);
     }
 done:
+    free(q);
+    free(d);
     free(scale);
-    free(sum);
-    free(scaled_sum);
-    free(k_q);
-    free(k_scale);
+    free(offset_sum);
+    free(block_sum);
+    free(group_scaled);
+    free(group_sum);
     free(a);
     return status;
 }
@@ -863,10 +908,9 @@ static int fused_supported(int type, int64_t k) {
     (void)type, (void)k;
     return 0;
 }
-static int fused_linear(const int8_t *q, const float *d, const float *gsum, int64_t m, int64_t k, const uint8_t *w,
-                        int64_t row_bytes, int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16,
-                        int num_threads) {
-    (void)q, (void)d, (void)gsum, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
+static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+                        int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
     (void)ldy, (void)is_bf16, (void)num_threads;
     return -1;
 }
@@ -889,6 +933,7 @@ int gguf_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t 
                 int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
     format f;
     if (find_format(type, &f) || k % f.block_values || k % ABLOCK) return -1;
+    if (fused_supported(type, k)) return fused_linear(x, ldx, m, k, w, row_bytes, rows, type, bias, y, ldy, is_bf16, num_threads);
     const int64_t groups = k / GROUP, blocks = k / ABLOCK;
     int8_t *q = malloc((size_t)(m * k));
     float *d = malloc(sizeof(float) * (size_t)(m * blocks)), *gsum = malloc(sizeof(float) * (size_t)(m * groups));
@@ -902,10 +947,6 @@ int gguf_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t 
     for (int64_t r = 0; r < m; r++)
         quantize_activation_row((const char *)x + r * ldx * (is_bf16 ? 2 : 4), is_bf16, k, q + r * k, d + r * blocks,
                                 gsum + r * groups);
-    if (fused_supported(type, k)) {
-        status = fused_linear(q, d, gsum, m, k, w, row_bytes, rows, type, bias, y, ldy, is_bf16, num_threads);
-        goto done;
-    }
     const int64_t tiles = (rows + TILE - 1) / TILE;
     const int threads = tiles < num_threads ? (int)tiles : num_threads;
 #pragma omp parallel num_threads(threads)
