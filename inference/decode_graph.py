@@ -129,7 +129,7 @@ class DecodeGraphs:
         # batch size -> what computed outside the kernels; one refusal ends capturing: what made it (a dense
         # GEMM, a fallback) is the model's, and a capture step is slow (speculation times its steps)
         self.refused: dict[int, list[str]] = {}
-        self.replays = 0
+        self.replays = self.captures = 0
 
     @staticmethod
     def available(model, device) -> bool:
@@ -157,6 +157,7 @@ class DecodeGraphs:
             graph = DecodeGraph(batch, self.table_width(width), self.device)
             graph.load(inputs)
             computed = graph.capture(self.model)
+            self.captures += 1
             if computed:
                 self.refused[batch] = computed
             else:

@@ -300,7 +300,8 @@ class LLMEngine:
         sampled = self._sample_and_verify(inputs.sampling_requests, logits, plan) if logits is not None else []
         self._detokenize(sampled, plan)
         updated = self.scheduler.update_from_output(plan, sampled)
-        if self.speculator is not None and is_decoding(plan):  # what k weighs: this machine's decode steps
+        # what k weighs: this machine's decode steps as they run (a captured step runs eagerly, several times slower)
+        if self.speculator is not None and is_decoding(plan) and not self.runner.last_step_captured:
             self.speculator.costs.observe_step(plan.num_tokens, time.perf_counter() - start)
         return updated
 

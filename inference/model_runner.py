@@ -27,6 +27,7 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, torch.device(device)
         capture = not enforce_eager and DecodeGraphs.available(model, device)
         self.decode_graphs = DecodeGraphs(model, num_blocks, device) if capture else None
+        self.last_step_captured = False  # the last execute() captured a decode step: slower than it will run
         attn_layers = [layer.self_attn.attn for layer in model.layers]
         first = attn_layers[0]
         shape = (num_blocks, self.block_size, first.num_kv_heads, first.head_dim)
@@ -131,8 +132,12 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the forward; returns (hidden states of all tokens, logits of the sampling rows, if any).
         A decode-only step of a captured batch size is replayed (inference/decode_graph.py)."""
+        self.last_step_captured = False
         if self.decode_graphs is not None and self.decode_graphs.eligible(inputs):
-            return self.decode_graphs.execute(inputs)
+            captures = self.decode_graphs.captures
+            result = self.decode_graphs.execute(inputs)
+            self.last_step_captured = self.decode_graphs.captures > captures
+            return result
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if inputs.sample_rows else None

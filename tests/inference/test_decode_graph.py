@@ -83,3 +83,26 @@ def test_a_float32_model_is_never_replayed(tmp_path):
     tokens(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     graphs = graphs_of(llm)
     assert graphs.replays == 0 and 1 in graphs.refused
+
+
+def test_speculation_never_times_a_step_that_was_captured(qwen_file):
+    # a shape's first decode step runs eagerly while it is captured, several times slower than the replays
+    # after it: timed, it would price that step size (1 + k tokens) out of speculation
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(model=qwen_file, speculative_config=ngram, **PACKED)
+    engine = llm.llm_engine
+    captured, timed_after_capture = [], []
+    execute, observe = engine.runner.execute, engine.speculator.costs.observe_step
+
+    def spy_execute(inputs):
+        result = execute(inputs)
+        captured.append(engine.runner.last_step_captured)
+        return result
+
+    def spy_observe(num_tokens, seconds):
+        timed_after_capture.append(captured[-1])
+        observe(num_tokens, seconds)
+
+    engine.runner.execute, engine.speculator.costs.observe_step = spy_execute, spy_observe
+    tokens(llm, PROMPTS, GREEDY)
+    assert any(captured) and timed_after_capture and not any(timed_after_capture)
