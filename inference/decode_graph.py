@@ -127,7 +127,7 @@ class DecodeGraphs:
         self.model, self.num_blocks, self.device = model, num_blocks, torch.device(device)
         self.graphs: dict[int, DecodeGraph] = {}
         # batch size -> what computed outside the kernels; one refusal ends capturing: what made it (a dense
-        # GEMM, a fallback) is the model's, and a capture step is slow (speculation times its steps)
+        # GEMM, a fallback) is the model's, and a capture step is slow (speculation leaves it untimed)
         self.refused: dict[int, list[str]] = {}
         self.replays = self.captures = 0
 

@@ -94,6 +94,17 @@ def test_linear_matches_dequantize_then_matmul(lib, kind, rows_in):
     assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind, bias), packed, kind, x, lib)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("cols", [576, 896])
+def test_rows_that_end_in_a_partial_group_of_sixteen_blocks(lib, kind, cols):
+    # SmolLM2's 576 and Qwen 0.5B's 896 values: 16 blocks and 2 more, or 12 more, whose mins the fused
+    # kernel gathers into a partial register and meets with a masked load of the activation's block sums
+    packed = gguf_blocks(kind, 37, cols, seed=cols)
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(cols))
+    out = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
+    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("rows_in", [3, 6])
 def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, kind, rows_in):
