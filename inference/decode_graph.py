@@ -129,7 +129,7 @@ class DecodeGraphs:
         # batch size -> what computed outside the kernels; one refusal ends capturing: what made it (a dense
         # GEMM, a fallback) is the model's, and a capture step is slow (speculation leaves it untimed)
         self.refused: dict[int, list[str]] = {}
-        self.replays = self.captures = 0
+        self.replays = 0
 
     @staticmethod
     def available(model, device) -> bool:
@@ -149,24 +149,24 @@ class DecodeGraphs:
             and inputs.sample_rows == list(range(batch))
         )
 
-    def execute(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, logits) of an eligible step: replayed, or captured on its batch size's first step."""
+    def execute(self, inputs) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(hidden, logits, captured) of an eligible step: replayed, or captured on its batch size's first
+        step (captured: True)."""
         batch, width = inputs.meta.num_seqs, inputs.meta.block_tables.shape[1]
         graph = self.graphs.get(batch)
         if graph is None or graph.width < width:
             graph = DecodeGraph(batch, self.table_width(width), self.device)
             graph.load(inputs)
             computed = graph.capture(self.model)
-            self.captures += 1
             if computed:
                 self.refused[batch] = computed
             else:
                 self.graphs[batch] = graph
-        else:
-            graph.load(inputs)
-            graph.replay()
-            self.replays += 1
-        return graph.hidden.clone(), graph.logits.clone()
+            return graph.hidden.clone(), graph.logits.clone(), True
+        graph.load(inputs)
+        graph.replay()
+        self.replays += 1
+        return graph.hidden.clone(), graph.logits.clone(), False
 
     def table_width(self, needed: int) -> int:
         width = MIN_TABLE_WIDTH

@@ -134,10 +134,8 @@ class ModelRunner:
         A decode-only step of a captured batch size is replayed (inference/decode_graph.py)."""
         self.last_step_captured = False
         if self.decode_graphs is not None and self.decode_graphs.eligible(inputs):
-            captures = self.decode_graphs.captures
-            result = self.decode_graphs.execute(inputs)
-            self.last_step_captured = self.decode_graphs.captures > captures
-            return result
+            replayed_hidden, replayed_logits, self.last_step_captured = self.decode_graphs.execute(inputs)
+            return replayed_hidden, replayed_logits
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if inputs.sample_rows else None

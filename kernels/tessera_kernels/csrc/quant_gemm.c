@@ -854,17 +854,18 @@ static int fused_supported(int type, int64_t k) {
 static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
     const int k_quant = is_k_quant(type);
-    const int64_t blocks = k / ABLOCK, d_count = k_quant ? k / KBLOCK : blocks;
-    int8_t *q = malloc((size_t)(m * k));
-    float *d = malloc(sizeof(float) * (size_t)(m * d_count));
-    float *scale = malloc(sizeof(float) * (size_t)(m * k / 4));
-    int32_t *offset_sum = malloc(sizeof(int32_t) * (size_t)(m * k / 4));
-    float *block_sum = malloc(sizeof(float) * (size_t)(m * blocks));
-    float *group_scaled = malloc(sizeof(float) * (size_t)(m * k / GROUP));
-    int16_t *group_sum = malloc(sizeof(int16_t) * (size_t)(m * k / GROUP));
+    const int64_t blocks = k / ABLOCK;
+    /* Each activation row's layout, floats first, in one allocation: the K-quants' (d per 256, block sums,
+     * group sums) or the 32-value types' (d, block sums, per-lane scales and offsets, and the per-16 sums
+     * quantize_activation_row writes beside them). */
+    const int64_t d_count = k_quant ? k / KBLOCK : blocks, lane_count = k_quant ? 0 : k / 4;
+    const int64_t floats = d_count + blocks + lane_count + (k_quant ? 0 : k / GROUP);
+    const size_t row_size = sizeof(float) * (size_t)floats + sizeof(int32_t) * (size_t)lane_count +
+                            (k_quant ? sizeof(int16_t) * (size_t)(k / GROUP) : 0) + (size_t)k;
+    char *scratch = malloc(row_size * (size_t)m);
     lanes *a = malloc(sizeof(lanes) * (size_t)m);
     int status = 0;
-    if (!q || !d || !scale || !offset_sum || !block_sum || !group_scaled || !group_sum || !a) {
+    if (!scratch || !a) {
         status = -2;
         goto done;
     }
@@ -872,17 +873,19 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
 #pragma omp parallel for num_threads(quantize_threads) schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const void *x_row = (const char *)x + r * ldx * (is_bf16 ? 2 : 4);
-        int8_t *q_row = q + r * k;
-        float *d_row = d + r * d_count, *scale_row = scale + r * k / 4, *block_sum_row = block_sum + r * blocks;
-        int32_t *offset_sum_row = offset_sum + r * k / 4;
-        int16_t *group_sum_row = group_sum + r * k / GROUP;
+        float *d = (float *)(scratch + (size_t)r * row_size), *block_sum = d + d_count, *scale = block_sum + blocks;
+        float *group_scaled = scale + lane_count;
+        int32_t *offset_sum = (int32_t *)(group_scaled + (k_quant ? 0 : k / GROUP));
+        int16_t *group_sum = (int16_t *)(offset_sum + lane_count);
+        int8_t *q = (int8_t *)(group_sum + (k_quant ? k / GROUP : 0));
         if (k_quant) {
-            quantize_k_activation_row(x_row, is_bf16, k, type, q_row, d_row, group_sum_row, block_sum_row);
+            quantize_k_activation_row(x_row, is_bf16, k, type, q, d, group_sum, block_sum);
+            a[r] = (lanes){q, NULL, NULL, d, block_sum, group_sum};
         } else {
-            quantize_activation_row(x_row, is_bf16, k, q_row, d_row, group_scaled + r * k / GROUP);
-            activation_lanes(q_row, d_row, k, offset_shift(type), scale_row, offset_sum_row, block_sum_row);
+            quantize_activation_row(x_row, is_bf16, k, q, d, group_scaled);
+            activation_lanes(q, d, k, offset_shift(type), scale, offset_sum, block_sum);
+            a[r] = (lanes){q, scale, offset_sum, NULL, block_sum, NULL};
         }
-        a[r] = (lanes){q_row, scale_row, offset_sum_row, d_row, block_sum_row, group_sum_row};
     }
     const fused_job job = {a, m, k, row_bytes, ldy, w, bias, y, is_bf16};
     const int threads = rows < num_threads ? (int)rows : num_threads;
@@ -893,13 +896,7 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
         if (first < last) fused_rows(type, &job, first, last);
     }
 done:
-    free(q);
-    free(d);
-    free(scale);
-    free(offset_sum);
-    free(block_sum);
-    free(group_scaled);
-    free(group_sum);
+    free(scratch);
     free(a);
     return status;
 }
