@@ -77,6 +77,7 @@ class DraftModelProposer:
         self.kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, args.block_size, num_blocks, engine.dtype, engine.device)
         self.seqs: dict[Request, DraftSequence] = {}
+        self.round_tokens = config.num_speculative_tokens + 1  # what a round's first forward catches up on
         self.cost_per_token = (
             config.draft_cost
             if config.draft_cost is not None
@@ -101,6 +102,11 @@ class DraftModelProposer:
             # not those out of blocks, failed or done
             active = [i for i in got if isinstance(row := drafts[i], list) and len(row) < ks[i]]
         return drafts
+
+    def catch_up_tokens(self, seq: Request) -> int:
+        draft = self.seqs.get(seq)
+        computed = draft.num_computed_tokens if draft is not None else 0
+        return max(0, seq.num_tokens - 1 - computed - self.round_tokens)
 
     def _catch_up(self, seq: Request) -> None:
         """Roll the draft's copy back to the prefix it shares with seq, then take seq's tokens."""

@@ -23,6 +23,9 @@ class NgramProposer:
     def propose(self, seqs: list[Request], ks: list[int]) -> list[list[int]]:
         return [ngram_proposal(seq.token_ids, k, self.min_n, self.max_n) if k else [] for seq, k in zip(seqs, ks)]
 
+    def catch_up_tokens(self, seq: Request) -> int:
+        return 0
+
 
 def ngram_proposal(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to k tokens that followed the latest earlier match of the longest matching suffix."""

@@ -13,6 +13,10 @@ rows are cheap at small B). k is the one with the best speed-up, and 0 (plain de
 beats 1: a busy engine, or a proposer that costs more than it saves, runs at plain-decoding speed. The
 acceptance rate is measured per sequence (decayed, so it follows the text); a sequence at k = 0
 drifts back to the prior and tries again later.
+
+A draft model must first catch up on what it has not seen of a sequence (its prompt, or the steps it ran
+plain): C plain steps, paid once. Over the R tokens the sequence may still produce, speculating at speed-up
+s beats plain decoding only when R / s + C < R, so the speed-up it needs rises to R / (R - C) until then.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ PRIOR_WEIGHT = 2.0  # how many verified proposals the prior is worth
 DECAY = 0.8  # weight of older verifications at each new one (and at each step without proposals)
 COST_PER_TOKEN = 0.02  # extra cost of one more token in a step, relative to a one-token step (CPU; docs/benchmarks.md)
 MIN_SPEEDUP = 1.02  # below this expected gain a step runs plain (proposing and verifying cost something too)
+CATCH_UP_SHARE = 0.15  # a caught-up token's cost against a proposed one: a prefill row, not a decode step (CPU)
 MEASURED_WEIGHT = 0.25  # of a newest timing slower than a size's moving average
 FASTER_WEIGHT = 0.5  # of one faster: a cold first step is forgotten within a few
 STALE_AFTER = 256  # steps after which a size's timing is measured afresh, so a k once found dear is retried
@@ -47,6 +52,10 @@ class Proposer(Protocol):
     def propose(self, seqs: list[Request], ks: list[int]) -> Sequence[list[int] | BaseException]:
         """Up to ks[i] proposed next tokens for each sequence (fewer, or none, where it has no guess),
         or the exception that sequence's proposal failed with (it fails that request alone)."""
+
+    def catch_up_tokens(self, seq: Request) -> int:
+        """Tokens of seq the proposer must process before it proposes, beyond what one round's proposal
+        takes anyway: 0 for a lookup, a draft model's backlog (a prompt it has not seen, steps run plain)."""
 
 
 @dataclass
@@ -93,8 +102,8 @@ def step_cost(num_tokens: int) -> float:
     return 1.0 + COST_PER_TOKEN * (num_tokens - 1)
 
 
-def best_k(max_k: int, acceptance: float, batch_size: int, costs: StepCosts) -> int:
-    best, best_gain = 0, MIN_SPEEDUP
+def best_k(max_k: int, acceptance: float, batch_size: int, costs: StepCosts, min_speedup: float = MIN_SPEEDUP) -> int:
+    best, best_gain = 0, min_speedup
     for k in range(1, max_k + 1):
         gain = expected_speedup(k, acceptance, batch_size, costs)
         if gain > best_gain:
@@ -110,13 +119,14 @@ class Timing:
 
 class StepCosts:
     """What speculation's k weighs, measured on this machine: the target's step seconds by the tokens in
-    the step, and the proposer's seconds per proposed token by batch size (moving averages that fall faster
-    than they rise; a new timing counts at most twice the average, so one stall does not swing it).
+    the step, the proposer's seconds per proposed token by batch size, and per caught-up token (moving
+    averages that fall faster than they rise; a new timing counts at most twice the average, so one stall
+    does not swing it).
 
-    `step(T, B)` is a T-token step's cost in plain steps of batch B, `proposal(B)` one proposed token's.
-    Without fresh timings of both sizes the model stands in (step_cost, and the proposer's own
-    cost_per_token): k starts from the model and follows the machine once it has timings. A configured
-    draft_cost is the proposal's cost as given, never measured.
+    `step(T, B)` is a T-token step's cost in plain steps of batch B, `proposal(B)` one proposed token's,
+    `catch_up(B)` one caught-up token's. Without fresh timings the model stands in (step_cost, the
+    proposer's own cost_per_token, CATCH_UP_SHARE of it): k starts from the model and follows the machine
+    once it has timings. A configured draft_cost is the proposal's cost as given, never measured.
     """
 
     def __init__(self, proposal_cost: float, measure_proposals: bool = True):
@@ -124,6 +134,7 @@ class StepCosts:
         self.measure_proposals = measure_proposals  # False: proposal_cost was configured, and is used as given
         self.steps: dict[int, Timing] = {}
         self.proposals: dict[int, Timing] = {}
+        self.catch_ups: dict[int, Timing] = {}  # one table, size 1: seconds per caught-up token
         self.clock = 0  # steps observed
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
@@ -134,6 +145,11 @@ class StepCosts:
         """num_tokens proposed tokens per sequence (the draft's forwards) took seconds for this batch."""
         if num_tokens and self.measure_proposals:
             self._observe(self.proposals, batch_size, seconds / num_tokens)
+
+    def observe_catch_up(self, num_tokens: int, seconds: float) -> None:
+        """A proposal call that caught up on num_tokens took seconds (its proposals included: an upper bound)."""
+        if num_tokens and self.measure_proposals:
+            self._observe(self.catch_ups, 1, seconds / num_tokens)
 
     def needs_plain_timing(self, batch_size: int) -> bool:
         """No fresh timing of a plain step at this batch size: every speed-up is measured against one."""
@@ -150,6 +166,19 @@ class StepCosts:
         if plain is not None and token is not None:
             return token / plain
         return self.model_proposal_cost
+
+    def catch_up(self, batch_size: int) -> float:
+        plain, token = self._seconds(self.steps, batch_size), self._seconds(self.catch_ups, 1)
+        if plain is not None and token is not None:
+            return token / plain
+        return self.model_proposal_cost * CATCH_UP_SHARE
+
+    def required_speedup(self, catch_up_tokens: int, remaining: int, batch_size: int) -> float:
+        """The speed-up that repays catching up on catch_up_tokens over the remaining tokens (inf: none can)."""
+        cost = catch_up_tokens * self.catch_up(batch_size)
+        if cost >= remaining:
+            return float("inf")
+        return max(MIN_SPEEDUP, remaining / (remaining - cost))
 
     def _observe(self, table: dict[int, Timing], size: int, seconds: float) -> None:
         timing = table.get(size)
@@ -180,7 +209,6 @@ class Speculator:
         self.max_model_len = max_model_len
         self.acceptance: weakref.WeakKeyDictionary[Request, Acceptance] = weakref.WeakKeyDictionary()
         self.costs = StepCosts(proposer.cost_per_token, measure_proposals=config.draft_cost is None)
-        self.proposed_for: weakref.WeakSet[Request] = weakref.WeakSet()
 
     def propose(self, running: list[Request]) -> list[tuple[Request, BaseException]]:
         """Set spec_token_ids of every running sequence (empty where it does not speculate this step);
@@ -198,11 +226,14 @@ class Speculator:
                 ks.append(k)
         if not seqs:
             return []
+        backlog = sum(self.proposer.catch_up_tokens(seq) for seq in seqs)
         start = time.perf_counter()
         proposals = self.proposer.propose(seqs, ks)
-        if all(seq in self.proposed_for for seq in seqs):  # a first proposal includes a draft's prompt prefill
-            self.costs.observe_proposal(len(running), max(ks), time.perf_counter() - start)
-        self.proposed_for.update(seqs)
+        seconds = time.perf_counter() - start
+        if backlog:
+            self.costs.observe_catch_up(backlog, seconds)
+        else:
+            self.costs.observe_proposal(len(running), max(ks), seconds)
         failed = []
         for seq, drafts in zip(seqs, proposals):
             if isinstance(drafts, BaseException):
@@ -224,7 +255,8 @@ class Speculator:
         if max_k <= 0:
             return 0
         acceptance = self.acceptance.setdefault(seq, Acceptance())
-        k = best_k(max_k, acceptance.rate, batch_size, self.costs)
+        needed = self.costs.required_speedup(self.proposer.catch_up_tokens(seq), room + 1, batch_size)
+        k = best_k(max_k, acceptance.rate, batch_size, self.costs, needed)
         if k == 0:
             acceptance.decay()  # back towards the prior: it tries again once that says it may pay
         return k

@@ -14,7 +14,7 @@ from inference.request import Request
 from inference.sampler import Sampler
 from inference.spec_decode.ngram import ngram_proposal
 from inference.spec_decode.rejection_sampler import RejectionSampler
-from inference.spec_decode.speculator import MEASURED_WEIGHT, STALE_AFTER, StepCosts, best_k
+from inference.spec_decode.speculator import MEASURED_WEIGHT, MIN_SPEEDUP, STALE_AFTER, StepCosts, best_k
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -309,8 +309,7 @@ def test_a_configured_draft_cost_is_used_as_given_and_never_measured():
 
 def test_a_proposer_that_costs_more_than_it_saves_is_turned_off_by_its_timings(tiny_model_dir):
     """Proposing takes 0.1 s a token, many of the tiny model's plain steps: once a proposal is timed its
-    measured cost says plain decoding for the rest of the request, and the outputs stay plain decoding's.
-    A sequence's first proposal is not timed (a draft model's would include the prompt's prefill)."""
+    measured cost says plain decoding for the rest of the request, and the outputs stay plain decoding's."""
     llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
     proposer = llm.llm_engine.speculator.proposer
     fast, calls = proposer.propose, []
@@ -323,9 +322,48 @@ def test_a_proposer_that_costs_more_than_it_saves_is_turned_off_by_its_timings(t
     proposer.propose = slow
     prompt = repetitive_prompts()[1]
     assert generate(llm, [prompt], temperature=0, max_tokens=40) == hf_greedy(tiny_model_dir, [prompt], 40)
-    assert len(calls) == 2  # the first decode step ran plain (its timing), the next two proposed, no other did
-    assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] <= 2
+    assert len(calls) == 1  # the first decode step ran plain (its timing), the next proposed, no other did
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] <= 1
     assert llm.llm_engine.speculator.costs.proposal(1) > 1  # a proposed token costs more than a plain step
+
+
+def test_a_drafts_catch_up_must_be_repaid_by_the_tokens_left():
+    """The 1.5B/0.5B pair: a 188-token prompt the draft has not seen costs ~12 plain steps to catch up on.
+    30 tokens to go cannot repay it at the speed-up code editing's acceptance buys; 2,000 can; a backlog
+    dearer than the tokens left rules speculation out whatever the acceptance."""
+    costs = StepCosts(0.43)
+    assert costs.required_speedup(0, 96, 1) == MIN_SPEEDUP  # caught up: the usual threshold
+    needed = costs.required_speedup(188, 30, 1)
+    assert needed > 1.6
+    assert best_k(4, 0.93, 1, costs) == 4 and best_k(4, 0.93, 1, costs, needed) == 0
+    assert best_k(4, 0.93, 1, costs, costs.required_speedup(188, 2000, 1)) == 4
+    assert costs.required_speedup(188, 5, 1) == float("inf")
+    costs.observe_step(1, 0.035)
+    costs.observe_catch_up(188, 0.460)  # measured: 2.4 ms a token, 0.07 of a plain step
+    assert costs.catch_up(1) == pytest.approx(0.460 / 188 / 0.035)
+    assert costs.required_speedup(188, 96, 1) == pytest.approx(96 / (96 - 0.460 / 0.035))
+
+
+def test_a_draft_does_not_catch_up_on_a_long_prompt_for_a_short_answer(tiny_model_dir, plain):
+    """A draft priced at 0.05 of a target step a token speculates on a short prompt, but catching up on a
+    long one costs more plain steps than a 6-token answer can win back: that request decodes plainly."""
+    config = {**draft_of(tiny_model_dir), "num_speculative_tokens": 2, "draft_cost": 0.05}
+    llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=config)
+    proposer = llm.llm_engine.speculator.proposer
+    rng = random.Random(5)
+    long_prompt = [rng.randrange(10, 500) for _ in range(400)]
+    assert proposer.catch_up_tokens(Request("r", None, long_prompt, SamplingParams())) > 300
+    assert generate(llm, [long_prompt], temperature=0, max_tokens=6) == generate(
+        plain, [long_prompt], temperature=0, max_tokens=6
+    )
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens_total"] == 0
+    assert not proposer.seqs  # the draft never prefilled it
+    short_prompt = long_prompt[:8]
+    assert generate(llm, [short_prompt], temperature=0, max_tokens=40) == generate(
+        plain, [short_prompt], temperature=0, max_tokens=40
+    )
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens_total"] > 0
+    assert_no_leak(llm)
 
 
 def test_the_draft_cost_defaults_to_its_share_of_the_targets_weight_bytes(tiny_model_dir, model_factory):
