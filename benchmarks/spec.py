@@ -7,7 +7,8 @@ Three workloads of chat prompts, greedy, up to --max-tokens each:
 - open chat: questions whose answers share nothing with the prompt (the negative control).
 For each model pair (n-gram on the default SmolLM2 file; Qwen2.5-Coder-1.5B drafted by 0.5B where
 ../shared/models/qwen-coder.sh has assembled both), one process holds a plain engine and a speculating
-one and alternates them per workload and batch size, so a busy machine slows both alike. Batch 1 runs
+one and alternates them per workload and batch size, each --repeats times in turn (plain first, then
+speculating first, ...), so a busy machine slows both alike; a row pools its repeats. Batch 1 runs
 the prompts one at a time; batch 32 submits 32 requests at once (the prompts repeated). Decode tok/s is
 output tokens after each request's first over the time from the first token to the last; TPOT is its
 inverse per request, averaged. Acceptance rate is accepted / proposed tokens and mean acceptance length
@@ -46,7 +47,7 @@ CHAT_QUESTIONS = (
 
 @dataclass
 class Run:
-    tokens: dict[int, list[int]]  # request index -> output token ids
+    tokens: dict  # request index (or (repeat, index) once pooled) -> output token ids
     decode_s: float  # from the first token to the last
     tpots_ms: list[float]  # per request
     spec: dict  # the engine's spec_decode() counters for this run
@@ -145,6 +146,16 @@ def run_one_at_a_time(llm, prompts: list[list[int]], max_tokens: int) -> Run:
     )
 
 
+def pooled(runs: list[Run]) -> Run:
+    """Repeats of the same requests as one run: every repeat's tokens, summed times and counters."""
+    return Run(
+        {(repeat, index): ids for repeat, run in enumerate(runs) for index, ids in run.tokens.items()},
+        sum(run.decode_s for run in runs),
+        [tpot for run in runs for tpot in run.tpots_ms],
+        {key: sum(run.spec[key] for run in runs) for key in runs[0].spec},
+    )
+
+
 def spec_delta(before: dict, after: dict) -> dict:
     keys = (
         "spec_decode_num_drafts_total",
@@ -212,12 +223,7 @@ def rows_for_pair(name: str, model: str, config: dict, args) -> tuple[list[list]
     for workload, texts in workloads.items():
         ids = [prompt_ids(plain, text) for text in texts]
         for batch in args.batches:
-            if batch == 1:
-                runs = [run_one_at_a_time(llm, ids, args.max_tokens) for llm in (plain, speculating)]
-            else:
-                repeated = [ids[i % len(ids)] for i in range(batch)]
-                runs = [run_batch(llm, repeated, args.max_tokens) for llm in (plain, speculating)]
-            base, spec = runs
+            base, spec = alternated(plain, speculating, ids, batch, args)
             equal = sum(base.tokens[i] == spec.tokens.get(i) for i in base.tokens)
             rate, length = acceptance(spec.spec)
             speedup = spec.decode_tok_s / base.decode_tok_s if base.decode_tok_s else 0.0
@@ -242,6 +248,18 @@ def rows_for_pair(name: str, model: str, config: dict, args) -> tuple[list[list]
     return rows, origin, costs
 
 
+def alternated(plain, speculating, ids: list[list[int]], batch: int, args) -> tuple[Run, Run]:
+    """Both engines on the same requests, args.repeats times each, taking turns to go first; pooled."""
+    runs: dict = {plain: [], speculating: []}
+    for repeat in range(args.repeats):
+        for llm in (plain, speculating) if repeat % 2 == 0 else (speculating, plain):
+            if batch == 1:
+                runs[llm].append(run_one_at_a_time(llm, ids, args.max_tokens))
+            else:
+                runs[llm].append(run_batch(llm, [ids[i % len(ids)] for i in range(batch)], args.max_tokens))
+    return pooled(runs[plain]), pooled(runs[speculating])
+
+
 def step_cost_rows(name: str, costs, max_tokens: int) -> list[list]:
     """What a decode step of T tokens took (the speculating engine's own moving averages, StepCosts), against
     a one-token step: the price of verifying T - 1 proposals, which sets the speed-up a mean accepted length buys."""
@@ -260,6 +278,7 @@ def main(argv=None) -> str:
     parser.add_argument("--batches", default="1,32", type=lambda s: [int(b) for b in s.split(",")])
     parser.add_argument("--prompts", type=int, default=4, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per engine, workload and batch size")
     args = parser.parse_args(argv)
     rows, origins, costs = [], set(), []
     for name, (model, config) in model_pairs(args.pairs.split(",")).items():
