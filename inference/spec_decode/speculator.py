@@ -124,14 +124,19 @@ class StepCosts:
     does not swing it).
 
     `step(T, B)` is a T-token step's cost in plain steps of batch B, `proposal(B)` one proposed token's,
-    `catch_up(B)` one caught-up token's. Without fresh timings the model stands in (step_cost, the
-    proposer's own cost_per_token, CATCH_UP_SHARE of it): k starts from the model and follows the machine
-    once it has timings. A configured draft_cost is the proposal's cost as given, never measured.
+    `catch_up(B)` one caught-up token's. A step's time grows about linearly with its tokens, so step(T, B)
+    follows the least-squares line from B's plain timing through the fresh timings of the sizes B's
+    speculation can reach (B + 1 .. B * (1 + max_k)): every verification step prices every size, one
+    stalled step moves the line a little, and a size not yet seen costs what its neighbours say. Without
+    those timings the model stands in (step_cost, the proposer's own cost_per_token, CATCH_UP_SHARE of it):
+    k starts from the model and follows the machine once it has timings. A configured draft_cost is the
+    proposal's cost as given, never measured.
     """
 
-    def __init__(self, proposal_cost: float, measure_proposals: bool = True):
+    def __init__(self, proposal_cost: float, measure_proposals: bool = True, max_k: int = 32):
         self.model_proposal_cost = proposal_cost
         self.measure_proposals = measure_proposals  # False: proposal_cost was configured, and is used as given
+        self.max_k = max_k
         self.steps: dict[int, Timing] = {}
         self.proposals: dict[int, Timing] = {}
         self.catch_ups: dict[int, Timing] = {}  # one table, size 1: seconds per caught-up token
@@ -156,10 +161,23 @@ class StepCosts:
         return self._seconds(self.steps, batch_size) is None
 
     def step(self, num_tokens: int, batch_size: int) -> float:
-        plain, step = self._seconds(self.steps, batch_size), self._seconds(self.steps, num_tokens)
-        if plain is not None and step is not None:
-            return step / plain
-        return step_cost(num_tokens) / step_cost(batch_size)
+        plain = self._seconds(self.steps, batch_size)
+        slope = None if plain is None else self._seconds_per_extra_token(batch_size, plain)
+        if plain is None or slope is None:
+            return step_cost(num_tokens) / step_cost(batch_size)
+        return 1.0 + slope * (num_tokens - batch_size) / plain
+
+    def _seconds_per_extra_token(self, batch_size: int, plain: float) -> float | None:
+        """The slope of the least-squares line through (batch_size, plain) and the larger sizes' timings."""
+        points = [
+            (size - batch_size, seconds - plain)
+            for size in self.steps
+            if batch_size < size <= batch_size * (1 + self.max_k)
+            and (seconds := self._seconds(self.steps, size)) is not None
+        ]
+        if not points:
+            return None
+        return max(0.0, sum(dx * dy for dx, dy in points) / sum(dx * dx for dx, _ in points))
 
     def proposal(self, batch_size: int) -> float:
         plain, token = self._seconds(self.steps, batch_size), self._seconds(self.proposals, batch_size)
@@ -208,7 +226,9 @@ class Speculator:
         self.verify_rows = RejectionSampler(sampler)
         self.max_model_len = max_model_len
         self.acceptance: weakref.WeakKeyDictionary[Request, Acceptance] = weakref.WeakKeyDictionary()
-        self.costs = StepCosts(proposer.cost_per_token, measure_proposals=config.draft_cost is None)
+        self.costs = StepCosts(
+            proposer.cost_per_token, measure_proposals=config.draft_cost is None, max_k=config.num_speculative_tokens
+        )
 
     def propose(self, running: list[Request]) -> list[tuple[Request, BaseException]]:
         """Set spec_token_ids of every running sequence (empty where it does not speculate this step);

@@ -14,7 +14,14 @@ from inference.request import Request
 from inference.sampler import Sampler
 from inference.spec_decode.ngram import ngram_proposal
 from inference.spec_decode.rejection_sampler import RejectionSampler
-from inference.spec_decode.speculator import MEASURED_WEIGHT, MIN_SPEEDUP, STALE_AFTER, StepCosts, best_k
+from inference.spec_decode.speculator import (
+    MEASURED_WEIGHT,
+    MIN_SPEEDUP,
+    STALE_AFTER,
+    StepCosts,
+    best_k,
+    step_cost,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -273,12 +280,29 @@ def measured(step_ms: dict[int, float], proposal_ms: float | None = None, batch_
 def test_measured_step_times_replace_the_model_where_they_disagree():
     # the 1.5B/0.5B pair's open chat: verifying on the packed kernel costs far more than the model's 2% a row
     dear = measured({1: 107, 2: 175, 3: 190, 4: 205, 5: 220}, proposal_ms=47)
-    assert dear.step(2, 1) == pytest.approx(175 / 107) and dear.proposal(1) == pytest.approx(47 / 107)
+    slope = (1 * 68 + 2 * 83 + 3 * 98 + 4 * 113) / (1 + 4 + 9 + 16)  # ms a token: the line through the timings
+    assert dear.step(2, 1) == pytest.approx(1 + slope / 107) and dear.step(5, 1) == pytest.approx(1 + 4 * slope / 107)
+    assert dear.proposal(1) == pytest.approx(47 / 107)
     assert best_k(4, 0.66, 1, StepCosts(0.43)) > 0  # the model says it pays
     assert best_k(4, 0.66, 1, dear) == 0  # the timings say it does not: plain decoding
     # a draft measured cheaper than its weight bytes say pays where the model said it would not
     cheap = measured({1: 107, 2: 110, 3: 112, 4: 114, 5: 116}, proposal_ms=10)
     assert best_k(4, 0.42, 1, StepCosts(0.43)) == 0 and best_k(4, 0.42, 1, cheap) > 0
+
+
+def test_sizes_not_yet_timed_cost_what_the_timed_ones_say():
+    """SmolLM2 at batch 32 on the bfloat16 path: 124 ms plain, one 64-token verification step timed at 200 ms.
+    A 96-token step then costs the line through them (2.23 plain steps), not the model's 1.79, so open chat's
+    acceptance no longer buys k = 2 there; code editing's still speculates."""
+    costs = StepCosts(0.0, max_k=5)
+    costs.observe_step(32, 0.124)
+    assert costs.step(96, 32) == pytest.approx(step_cost(96) / step_cost(32))  # nothing larger timed: the model
+    assert best_k(5, 0.6, 32, costs) > 0
+    costs.observe_step(64, 0.200)
+    assert costs.step(96, 32) == pytest.approx(1 + 2 * 0.076 / 0.124)
+    assert best_k(5, 0.6, 32, costs) == 0 and best_k(5, 0.85, 32, costs) > 0
+    costs.observe_step(600, 9.0)  # beyond what batch 32 can reach at k <= 5: not on its line
+    assert costs.step(96, 32) == pytest.approx(1 + 2 * 0.076 / 0.124)
 
 
 def test_a_step_size_needs_a_fresh_plain_timing_and_a_stall_moves_the_average_boundedly():
