@@ -80,7 +80,8 @@ class LLMEngine:
             self.executor.parallel,
         )
 
-    WARM_UP_PROMPT_TOKENS = 16
+    # enough rows for the packed linears' dequantized path (from 24 rows, 64 for the K-quants) to load too
+    WARM_UP_PROMPT_TOKENS = 64
 
     def warm_up(self) -> None:
         """One short prefill and one decode through the model and the LM head, before a worker says it

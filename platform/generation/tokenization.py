@@ -29,16 +29,26 @@ def tokenizer_for(path: str):
         return _load(path)
 
 
+@lru_cache(maxsize=8)
+def longest_token_chars(path: str) -> int:
+    """The most characters one token of this tokenizer can stand for: its longest vocabulary piece
+    (a byte-level piece has a symbol per byte, a decoded character at least one byte)."""
+    return max(1, max(len(piece) for piece in tokenizer_for(path).get_vocab()))
+
+
 def warm_up(path: str) -> bool:
-    """Load `path`'s tokenizer and render its chat template once, now: a web process does it before it
-    listens, so the first chat after `ready:` does not wait seconds for them. False (logged) when the
-    model cannot be loaded here; requests then say why, as they would without this."""
+    """Load `path`'s tokenizer, render its chat template once and find its longest piece, now: a web
+    process does it before it listens, so the first request after `ready:` does not wait for them
+    (seconds for a GGUF file's tokenizer; a pass over the vocabulary for the prompt-length check).
+    False (logged) when the model cannot be loaded here; requests then say why, as they would without
+    this."""
     try:
         tok = tokenizer_for(path)
         if getattr(tok, "chat_template", None):
             chat_prompt_ids(path, [{"role": "user", "content": "Hello"}])
         else:
             tok.encode("Hello")
+        longest_token_chars(path)
     except Exception as exc:  # never a reason not to serve: the engine side may still answer
         log.warning("the tokenizer of %s did not load before serving: %s", path, exc)
         return False

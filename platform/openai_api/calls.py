@@ -11,7 +11,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from django.conf import settings
 from rest_framework import serializers
@@ -200,17 +199,10 @@ def admit(call: ApiCall, plan) -> None:
 # ---------------------------------------------------------------- prompts
 
 
-@lru_cache(maxsize=8)
-def longest_token_chars(path: str) -> int:
-    """The most characters one token of this tokenizer can stand for: its longest vocabulary piece
-    (a byte-level piece has a symbol per byte, a decoded character at least one byte)."""
-    return max(1, max(len(piece) for piece in tokenization.tokenizer_for(path).get_vocab()))
-
-
 def check_prompt_chars(data: dict, kind: str, path: str, max_model_len: int | None) -> None:
     """Refuse a prompt that cannot fit the context before tokenizing it: a megabyte of text takes
     the tokenizer a second, and its answer would be a 400 anyway. Exact, never an estimate: a text
-    of C characters is at least C / longest_token_chars tokens."""
+    of C characters is at least C / tokenization.longest_token_chars tokens."""
     if max_model_len is None:
         return
     texts = (
@@ -219,7 +211,7 @@ def check_prompt_chars(data: dict, kind: str, path: str, max_model_len: int | No
         else [p for p in data["prompt"] if isinstance(p, str)]
     )
     chars = sum(len(t) for t in texts if isinstance(t, str)) if kind == "chat" else max(map(len, texts), default=0)
-    at_least = -(-chars // longest_token_chars(path))
+    at_least = -(-chars // tokenization.longest_token_chars(path))
     if at_least >= max_model_len:
         param = "messages" if kind == "chat" else "prompt"
         raise InvalidRequest(

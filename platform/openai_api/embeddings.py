@@ -126,7 +126,7 @@ def check_chars(text: str, path: str, max_model_len: int | None, param: str) -> 
     """A text that cannot fit is refused before it is tokenized (a megabyte takes the tokenizer a second)."""
     if max_model_len is None:
         return
-    at_least = -(-len(text) // calls.longest_token_chars(path))
+    at_least = -(-len(text) // tokenization.longest_token_chars(path))
     if at_least > max_model_len:
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, the input "

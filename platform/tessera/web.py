@@ -56,13 +56,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def warm_up() -> None:
-    """Set Django up and load the served model's tokenizer and chat template before the socket opens:
-    /health, and so make run's `ready:`, waits for them, not the first chat (seconds for a GGUF file)."""
+    """Set Django up, import the URLconf and load the served model's tokenizer and chat template before
+    the socket opens: /health, and so make run's `ready:`, waits for them, not the first request (Django
+    imports the URLconf, every view module behind it, on the first request it routes)."""
     from django.conf import settings
+    from django.urls import get_resolver
 
     import tessera.asgi  # noqa: F401  (the app uvicorn serves: importing it sets Django up)
     from generation import tokenization
 
+    get_resolver().url_patterns  # noqa: B018  (a cached property: reading it imports the URLconf)
     tokenization.warm_up(str(settings.MODEL))
 
 

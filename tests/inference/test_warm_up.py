@@ -3,11 +3,16 @@ request after `ready:` does not pay for what loads on first use (issue #32)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import redis
 from django.conf import settings
+from test_gguf import write_gguf
+from tiny_models import make_tiny_model
 
-from inference import SamplingParams, protocol
+from inference import LLM, SamplingParams, protocol
+from tessera_kernels import quant_cpu
 from tests.inference.worker_helpers import ThreadedWorker, clear_engine_keys, tiny_llm, wait_for
 
 PROMPT = [5, 17, 42, 99, 7, 3]
@@ -61,3 +66,18 @@ def test_warm_up_after_requests_keeps_the_cached_prefixes(fresh_llm):
 
 def engine_cached_blocks(llm) -> list[int]:
     return [block for block, state in enumerate(llm.llm_engine.kv.pool.state_codes()) if state == 1]
+
+
+def test_warm_up_runs_the_packed_linears_dequantized_path_too(tmp_path):
+    """A chat prompt is longer than the rows from which a packed linear dequantizes to bfloat16 (64 for the
+    K-quants): the warm-up's prefill reaches them, so that path's first use (its scratch buffer, oneDNN's
+    kernels) is not the first request's."""
+    hf_dir = make_tiny_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=256)
+    file = str(write_gguf(hf_dir, tmp_path / "tiny.gguf", ("Q4_K", "Q8_0")))
+    engine = LLM(model=file, device="cpu", max_model_len=256, num_kv_blocks=64).llm_engine
+    assert engine.WARM_UP_PROMPT_TOKENS >= max(quant_cpu.DEQUANTIZE_FROM_ROWS, quant_cpu.K_QUANT_DEQUANTIZE_FROM_ROWS)
+    scratch = []
+    warm = threading.Thread(target=lambda: (engine.warm_up(), scratch.append(hasattr(quant_cpu._scratch, "buffer"))))
+    warm.start()  # a thread of its own: its scratch buffer is the warm-up's alone
+    warm.join()
+    assert scratch == [True]

@@ -15,7 +15,6 @@ from django.test import Client
 from accounts.services import create_api_key
 from generation import services as generation
 from generation import tokenization
-from openai_api import calls
 from openai_api.views import LARGE_BODY_BYTES
 from tests.inference.worker_helpers import llm, serving_worker  # noqa: F401 (the llm fixture)
 
@@ -44,7 +43,7 @@ def _complete(raw_key, prompt, **body):
 
 def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing_it(raw_key, monkeypatch):
     path = tokenizer_path()
-    longest = calls.longest_token_chars(path)
+    longest = tokenization.longest_token_chars(path)
     tokenized = []
     real = tokenization.text_prompt_ids
     monkeypatch.setattr(tokenization, "text_prompt_ids", lambda p, text: tokenized.append(len(text)) or real(p, text))
