@@ -139,7 +139,7 @@ class StepCosts:
         self.max_k = max_k
         self.steps: dict[int, Timing] = {}
         self.proposals: dict[int, Timing] = {}
-        self.catch_ups: dict[int, Timing] = {}  # one table, size 1: seconds per caught-up token
+        self.catch_ups: dict[int, Timing] = {}  # seconds per caught-up token, under key 1 (any batch size)
         self.clock = 0  # steps observed
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
