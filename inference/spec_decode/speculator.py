@@ -141,10 +141,12 @@ class StepCosts:
         self.proposals: dict[int, Timing] = {}
         self.catch_ups: dict[int, Timing] = {}  # seconds per caught-up token, under key 1 (any batch size)
         self.clock = 0  # steps observed
+        self.slopes: dict[int, float | None] = {}  # batch size -> its line's slope, until the next step's timing
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         self.clock += 1
         self._observe(self.steps, num_tokens, seconds)
+        self.slopes.clear()
 
     def observe_proposal(self, batch_size: int, num_tokens: int, seconds: float) -> None:
         """num_tokens proposed tokens per sequence (the draft's forwards) took seconds for this batch."""
@@ -168,7 +170,13 @@ class StepCosts:
         return 1.0 + slope * (num_tokens - batch_size) / plain
 
     def _seconds_per_extra_token(self, batch_size: int, plain: float) -> float | None:
-        """The slope of the least-squares line through (batch_size, plain) and the larger sizes' timings."""
+        """The slope of the least-squares line through (batch_size, plain) and the larger sizes' timings, fitted
+        once per batch size between step timings (every sequence's every k asks for it)."""
+        if batch_size not in self.slopes:
+            self.slopes[batch_size] = self._fitted_slope(batch_size, plain)
+        return self.slopes[batch_size]
+
+    def _fitted_slope(self, batch_size: int, plain: float) -> float | None:
         points = [
             (size - batch_size, seconds - plain)
             for size in self.steps
@@ -238,15 +246,18 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if (limit is not None and len(running) > limit) or self.costs.needs_plain_timing(len(running)):
             return []
-        seqs, ks = [], []
+        seqs, ks, backlog = [], [], 0
         for seq in running:
-            k = self._k_for(seq, len(running)) if self._is_decode(seq) and may_speculate(seq) else 0
+            if not (self._is_decode(seq) and may_speculate(seq)):
+                continue
+            catch_up = self.proposer.catch_up_tokens(seq)
+            k = self._k_for(seq, len(running), catch_up)
             if k:
                 seqs.append(seq)
                 ks.append(k)
+                backlog += catch_up
         if not seqs:
             return []
-        backlog = sum(self.proposer.catch_up_tokens(seq) for seq in seqs)
         start = time.perf_counter()
         proposals = self.proposer.propose(seqs, ks)
         seconds = time.perf_counter() - start
@@ -266,7 +277,7 @@ class Speculator:
     def _is_decode(seq: Request) -> bool:
         return seq.num_tokens - seq.num_computed_tokens == 1
 
-    def _k_for(self, seq: Request, batch_size: int) -> int:
+    def _k_for(self, seq: Request, batch_size: int, catch_up_tokens: int) -> int:
         params = seq.params
         room = self.max_model_len - seq.num_tokens - 1  # the bonus token needs a position too
         if params.max_tokens is not None:
@@ -275,7 +286,7 @@ class Speculator:
         if max_k <= 0:
             return 0
         acceptance = self.acceptance.setdefault(seq, Acceptance())
-        needed = self.costs.required_speedup(self.proposer.catch_up_tokens(seq), room + 1, batch_size)
+        needed = self.costs.required_speedup(catch_up_tokens, room + 1, batch_size)
         k = best_k(max_k, acceptance.rate, batch_size, self.costs, needed)
         if k == 0:
             acceptance.decay()  # back towards the prior: it tries again once that says it may pay

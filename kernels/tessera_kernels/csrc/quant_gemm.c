@@ -782,7 +782,6 @@ ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int r
                 const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
                 codes[part] = _mm512_or_si512(nibble, _mm512_and_si512(_mm512_slli_epi16(top, 4), two_bits));
             }
-            /* 32-bit lanes 4P..4P+3 of 64 codes are its group P of 16 */
             const __m512i pair_scales = _mm512_permutexvar_epi16(index[half], scales);
             for (int j = 0; j < rows; j++)
                 sum[j] = scaled_dots(sum[j], codes[0], codes[1], pair_scales, a[j].q + b * KBLOCK + 128 * half);
@@ -792,7 +791,6 @@ ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int r
     }
     for (int j = 0; j < rows; j++) out[j] = sum_in_order(_mm512_zextps256_ps512(acc[j]));
 }
-
 
 /* What every thread of one fused_linear call shares. */
 typedef struct {
