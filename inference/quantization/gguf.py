@@ -1,5 +1,6 @@
 """GGUF weights kept in their block formats (`weights="packed"`): the linear layers multiply the file's
-blocks directly with the C kernels of kernels/tessera_kernels/quant_cpu.py; nothing is dequantized at load.
+blocks directly with the C kernels of kernels/tessera_kernels/quant_cpu.py (in the layout those read
+fastest, quant_cpu.kernel_layout: the same bytes); nothing is dequantized at load.
 
 A layer's checkpoint tensors arrive as PackedTensor (the file's bytes, [rows, row_bytes] uint8, and
 the ggml type) or, for F32/F16/BF16 matrices, as float tensors. Merged layers (QKV, gate/up) often
@@ -41,7 +42,8 @@ class PackedTensor:
 
 
 def from_gguf_array(kind: str, data, in_features: int) -> PackedTensor:
-    """A GGUF tensor's bytes as a PackedTensor, converted to REPACK_TYPE when no kernel takes `kind`."""
+    """A GGUF tensor's bytes as a PackedTensor, converted to REPACK_TYPE when no kernel takes `kind`, in the
+    layout the kernels read (quant_cpu.kernel_layout)."""
     import numpy as np
 
     if kind not in quant_cpu.KERNEL_TYPES:
@@ -53,7 +55,9 @@ def from_gguf_array(kind: str, data, in_features: int) -> PackedTensor:
             quantize(np.ascontiguousarray(values, dtype=np.float32), GGMLQuantizationType[REPACK_TYPE]),
             REPACK_TYPE,
         )
-    return PackedTensor(kind, torch.from_numpy(np.array(data, dtype=np.uint8)), in_features)
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8))
+    kind, blocks = quant_cpu.kernel_layout(kind, blocks, in_features, in_place=True)
+    return PackedTensor(kind, blocks, in_features)
 
 
 @dataclass

@@ -114,6 +114,8 @@ def open_library(path: Path):
         "store_kv_cache": [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64],
         "gguf_supported": [i32],
         "gguf_fused": [i32, i64],
+        "gguf_x16": [i32],
+        "gguf_to_x16": [i32, ptr, ptr, i64, i64, i32],
         "gguf_linear": [ptr, i64, i64, i64, ptr, i64, i64, i32, ptr, ptr, i64, i32, i32],
         "gguf_dequantize_rows": [ptr, i64, i64, i32, ptr, i64, i64, ptr, i32, i32],
     }
@@ -123,6 +125,8 @@ def open_library(path: Path):
         "store_kv_cache": i64,
         "gguf_supported": ctypes.c_int,
         "gguf_fused": ctypes.c_int,
+        "gguf_x16": ctypes.c_int,
+        "gguf_to_x16": ctypes.c_int,
         "gguf_linear": ctypes.c_int,
         "gguf_dequantize_rows": ctypes.c_int,
     }

@@ -1,6 +1,8 @@
 """Linear layers and row gathers on GGUF block-format weights, in C (csrc/quant_gemm.c).
 
-A packed weight is the file's bytes, [rows, row_bytes] uint8, and its ggml type. The product
+A packed weight is the file's bytes, [rows, row_bytes] uint8, and its ggml type; the 32-value types
+on AVX-512 VNNI machines are interleaved at load, 16 blocks to a group (`kernel_layout`: kind
+"Q4_1x16", the same bytes in another order), which their fused kernel reads. The product
 quantizes the activations to int8 per block (`activation_block`: 32 values, or 256 for the K-quants
 on the AVX-512 VNNI kernel, as llama.cpp's Q8_K) and runs integer dot products against the weight's
 codes (AVX-512 VNNI, AVX2, or plain C); `reference_linear` is its meaning (the weight dequantized by
@@ -29,6 +31,8 @@ import torch
 from tessera_kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+X16 = "x16"  # a kind's suffix when its blocks are interleaved 16 to a group (kernel_layout)
+X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
 # Activation rows from which the bfloat16 path is faster, measured on whole models (docs/kernels.md): the
 # K-quants' integer kernel keeps its lead longer than the other types' kernels do.
 DEQUANTIZE_FROM_ROWS = 24
@@ -40,13 +44,55 @@ _scratch = threading.local()  # one buffer per thread: engines in threads of one
 def type_number(name: str) -> int:
     from gguf import GGMLQuantizationType
 
-    return int(GGMLQuantizationType[name])
+    return int(GGMLQuantizationType[file_kind(name)]) | (X16_FLAG if name.endswith(X16) else 0)
+
+
+def file_kind(kind: str) -> str:
+    """The ggml type whose blocks `kind` holds, in the file's order or interleaved."""
+    return kind.removesuffix(X16)
 
 
 def block_values(name: str) -> int:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    return GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
+    return GGML_QUANT_SIZES[GGMLQuantizationType[file_kind(name)]][0]
+
+
+def kernel_kind(kind: str, library=None) -> str:
+    """The kind a matrix of `kind` is held as: a 32-value type's blocks interleaved 16 to a group (kind + X16)
+    where the library has that fused kernel (AVX-512 VNNI), else `kind`."""
+    library = library or native_cpu.load()
+    if library is None or kind.endswith(X16) or not library.gguf_x16(type_number(kind)):
+        return kind
+    return kind + X16
+
+
+def kernel_layout(
+    kind: str, packed: torch.Tensor, in_features: int, library=None, in_place: bool = False
+) -> tuple[str, torch.Tensor]:
+    """(kernel_kind, blocks in that layout): a new tensor, or `packed` itself rewritten (in_place: a load's
+    own copy, so a large table is not held twice)."""
+    held = kernel_kind(kind, library)
+    if held == kind:
+        return kind, packed
+    return held, _reorder(library or native_cpu.load(), kind, packed, in_features, True, in_place)
+
+
+def file_layout(kind: str, packed: torch.Tensor, in_features: int, library=None) -> tuple[str, torch.Tensor]:
+    """(kind, blocks) in the file's order: kernel_layout undone, in a new tensor."""
+    if not kind.endswith(X16):
+        return kind, packed
+    return file_kind(kind), _reorder(library or native_cpu.load(), file_kind(kind), packed, in_features, False, False)
+
+
+def _reorder(library, kind: str, packed: torch.Tensor, in_features: int, to_x16: bool, in_place: bool) -> torch.Tensor:
+    if not packed.is_contiguous():
+        raise ValueError("packed blocks must be contiguous")
+    out = packed if in_place else torch.empty_like(packed)
+    rows = packed.shape[0]
+    status = library.gguf_to_x16(type_number(kind), packed.data_ptr(), out.data_ptr(), rows, in_features, to_x16)
+    _check(status, kind, in_features)
+    return out
 
 
 @functools.cache  # asked on every packed linear call: the answer per weight shape never changes
@@ -205,6 +251,7 @@ def reference_linear(x: torch.Tensor, packed: torch.Tensor, kind: str, bias: tor
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    kind, packed = file_layout(kind, packed, x.shape[1])
     weight = torch.from_numpy(np.ascontiguousarray(dequantize(packed.numpy(), GGMLQuantizationType[kind])))
     out = x.float() @ weight.float().T
     return out if bias is None else out + bias.float()

@@ -116,8 +116,12 @@ def test_the_packed_engine_keeps_blocks_and_says_so(both_engines, every_type_fil
 
 
 def held_as(kind: str) -> str:
-    """What a matrix of `kind` becomes in a packed model."""
-    return "dense" if kind in ("F16", "BF16", "F32") else "Q8_0" if kind in CONVERTED else kind
+    """What a matrix of `kind` becomes in a packed model: dense, converted to Q8_0, and in the layout the
+    kernels read (a 32-value type's blocks interleaved where this machine has that kernel)."""
+    if kind in ("F16", "BF16", "F32"):
+        return "dense"
+    kind = "Q8_0" if kind in CONVERTED else kind
+    return quant_cpu.kernel_kind(kind)
 
 
 def test_every_packed_layer_is_within_its_rounding_bound_of_float32(both_engines, every_type_file):

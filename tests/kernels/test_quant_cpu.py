@@ -2,7 +2,9 @@
 
 Every kernel type, on four builds of the library: as the engine builds it (AVX-512 VNNI and VBMI on the
 machines we run on), without VBMI (the fused path's plain nibble shuffles), without AVX-512 (the AVX2
-loop) and without AVX2 (the plain C loop).
+loop) and without AVX2 (the plain C loop); and each in the file's block order and in the layout the
+engine loads (quant_cpu.kernel_layout: the 32-value types interleaved 16 blocks to a group where the
+build has their fused kernel, which the file's order does not run).
 
 Tolerance: the kernel quantizes each activation block (quant_cpu.activation_block: 32 values, 256 for
 the K-quants on the AVX-512 VNNI kernel) to int8 (step max|x| / 127), so an output may differ from
@@ -33,6 +35,18 @@ BUILDS = {
     "AVX2 build": ("-mno-avx512f",),
     "portable build": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"),
 }
+
+
+@pytest.fixture(params=["file order", "kernel layout"])
+def layout(request) -> str:
+    return request.param
+
+
+def laid_out(layout: str, kind: str, packed: torch.Tensor, cols: int, lib) -> tuple[torch.Tensor, str]:
+    """(blocks, kind) as the kernels get them (the order `linear` takes): the file's order, or the layout
+    the engine loads."""
+    held_kind, held = quant_cpu.kernel_layout(kind, packed, cols, lib) if layout == "kernel layout" else (kind, packed)
+    return held, held_kind
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -84,30 +98,36 @@ def assert_within_bound(out, reference, packed, kind, x, lib):
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("rows_in", [1, 7])
-def test_linear_matches_dequantize_then_matmul(lib, kind, rows_in):
+def test_linear_matches_dequantize_then_matmul(lib, layout, kind, rows_in):
     cols = 512
     packed = gguf_blocks(kind, 37, cols, seed=rows_in)  # 37: a partial last tile of 4 weight rows
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(1))
     bias = torch.randn(37, generator=torch.Generator().manual_seed(2))
-    out = quant_cpu.linear(x, packed, kind, cols, bias, library=lib)
+    out = quant_cpu.linear(x, *laid_out(layout, kind, packed, cols, lib), cols, bias, library=lib)
     assert out.shape == (rows_in, 37) and out.dtype == torch.float32
     assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind, bias), packed, kind, x, lib)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-@pytest.mark.parametrize("cols", [576, 896])
-def test_rows_that_end_in_a_partial_group_of_sixteen_blocks(lib, kind, cols):
-    # SmolLM2's 576 and Qwen 0.5B's 896 values: 16 blocks and 2 more, or 12 more, whose mins the fused
-    # kernel gathers into a partial register and meets with a masked load of the activation's block sums
+@pytest.mark.parametrize("blocks", [1, 3, 5, 8, 16 + 2, 16 + 9, 16 + 12, 32 + 15])
+def test_rows_that_end_in_a_partial_group_of_sixteen_blocks(lib, layout, kind, blocks):
+    # an interleaved row's last group holds the rest of its blocks, each over 4, 2 or 1 lanes of every
+    # code vector (1-4, 5-8, 9-15 blocks); SmolLM2's 576 values are 16 blocks and 2 more, Qwen 0.5B's 896
+    # 16 and 12. The file's order must come back from the interleaved one byte for byte.
+    cols = 32 * blocks
     packed = gguf_blocks(kind, 37, cols, seed=cols)
+    held, held_kind = laid_out(layout, kind, packed, cols, lib)
+    assert torch.equal(quant_cpu.file_layout(held_kind, held, cols, lib)[1], packed)
     x = torch.randn(9, cols, generator=torch.Generator().manual_seed(cols))
-    out = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
+    out = quant_cpu.integer_linear(x, held, held_kind, cols, library=lib)
     assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
+    for row in range(9):  # a row's bits do not depend on the rows beside it
+        assert torch.equal(out[row], quant_cpu.integer_linear(x[row : row + 1], held, held_kind, cols, library=lib)[0])
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("rows_in", [3, 6])
-def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, kind, rows_in):
+def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, layout, kind, rows_in):
     # 96 values: one 64-wide VNNI step and 32 left for the tail loop (6 rows: one block of 4 rows and
     # 2 alone); the result lands in columns 3..19 of a wider output (a merged layer's segment),
     # leaving the others untouched.
@@ -115,31 +135,31 @@ def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, kind, rows_in):
     packed = gguf_blocks(kind, 16, cols, seed=5)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(6))
     wide = torch.full((rows_in, 24), 7.0)
-    quant_cpu.linear(x, packed, kind, cols, out=wide[:, 3:19], library=lib)
+    quant_cpu.linear(x, *laid_out(layout, kind, packed, cols, lib), cols, out=wide[:, 3:19], library=lib)
     assert_within_bound(wide[:, 3:19], quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
     assert torch.equal(wide[:, :3], torch.full((rows_in, 3), 7.0))
     assert torch.equal(wide[:, 19:], torch.full((rows_in, 5), 7.0))
 
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
-def test_the_integer_kernel_on_many_rows_in_blocks(lib, kind):
+def test_the_integer_kernel_on_many_rows_in_blocks(lib, layout, kind):
     # below the crossover only, in the engine; called directly here so the kernels' blocks of rows (8 on
     # the fused path, 4 on the decoded one) and a rest meet a partial last tile of weight rows at a size
     # `linear` would send to bfloat16
     cols = 512
     packed = gguf_blocks(kind, 37, cols, seed=11)
     x = torch.randn(quant_cpu.DEQUANTIZE_FROM_ROWS + 3, cols, generator=torch.Generator().manual_seed(12))
-    out = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
+    out = quant_cpu.integer_linear(x, *laid_out(layout, kind, packed, cols, lib), cols, library=lib)
     assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
 
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_activation_row_comes_out_as_it_does_alone(lib, kind, dtype):
+def test_each_activation_row_comes_out_as_it_does_alone(lib, layout, kind, dtype):
     # speculative verification scores 1 + k rows in one call and must give each the bits a one-row
     # decode gives it: below the crossover a row's output may not depend on the rows beside it
     cols, rows_in = 512, 11  # a block of 8 rows and a rest of 3 (fused path), 4 + 4 + 3 (decoded path)
-    packed = gguf_blocks(kind, 37, cols, seed=21)
+    packed, kind = laid_out(layout, kind, gguf_blocks(kind, 37, cols, seed=21), cols, lib)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(22)).to(dtype)
     together = quant_cpu.integer_linear(x, packed, kind, cols, library=lib)
     for row in range(rows_in):
@@ -170,13 +190,13 @@ def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tenso
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_run_in_bfloat16_within_its_bound(lib, kind, dtype):
+def test_many_rows_run_in_bfloat16_within_its_bound(lib, layout, kind, dtype):
     cols = 512
     rows_in = quant_cpu.dequantize_from_rows(kind, cols, lib) + 5
     packed = gguf_blocks(kind, 37, cols, seed=13)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(14)).to(dtype)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(15))
-    out = quant_cpu.linear(x, packed, kind, cols, bias, library=lib)
+    out = quant_cpu.linear(x, *laid_out(layout, kind, packed, cols, lib), cols, bias, library=lib)
     assert out.shape == (rows_in, 37) and out.dtype == dtype
     reference = quant_cpu.reference_linear(x, packed, kind, bias)
     bound = bfloat16_bound(dequantized(packed, kind), x, reference)
@@ -215,12 +235,14 @@ def test_bfloat16_activations_give_bfloat16_outputs(lib, kind):
 
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
-def test_dequantized_rows_equal_the_gguf_package(lib, kind):
-    packed = gguf_blocks(kind, 30, 512, seed=9)
+def test_dequantized_rows_equal_the_gguf_package(lib, layout, kind):
+    cols = 576 if quant_cpu.block_values(kind) == 32 else 512  # 576: 16 blocks of 32 and 2 more
+    packed = gguf_blocks(kind, 30, cols, seed=9)
+    held, held_kind = laid_out(layout, kind, packed, cols, lib)
     ids = torch.tensor([29, 0, 7, 7, 13])
-    rows = quant_cpu.dequantize_rows(packed, kind, ids, 512, library=lib)
+    rows = quant_cpu.dequantize_rows(held, held_kind, ids, cols, library=lib)
     assert torch.equal(rows, dequantized(packed, kind)[ids])
-    as_bf16 = quant_cpu.dequantize_rows(packed, kind, ids, 512, torch.bfloat16, library=lib)
+    as_bf16 = quant_cpu.dequantize_rows(held, held_kind, ids, cols, torch.bfloat16, library=lib)
     assert torch.equal(as_bf16, dequantized(packed, kind)[ids].bfloat16())
 
 

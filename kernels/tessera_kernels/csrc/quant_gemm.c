@@ -39,6 +39,15 @@ static inline int omp_get_thread_num(void) { return 0; }
 
 /* ggml's type numbers (GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+/* A 32-value type's blocks interleaved 16 to a group (gguf_to_x16): its type number plus X16. Only the
+ * AVX-512 VNNI build reads them (FUSED_KERNELS). */
+#define X16 0x100
+#define X16_BLOCKS 16
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#define FUSED_KERNELS 1
+#else
+#define FUSED_KERNELS 0
+#endif
 
 static inline float half_to_float(const uint8_t *p) {
     uint16_t h;
@@ -124,6 +133,79 @@ static inline void decode_q8_0(const uint8_t *b, uint8_t *c, float *s, float *m)
     for (int j = 0; j < 32; j++) c[j] = b[2 + j] ^ 0x80; /* int8 + 128 */
     s[0] = s[1] = d;
     m[0] = m[1] = 128.f * d;
+}
+
+/* ---- the 32-value types interleaved: 16 blocks to a group ---------------------------------------
+ *
+ * A row's blocks go in groups of 16; the last group holds the rest, r blocks. A block's 32 codes are
+ * 8 quads of 4, and a group's code vectors give each block L lanes (4 bytes each) of every vector: L = 1
+ * for r > 8, 2 for r > 4, else 4, so a vector of 16 lanes is filled and 8 / L vectors hold the group
+ * (lane b * L + l of vector j: block b's quad j * L + l). The group stores the file's fields one after
+ * the other, each holding its r blocks side by side: the r f16 scales, the r f16 mins (Q4_1, Q5_1),
+ * the fifth bits (Q5_0, Q5_1: a mask of 4 bits a lane per code vector, 4 r L bits each, in one bit
+ * stream), then the codes: 4 / L vectors of nibble bytes (their low nibbles are code vectors 0 .. 4 / L
+ * - 1, their high ones the rest: a block's nibble byte 4q + t holds codes 4q + t and 16 + 4q + t), or
+ * Q8_0's 8 / L vectors of code bytes, each vector 4 r L bytes. The same bytes as the file's, so the
+ * same size; vpdpbusd sums a lane's 4 codes of one block, so a whole group's products need no float
+ * work before the lanes meet their blocks' scales (the fused kernel below). */
+typedef struct {
+    int block_bytes, has_min, fifth_bits, code_bytes; /* code_bytes: 16 (nibbles) or 32 (Q8_0) */
+} x16_fields;
+
+static int x16_layout(int type, x16_fields *f) {
+    switch (type) {
+    case Q4_0: *f = (x16_fields){18, 0, 0, 16}; return 0;
+    case Q4_1: *f = (x16_fields){20, 1, 0, 16}; return 0;
+    case Q5_0: *f = (x16_fields){22, 0, 1, 16}; return 0;
+    case Q5_1: *f = (x16_fields){24, 1, 1, 16}; return 0;
+    case Q8_0: *f = (x16_fields){34, 0, 0, 32}; return 0;
+    default: return -1;
+    }
+}
+
+/* Lanes per block in a group of r blocks. */
+static inline int x16_lanes(int r) { return r > 8 ? 1 : r > 4 ? 2 : 4; }
+
+/* Byte offset of quad q of block b among code vectors of `stride` bytes (4 r L in a weight row). */
+static inline int64_t x16_quad_at(int64_t stride, int lanes, int b, int q) {
+    return stride * (q / lanes) + 4 * (b * lanes + q % lanes);
+}
+
+/* Block b's 32 fifth bits (qh, bit j for code j) into a group's bit stream (one bit per code byte, at the
+ * byte's place among the code vectors), or back: a quad's 4 bits are one nibble of the stream. */
+static void x16_fifth_bits(uint8_t *qh, uint8_t *bits, int r, int lanes, int b, int to_x16) {
+    uint32_t word;
+    memcpy(&word, qh, 4);
+    if (!to_x16) word = 0;
+    for (int quad = 0; quad < 8; quad++) {
+        const int64_t at = x16_quad_at(4 * r * lanes, lanes, b, quad); /* a multiple of 4 */
+        if (to_x16) bits[at / 8] |= (uint8_t)(((word >> (4 * quad)) & 0xf) << (at % 8));
+        else word |= (uint32_t)((bits[at / 8] >> (at % 8)) & 0xf) << (4 * quad);
+    }
+    if (!to_x16) memcpy(qh, &word, 4);
+}
+
+/* One row of `blocks` file blocks to the interleaved layout (to_x16), or back. */
+static void x16_row(const x16_fields *f, uint8_t *file, uint8_t *x16, int64_t blocks, int to_x16) {
+    for (int64_t first = 0; first < blocks; first += X16_BLOCKS) {
+        const int r = blocks - first < X16_BLOCKS ? (int)(blocks - first) : X16_BLOCKS, lanes = x16_lanes(r);
+        uint8_t *group = x16 + first * f->block_bytes;
+        uint8_t *mins = group + 2 * r, *bits = mins + (f->has_min ? 2 * r : 0);
+        uint8_t *codes = bits + (f->fifth_bits ? 4 * r : 0);
+        if (to_x16 && f->fifth_bits) memset(bits, 0, (size_t)(4 * r));
+        for (int b = 0; b < r; b++) {
+            uint8_t *block = file + (first + b) * f->block_bytes;
+            uint8_t *qh = block + 2 + (f->has_min ? 2 : 0), *qs = qh + (f->fifth_bits ? 4 : 0);
+            uint8_t *fields[2][2] = {{group + 2 * b, block}, {mins + 2 * b, block + 2}};
+            for (int field = 0; field < 1 + f->has_min; field++)
+                memcpy(fields[field][!to_x16], fields[field][to_x16], 2);
+            for (int q = 0; q < f->code_bytes / 4; q++) {
+                uint8_t *at = codes + x16_quad_at(4 * r * lanes, lanes, b, q);
+                memcpy(to_x16 ? at : qs + 4 * q, to_x16 ? qs + 4 * q : at, 4);
+            }
+            if (f->fifth_bits) x16_fifth_bits(qh, bits, r, lanes, b, to_x16);
+        }
+    }
 }
 
 static inline void decode_q2_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
@@ -215,6 +297,12 @@ typedef struct {
 } format;
 
 static int find_format(int type, format *f) {
+    x16_fields fields;
+    if (type & X16) {
+        if (!FUSED_KERNELS || x16_layout(type & ~X16, &fields)) return -1;
+        *f = (format){type, 32, fields.block_bytes};
+        return 0;
+    }
     switch (type) {
     case Q4_0: *f = (format){type, 32, 18}; return 0;
     case Q4_1: *f = (format){type, 32, 20}; return 0;
@@ -237,11 +325,17 @@ static int find_format(int type, format *f) {
         decode(row + b * f->block_bytes, codes + b * f->block_values, scale + b * groups, min + b * groups); \
     break
 
+static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *min);
+
 /* One weight row of k values: codes [k], scale and min [k / 16]. */
 static inline void decode_row(const format *f, const uint8_t *row, int64_t k, uint8_t *codes, float *scale,
                               float *min) {
     const int64_t blocks = k / f->block_values;
     const int groups = f->block_values / GROUP;
+    if (f->type & X16) {
+        decode_x16_row(f->type & ~X16, row, k, codes, scale, min);
+        return;
+    }
     switch (f->type) {
     case Q4_0: DECODE_BLOCKS(decode_q4_0);
     case Q4_1: DECODE_BLOCKS(decode_q4_1);
@@ -417,14 +511,13 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
  * codes in one register straight from the block's bytes, and vpdpbusd sums each 4 products of codes
  * and int8 activations into a 32-bit lane. Up to FUSED_ROWS activation rows share each 64 codes.
  *
- * The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take the activation per block of 32, as
- * llama.cpp's Q8_0 / Q8_1 do; per 64 values and activation row, lane l (4 values):
- *
- *   acc += scale_l * d_l * (sum code q - offset * sum q)_l     (vpdpbusd, conversion, multiply, multiply-add)
- *
- * Q4_0 and Q5_0 subtract their offset (8, 16) in integers, where the vpdpbusd starts. Q4_1, Q5_1 and
- * Q8_0 (w = scale * code - min; Q8_0's min is 128 times its scale) subtract their mins against the
- * activation's block sums (d * sum of q) once per 16 blocks.
+ * The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) run interleaved (gguf_to_x16, done at load): 16
+ * blocks to a group, lane b of every vector block b, so vpdpbusd sums whole blocks in integers and the
+ * float work comes once per 16 blocks and activation row (row_x16). They take the activation per block
+ * of 32, as llama.cpp's Q8_0 / Q8_1 do, interleaved the same way. Q4_0 and Q5_0 subtract their offset
+ * (8, 16) in integers, where the vpdpbusd starts; Q4_1, Q5_1 and Q8_0 (w = scale * code - min; Q8_0's
+ * min is 128 times its scale) meet their mins against the activation's block sums (d * sum of q). In
+ * the file's order they run the decoded path.
  *
  * The K-quants (Q4_K, Q5_K, Q6_K) take it per block of 256 (one d a block, llama.cpp's Q8_K), so a
  * weight block's products stay in integers until the block ends: two vpdpbusd, a vpackssdw of their
@@ -435,17 +528,16 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
  *
  * A row's arithmetic is the same whatever rows run beside it, so a row's output does not depend on
  * the batch (speculative verification relies on it). */
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+#if FUSED_KERNELS
 #define FUSED_ROWS 8 /* activation rows that share each 64 decoded codes */
 #define KBLOCK 256   /* values per activation scale for the K-quants */
 
 typedef struct {
-    const int8_t *q;          /* in the order the type reads its codes */
-    const float *scale;       /* 32-value types: per 4 values (one vpdpbusd lane) their block's d */
-    const int32_t *offset_sum; /* symmetric 32-value types: per 4 values -offset * their sum of q */
-    const float *d;           /* K-quants: per block of 256 */
-    const float *block_sum;   /* per 32 values: d * sum of q, the mins' partner (Q4_1, Q5_1, Q4_K, Q5_K) */
-    const int16_t *group_sum; /* Q6_K: sum of q per 16 values */
+    const int8_t *q;           /* in the order the type reads its codes */
+    const int32_t *offset_sum; /* Q4_0, Q5_0: per block of 32 -offset * its sum of q */
+    const float *d;            /* per block of 32 (32-value types, interleaved) or of 256 (K-quants) */
+    const float *block_sum;    /* per 32 values: d * sum of q, the mins' partner (Q4_1, Q5_1, Q8_0, Q4_K, Q5_K) */
+    const int16_t *group_sum;  /* Q6_K: sum of q per 16 values */
 } lanes;
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -465,171 +557,156 @@ ALWAYS_INLINE float sum_in_order(__m512 v) {
 }
 
 ALWAYS_INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
-ALWAYS_INLINE __m256i low_nibbles256(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0xf)); }
-ALWAYS_INLINE __m256i high_nibbles256(__m256i v) { return low_nibbles256(_mm256_srli_epi16(v, 4)); }
-
-/* Two 32-value blocks' codes from their 16 bytes of nibbles each (low nibbles first, as `nibbles`). */
-ALWAYS_INLINE __m512i nibble_pair(const uint8_t *qs_a, const uint8_t *qs_b) {
-    const __m256i packed = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)qs_b), _mm_loadu_si128((const __m128i *)qs_a));
-    const __m512i low_then_high =
-        _mm512_inserti64x4(_mm512_castsi256_si512(low_nibbles256(packed)), high_nibbles256(packed), 1);
-    return _mm512_shuffle_i64x2(low_then_high, low_then_high, _MM_SHUFFLE(3, 1, 2, 0));
-}
-
-/* nibble_pair for two consecutive blocks of block_bytes whose nibbles start qs_offset into each. With
- * AVX-512 VBMI one masked load and one byte permute place each block's 16 bytes twice (the second copy
- * is shifted to its high nibbles), where the plain version needs three shuffles. */
-ALWAYS_INLINE __m512i nibble_pair_at(const uint8_t *pair, int qs_offset, int block_bytes) {
-#if defined(__AVX512VBMI__)
-    const __m512i bytes = _mm512_maskz_loadu_epi8(((__mmask64)1 << (2 * block_bytes)) - 1, pair);
-    const __m512i within = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512i start = _mm512_mask_blend_epi64(0xf0, _mm512_set1_epi8((char)qs_offset),
-                                                  _mm512_set1_epi8((char)(block_bytes + qs_offset)));
-    const __m512i twice = _mm512_permutexvar_epi8(_mm512_add_epi8(within, start), bytes);
-    return low_nibbles(_mm512_mask_blend_epi64(0xcc, twice, _mm512_srli_epi16(twice, 4)));
-#else
-    return nibble_pair(pair + qs_offset, pair + block_bytes + qs_offset);
-#endif
-}
 
 /* Sets bit 4 of code j where bit j of `bits` is set. */
 ALWAYS_INLINE __m512i with_fifth_bits(__m512i codes, uint64_t bits) {
     return _mm512_or_si512(codes, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
 }
 
-ALWAYS_INLINE uint64_t fifth_bits_pair(const uint8_t *qh_a, const uint8_t *qh_b) {
-    uint32_t a, b;
-    memcpy(&a, qh_a, 4);
-    memcpy(&b, qh_b, 4);
-    return (uint64_t)a | ((uint64_t)b << 32);
-}
-
-/* Lanes 0-7 index `low`, lanes 8-15 index `high`. */
-ALWAYS_INLINE __m512i two_indices(int low, int high) {
-    return _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(low), _mm512_set1_epi32(high));
-}
-
-/* Elements [first] in lanes 0-7 and [second] in lanes 8-15 of four floats. */
-ALWAYS_INLINE __m512 spread_pair(__m128 four, int first, int second) {
-    return _mm512_permutexvar_ps(two_indices(first, second), _mm512_castps128_ps512(four));
-}
-
-/* Two f16 values (at a and b) as one 32-bit word, a first. */
-ALWAYS_INLINE uint32_t two_halves(const uint8_t *a, const uint8_t *b) {
-    uint16_t ha, hb;
-    memcpy(&ha, a, 2);
-    memcpy(&hb, b, 2);
-    return (uint32_t)ha | ((uint32_t)hb << 16);
-}
-
-/* Two blocks' f16 scales (two_halves) as [a, b, 0, 0]. */
-ALWAYS_INLINE __m128 two_f16(uint32_t halves) { return _mm_cvtph_ps(_mm_cvtsi32_si128((int)halves)); }
-
-/* Q4_0's and Q5_0's offsets as shifts (w = scale * (code - 2^shift)), subtracted in integers; the other
- * 32-value types go through their mins (ROW_OF_CHUNKS), which measured faster for Q8_0. */
+/* Q4_0's and Q5_0's offsets as shifts (w = scale * (code - 2^shift)), subtracted in integers where the
+ * vpdpbusd starts; the other 32-value types meet their mins through the activation's block sums. */
 static int offset_shift(int type) { return type == Q4_0 ? 3 : type == Q5_0 ? 4 : 0; }
 
-/* An activation row per block of 32 (q, d from quantize_activation_row), laid out for the 32-value
- * types: each 4 values' d and -2^shift * their sum of q (the symmetric types' offset, subtracted in
- * integers), and d * sum of q per block (the mins' partner). */
-static void activation_lanes(const int8_t *q, const float *d, int64_t k, int shift, float *scale, int32_t *offset_sum,
-                             float *block_sum) {
-    const __m512i pairs = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    for (int64_t i = 0; i < k; i += 64) {
-        const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), _mm512_loadu_si512(q + i));
-        const __m128 two_blocks = _mm_castpd_ps(_mm_load_sd((const double *)(d + i / ABLOCK)));
-        _mm512_storeu_ps(scale + i / 4, _mm512_permutexvar_ps(pairs, _mm512_castps128_ps512(two_blocks)));
-        _mm512_storeu_si512(offset_sum + i / 4, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, shift)));
-        block_sum[i / ABLOCK] = d[i / ABLOCK] * (float)_mm512_mask_reduce_add_epi32(0x00ff, sums);
-        block_sum[i / ABLOCK + 1] = d[i / ABLOCK + 1] * (float)_mm512_mask_reduce_add_epi32(0xff00, sums);
+/* An activation row (q, d per block of 32 from quantize_activation_row) interleaved as the weights are,
+ * in whole vectors of 64 bytes (8 per group, zeros where a group has fewer lanes), and per lane of a
+ * group its block's d; in each block's first lane d * its sum of q (the mins' partner) and -2^shift *
+ * its sum of q (the symmetric types' offset), zeros in the others, so a block counts them once. */
+static void x16_activation(const int8_t *q, const float *d, int64_t k, int shift, int8_t *q16, float *d16,
+                           float *block_sum, int32_t *offset_sum) {
+    const int64_t blocks = k / ABLOCK, groups = (blocks + X16_BLOCKS - 1) / X16_BLOCKS;
+    memset(q16, 0, (size_t)(groups * 512));
+    memset(d16, 0, sizeof(float) * (size_t)(groups * 16));
+    memset(block_sum, 0, sizeof(float) * (size_t)(groups * 16));
+    memset(offset_sum, 0, sizeof(int32_t) * (size_t)(groups * 16));
+    for (int64_t block = 0; block < blocks; block++) {
+        const int64_t g = block / X16_BLOCKS;
+        const int r = blocks - g * X16_BLOCKS < X16_BLOCKS ? (int)(blocks - g * X16_BLOCKS) : X16_BLOCKS;
+        const int lanes = x16_lanes(r), b = (int)(block % X16_BLOCKS);
+        int sum = 0;
+        for (int j = 0; j < ABLOCK; j++) sum += q[block * ABLOCK + j];
+        for (int quad = 0; quad < 8; quad++)
+            memcpy(q16 + g * 512 + x16_quad_at(64, lanes, b, quad), q + block * ABLOCK + 4 * quad, 4);
+        for (int l = 0; l < lanes; l++) d16[g * 16 + b * lanes + l] = d[block];
+        block_sum[g * 16 + b * lanes] = d[block] * (float)sum;
+        offset_sum[g * 16 + b * lanes] = -sum * (1 << shift);
     }
 }
 
-/* Per activation row: acc += weight scale * its d * (sum code q - offset * sum q), lane by lane. */
-ALWAYS_INLINE void dot_rows(__m512i codes, __m512 weight_scale, int symmetric, const lanes *a, int64_t at, int rows,
-                            __m512 *acc) {
+/* Bits [first, first + count) of a little-endian bit stream with 8 readable bytes from first / 8
+ * (count <= 64 - first % 8). */
+ALWAYS_INLINE uint64_t stream_bits(const uint8_t *stream, int64_t first, int count) {
+    uint64_t bits;
+    memcpy(&bits, stream + first / 8, 8);
+    bits >>= first % 8;
+    return count == 64 ? bits : bits & ((1ull << count) - 1);
+}
+
+/* A group's code vectors as unsigned codes: lane b * L + l of c[j] holds quad j * L + l of block b. */
+ALWAYS_INLINE void x16_codes(const uint8_t *codes, const uint8_t *bits, int vectors, int stride, int fifth_bits,
+                             int byte_codes, __m512i *c) {
+    const __mmask64 byte_mask = stride == 64 ? ~0ull : (1ull << stride) - 1;
+    if (byte_codes) { /* Q8_0's int8 codes + 128 */
+        for (int i = 0; i < vectors; i++)
+            c[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(byte_mask, codes + stride * i), _mm512_set1_epi8((char)0x80));
+        return;
+    }
+    for (int i = 0; i < vectors / 2; i++) {
+        const __m512i nibble_bytes = _mm512_maskz_loadu_epi8(byte_mask, codes + stride * i);
+        c[i] = low_nibbles(nibble_bytes);
+        c[i + vectors / 2] = low_nibbles(_mm512_srli_epi16(nibble_bytes, 4));
+    }
+    for (int i = 0; fifth_bits && i < vectors; i++) c[i] = with_fifth_bits(c[i], stream_bits(bits, stride * i, stride));
+}
+
+/* One interleaved row as decode_row gives it: codes in the file's order, a scale and a min per 16. */
+static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *min) {
+    x16_fields f = {0, 0, 0, 0};
+    x16_layout(type, &f); /* find_format admitted the type */
+    const float offset = type == Q4_0 ? 8.f : type == Q5_0 ? 16.f : type == Q8_0 ? 128.f : 0.f;
+    const int64_t blocks = k / ABLOCK;
+    for (int64_t first = 0; first < blocks; first += X16_BLOCKS) {
+        const int r = blocks - first < X16_BLOCKS ? (int)(blocks - first) : X16_BLOCKS, lanes = x16_lanes(r);
+        const uint8_t *group = row + first * f.block_bytes, *bits = group + (f.has_min ? 4 : 2) * r;
+        __m512i c[8];
+        uint8_t lane_codes[8][64];
+        x16_codes(bits + (f.fifth_bits ? 4 * r : 0), bits, 8 / lanes, 4 * r * lanes, f.fifth_bits, f.code_bytes == 32, c);
+        for (int i = 0; i < 8 / lanes; i++) _mm512_storeu_si512(lane_codes[i], c[i]);
+        for (int b = 0; b < r; b++) {
+            uint8_t *block_codes = codes + (first + b) * ABLOCK;
+            for (int quad = 0; quad < 8; quad++)
+                memcpy(block_codes + 4 * quad, lane_codes[quad / lanes] + 4 * (b * lanes + quad % lanes), 4);
+            const float d = half_to_float(group + 2 * b);
+            const float block_min = f.has_min ? -half_to_float(group + 2 * r + 2 * b) : offset * d;
+            scale[2 * (first + b)] = scale[2 * (first + b) + 1] = d;
+            min[2 * (first + b)] = min[2 * (first + b) + 1] = block_min;
+        }
+    }
+}
+
+/* Group g of an interleaved row (r blocks, `vectors` = 8 / L code vectors of `stride` = 4 r L bytes)
+ * against `rows` activation rows: vpdpbusd sums each lane's 4 codes of one block in integers until the
+ * group ends; then per activation row one conversion, one multiply of the weight's d by the
+ * activation's, one multiply-add (and one more for the mins). A block's d spreads over its L lanes by
+ * one permute; lanes past the group's blocks load as zeros. Called with constants for whole groups. */
+ALWAYS_INLINE void x16_group(const uint8_t *group, int64_t g, int r, int lanes_per_block, int vectors, int stride,
+                             const lanes *a, int rows, __m512 *acc, int has_min, int fifth_bits, int byte_codes,
+                             int symmetric, float min_factor) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i block_of_lane = _mm512_srli_epi32(lane, lanes_per_block == 1 ? 0 : lanes_per_block == 2 ? 1 : 2);
+    const __mmask16 block_mask = (__mmask16)((1u << r) - 1);
+    const uint8_t *bits = group + (has_min ? 4 : 2) * r, *codes = bits + (fifth_bits ? 4 * r : 0);
+    const __m512 d = _mm512_permutexvar_ps(block_of_lane, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(block_mask, group)));
+    const __m512 mins = has_min ? _mm512_permutexvar_ps(block_of_lane, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(block_mask, group + 2 * r)))
+                                : _mm512_mul_ps(d, _mm512_set1_ps(min_factor));
+    __m512i c[8];
+    x16_codes(codes, bits, vectors, stride, fifth_bits, byte_codes, c);
     for (int j = 0; j < rows; j++) {
-        const __m512i start = symmetric ? _mm512_loadu_si512(a[j].offset_sum + at / 4) : _mm512_setzero_si512();
-        const __m512i dots = _mm512_dpbusd_epi32(start, codes, _mm512_loadu_si512(a[j].q + at));
-        const __m512 scaled = _mm512_mul_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(a[j].scale + at / 4));
-        acc[j] = _mm512_fmadd_ps(weight_scale, scaled, acc[j]);
+        const int8_t *q = a[j].q + g * 512;
+        /* two chains of vpdpbusd, not one: each waits for the one before it */
+        __m512i dots = symmetric ? _mm512_loadu_si512(a[j].offset_sum + g * X16_BLOCKS) : _mm512_setzero_si512();
+        __m512i odd = _mm512_setzero_si512();
+        for (int i = 0; i < vectors; i += 2) {
+            dots = _mm512_dpbusd_epi32(dots, c[i], _mm512_loadu_si512(q + 64 * i));
+            odd = _mm512_dpbusd_epi32(odd, c[i + 1], _mm512_loadu_si512(q + 64 * (i + 1)));
+        }
+        dots = _mm512_add_epi32(dots, odd);
+        const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(a[j].d + g * X16_BLOCKS));
+        acc[j] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dots), acc[j]);
+        if (!symmetric) acc[j] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(a[j].block_sum + g * X16_BLOCKS), acc[j]);
     }
 }
 
-/* The 32-value block types, two blocks (one chunk of 64 values) at a time; `pair` is the first block.
- * Each returns the 64 codes and sets their scales (lanes 0-7 the first block's, 8-15 the second's);
- * Q4_1, Q5_1 and Q8_0 also give the f16 halves of one word from which their two mins follow. */
-ALWAYS_INLINE __m512i chunk_q4_0(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
-    (void)mins;
-    *scale = spread_pair(two_f16(two_halves(pair, pair + 18)), 0, 1);
-    return nibble_pair_at(pair, 2, 18);
+/* A row of an interleaved 32-value type (gguf_to_x16) against `rows` activation rows: its whole groups of
+ * 16 blocks, then the rest. */
+ALWAYS_INLINE void row_x16(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out, int block_bytes,
+                           int has_min, int fifth_bits, int byte_codes, int symmetric, float min_factor) {
+    __m512 acc[FUSED_ROWS];
+    for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();
+    const int64_t blocks = k / ABLOCK, whole = blocks / X16_BLOCKS;
+    for (int64_t g = 0; g < whole; g++)
+        x16_group(row + g * X16_BLOCKS * block_bytes, g, X16_BLOCKS, 1, 8, 64, a, rows, acc, has_min, fifth_bits,
+                  byte_codes, symmetric, min_factor);
+    const int r = (int)(blocks - whole * X16_BLOCKS), lanes_per_block = x16_lanes(r);
+    if (r)
+        x16_group(row + whole * X16_BLOCKS * block_bytes, whole, r, lanes_per_block, 8 / lanes_per_block,
+                  4 * r * lanes_per_block, a, rows, acc, has_min, fifth_bits, byte_codes, symmetric, min_factor);
+    for (int j = 0; j < rows; j++) out[j] = sum_in_order(acc[j]);
 }
-
-ALWAYS_INLINE __m512i chunk_q4_1(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
-    *mins = two_halves(pair + 2, pair + 20 + 2);
-    *scale = spread_pair(two_f16(two_halves(pair, pair + 20)), 0, 1);
-    return nibble_pair_at(pair, 4, 20);
-}
-
-ALWAYS_INLINE __m512i chunk_q5_0(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
-    (void)mins;
-    *scale = spread_pair(two_f16(two_halves(pair, pair + 22)), 0, 1);
-    return with_fifth_bits(nibble_pair_at(pair, 6, 22), fifth_bits_pair(pair + 2, pair + 22 + 2));
-}
-
-ALWAYS_INLINE __m512i chunk_q5_1(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
-    *mins = two_halves(pair + 2, pair + 24 + 2);
-    *scale = spread_pair(two_f16(two_halves(pair, pair + 24)), 0, 1);
-    return with_fifth_bits(nibble_pair_at(pair, 8, 24), fifth_bits_pair(pair + 4, pair + 24 + 4));
-}
-
-ALWAYS_INLINE __m512i chunk_q8_0(const uint8_t *pair, __m512 *scale, uint32_t *mins) {
-    *mins = two_halves(pair, pair + 34); /* the scales: the mins are -128 times them */
-    *scale = spread_pair(two_f16(*mins), 0, 1);
-    const __m256i block_a = _mm256_loadu_si256((const __m256i *)(pair + 2));
-    const __m256i block_b = _mm256_loadu_si256((const __m256i *)(pair + 34 + 2));
-    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(block_a), block_b, 1),
-                            _mm512_set1_epi8((char)0x80)); /* int8 + 128 */
-}
-
-/* A row of 32-value blocks, chunk by chunk. Unless the type's offset goes in integers (symmetric), each
- * 16 blocks' f16 words gather in one register (a word a chunk) and, times min_factor, meet the
- * activation's block sums once. */
-#define ROW_OF_CHUNKS(chunk_fn, block_bytes, symmetric, min_factor)                                    \
-    __m512 acc[FUSED_ROWS];                                                                            \
-    for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();                                       \
-    for (int64_t i = 0; i < k; i += 512) {                                                             \
-        const int chunks = k - i < 512 ? (int)((k - i) / 64) : 8;                                      \
-        __m256i min_halves = _mm256_setzero_si256();                                                   \
-        for (int c = 0; c < chunks; c++, row += 2 * (block_bytes)) {                                   \
-            __m512 scale;                                                                              \
-            uint32_t pair_mins = 0;                                                                    \
-            const __m512i codes = chunk_fn(row, &scale, &pair_mins);                                   \
-            if (!(symmetric)) min_halves = _mm256_mask_set1_epi32(min_halves, (__mmask8)(1u << c), (int)pair_mins); \
-            dot_rows(codes, scale, symmetric, a, i + 64 * c, rows, acc);                               \
-        }                                                                                              \
-        if (symmetric) continue;                                                                       \
-        const __m512 mins = _mm512_mul_ps(_mm512_cvtph_ps(min_halves), _mm512_set1_ps(min_factor));   \
-        const __mmask16 blocks = (__mmask16)((1u << (2 * chunks)) - 1);                                \
-        for (int j = 0; j < rows; j++)                                                                 \
-            acc[j] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(blocks, a[j].block_sum + i / ABLOCK), acc[j]); \
-    }                                                                                                  \
-    for (int j = 0; j < rows; j++) out[j] = sum_in_order(acc[j])
 
 ALWAYS_INLINE void row_q4_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    ROW_OF_CHUNKS(chunk_q4_0, 18, 1, 0.f);
+    row_x16(row, k, a, rows, out, 18, 0, 0, 0, 1, 0.f);
 }
 ALWAYS_INLINE void row_q4_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    ROW_OF_CHUNKS(chunk_q4_1, 20, 0, 1.f); /* w = d * code + m */
+    row_x16(row, k, a, rows, out, 20, 1, 0, 0, 0, 1.f); /* w = d * code + m */
 }
 ALWAYS_INLINE void row_q5_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    ROW_OF_CHUNKS(chunk_q5_0, 22, 1, 0.f);
+    row_x16(row, k, a, rows, out, 22, 0, 1, 0, 1, 0.f);
 }
 ALWAYS_INLINE void row_q5_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    ROW_OF_CHUNKS(chunk_q5_1, 24, 0, 1.f);
+    row_x16(row, k, a, rows, out, 24, 1, 1, 0, 0, 1.f);
 }
 ALWAYS_INLINE void row_q8_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    ROW_OF_CHUNKS(chunk_q8_0, 34, 0, -128.f); /* w = d * (code - 128) */
+    row_x16(row, k, a, rows, out, 34, 0, 0, 1, 0, -128.f); /* w = d * (code - 128) */
 }
 
 /* Q4_K and Q5_K read a block's sub-blocks of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7 (row_k_nibbles):
@@ -830,11 +907,11 @@ typedef struct {
 
 static void fused_rows(int type, const fused_job *job, int64_t first, int64_t last) {
     switch (type) {
-    case Q4_0: ROW_RANGE(row_q4_0);
-    case Q4_1: ROW_RANGE(row_q4_1);
-    case Q5_0: ROW_RANGE(row_q5_0);
-    case Q5_1: ROW_RANGE(row_q5_1);
-    case Q8_0: ROW_RANGE(row_q8_0);
+    case Q4_0 | X16: ROW_RANGE(row_q4_0);
+    case Q4_1 | X16: ROW_RANGE(row_q4_1);
+    case Q5_0 | X16: ROW_RANGE(row_q5_0);
+    case Q5_1 | X16: ROW_RANGE(row_q5_1);
+    case Q8_0 | X16: ROW_RANGE(row_q8_0);
     case Q4_K: ROW_RANGE(row_q4_k);
     case Q5_K: ROW_RANGE(row_q5_k);
     case Q6_K: ROW_RANGE(row_q6_k);
@@ -844,22 +921,22 @@ static void fused_rows(int type, const fused_job *job, int64_t first, int64_t la
 static int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 static int fused_supported(int type, int64_t k) {
+    x16_fields fields;
     if (is_k_quant(type)) return k % KBLOCK == 0;
-    return k % 64 == 0 && (type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0);
+    return (type & X16) && x16_layout(type & ~X16, &fields) == 0 && k % ABLOCK == 0;
 }
 
 /* gguf_linear for fused_supported types. */
 static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
     const int k_quant = is_k_quant(type);
-    const int64_t blocks = k / ABLOCK;
-    /* Each activation row's layout, floats first, in one allocation: the K-quants' (d per 256, block sums,
-     * group sums) or the 32-value types' (d, block sums, per-lane scales and offsets, and the per-16 sums
-     * quantize_activation_row writes beside them). */
-    const int64_t d_count = k_quant ? k / KBLOCK : blocks, lane_count = k_quant ? 0 : k / 4;
-    const int64_t floats = d_count + blocks + lane_count + (k_quant ? 0 : k / GROUP);
-    const size_t row_size = sizeof(float) * (size_t)floats + sizeof(int32_t) * (size_t)lane_count +
-                            (k_quant ? sizeof(int16_t) * (size_t)(k / GROUP) : 0) + (size_t)k;
+    const int64_t blocks = k / ABLOCK, padded = (blocks + X16_BLOCKS - 1) / X16_BLOCKS * X16_BLOCKS;
+    /* Each activation row's scratch in one allocation: the K-quants' d per 256, block sums, group sums
+     * and q; or the 32-value types' q, d and per-16 sums from quantize_activation_row and their
+     * interleaved copies (x16_activation). */
+    const size_t row_size = k_quant ? sizeof(float) * (size_t)(k / KBLOCK + blocks) + sizeof(int16_t) * (size_t)(k / GROUP) + (size_t)k
+                                    : sizeof(float) * (size_t)(blocks + k / GROUP + 2 * padded) +
+                                          sizeof(int32_t) * (size_t)padded + (size_t)(k + padded * ABLOCK);
     char *scratch = malloc(row_size * (size_t)m);
     lanes *a = malloc(sizeof(lanes) * (size_t)m);
     int status = 0;
@@ -871,18 +948,20 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
 #pragma omp parallel for num_threads(quantize_threads) schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const void *x_row = (const char *)x + r * ldx * (is_bf16 ? 2 : 4);
-        float *d = (float *)(scratch + (size_t)r * row_size), *block_sum = d + d_count, *scale = block_sum + blocks;
-        float *group_scaled = scale + lane_count;
-        int32_t *offset_sum = (int32_t *)(group_scaled + (k_quant ? 0 : k / GROUP));
-        int16_t *group_sum = (int16_t *)(offset_sum + lane_count);
-        int8_t *q = (int8_t *)(group_sum + (k_quant ? k / GROUP : 0));
+        char *region = scratch + (size_t)r * row_size;
         if (k_quant) {
+            float *d = (float *)region, *block_sum = d + k / KBLOCK;
+            int16_t *group_sum = (int16_t *)(block_sum + blocks);
+            int8_t *q = (int8_t *)(group_sum + k / GROUP);
             quantize_k_activation_row(x_row, is_bf16, k, type, q, d, group_sum, block_sum);
-            a[r] = (lanes){q, NULL, NULL, d, block_sum, group_sum};
+            a[r] = (lanes){q, NULL, d, block_sum, group_sum};
         } else {
+            float *d = (float *)region, *group_scaled = d + blocks, *d16 = group_scaled + k / GROUP, *block_sum = d16 + padded;
+            int32_t *offset_sum = (int32_t *)(block_sum + padded);
+            int8_t *q = (int8_t *)(offset_sum + padded), *q16 = q + k;
             quantize_activation_row(x_row, is_bf16, k, q, d, group_scaled);
-            activation_lanes(q, d, k, offset_shift(type), scale, offset_sum, block_sum);
-            a[r] = (lanes){q, scale, offset_sum, NULL, block_sum, NULL};
+            x16_activation(q, d, k, offset_shift(type & ~X16), q16, d16, block_sum, offset_sum);
+            a[r] = (lanes){q16, offset_sum, d16, block_sum, NULL};
         }
     }
     const fused_job job = {a, m, k, row_bytes, ldy, w, bias, y, is_bf16};
@@ -909,6 +988,9 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
     (void)ldy, (void)is_bf16, (void)num_threads;
     return -1;
 }
+static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *min) {
+    (void)type, (void)row, (void)k, (void)codes, (void)scale, (void)min; /* find_format admits no X16 type here */
+}
 #endif
 
 /* ---- entry points ---------------------------------------------------------------------------- */
@@ -920,6 +1002,29 @@ int gguf_supported(int type) {
 
 /* 1 when gguf_linear makes the type's codes in registers for rows of k values (the fused path). */
 int gguf_fused(int type, int64_t k) { return fused_supported(type, k); }
+
+/* 1 when a 32-value type has a fused kernel once its blocks are interleaved (gguf_to_x16). */
+int gguf_x16(int type) { return fused_supported(type | X16, ABLOCK); }
+
+/* out = w (rows x row_bytes of a 32-value type) with each row's blocks interleaved 16 to a group, or
+ * (to_x16 = 0) back to the file's order; the same size; out may be w. Returns 0, -1 for another type
+ * or k. */
+int gguf_to_x16(int type, const uint8_t *w, uint8_t *out, int64_t rows, int64_t k, int to_x16) {
+    x16_fields fields;
+    if (x16_layout(type, &fields) || k % ABLOCK) return -1;
+    const int64_t row_bytes = k / ABLOCK * fields.block_bytes;
+#pragma omp parallel
+    {
+        uint8_t row[row_bytes]; /* a copy of the row, so that out may be w */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            uint8_t *at = out + r * row_bytes;
+            memcpy(row, w + r * row_bytes, (size_t)row_bytes);
+            x16_row(&fields, to_x16 ? row : at, to_x16 ? at : row, k / ABLOCK, to_x16);
+        }
+    }
+    return 0;
+}
 
 /* y[m, n] (row stride ldy, float32 or bfloat16 like x) = x[m, :k] . W[n, :k] (+ bias[n]) for n < rows.
  * w: rows x row_bytes of type `type`; k a multiple of the type's block (and of 64). Returns 0, -1 for
