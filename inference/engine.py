@@ -80,7 +80,7 @@ class LLMEngine:
             self.executor.parallel,
         )
 
-    # enough rows for the packed linears' dequantized path (from 24 rows, 64 for the K-quants) to load too
+    # enough rows for the packed linears' dequantized path (from 32 rows, 64 for the K-quants) to load too
     WARM_UP_PROMPT_TOKENS = 64
 
     def warm_up(self) -> None:

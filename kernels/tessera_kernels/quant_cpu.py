@@ -35,7 +35,7 @@ X16 = "x16"  # a kind's suffix when its blocks are interleaved 16 to a group (ke
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
 # Activation rows from which the bfloat16 path is faster, measured on whole models (docs/kernels.md): the
 # K-quants' integer kernel keeps its lead longer than the other types' kernels do.
-DEQUANTIZE_FROM_ROWS = 24
+DEQUANTIZE_FROM_ROWS = 32
 K_QUANT_DEQUANTIZE_FROM_ROWS = 64
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
