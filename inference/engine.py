@@ -25,6 +25,7 @@ from inference.sampling_params import SamplingParams
 from inference.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from inference.spec_decode import SpeculativeConfig, create_speculator
 from inference.structured_output import StructuredOutputManager
+from tessera_kernels import quant_cpu
 
 logger = logging.getLogger("inference")
 
@@ -80,8 +81,8 @@ class LLMEngine:
             self.executor.parallel,
         )
 
-    # enough rows for the packed linears' dequantized path (from 32 rows, 64 for the K-quants) to load too
-    WARM_UP_PROMPT_TOKENS = 64
+    # enough rows for the packed linears' dequantized path to load too
+    WARM_UP_PROMPT_TOKENS = max(quant_cpu.DEQUANTIZE_FROM_ROWS, quant_cpu.K_QUANT_DEQUANTIZE_FROM_ROWS)
 
     def warm_up(self) -> None:
         """One short prefill and one decode through the model and the LM head, before a worker says it

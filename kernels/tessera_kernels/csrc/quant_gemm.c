@@ -163,6 +163,11 @@ static int x16_layout(int type, x16_fields *f) {
     }
 }
 
+/* The blocks of a row's group that starts at block `first` (16, or the rest). */
+static inline int x16_group_blocks(int64_t blocks, int64_t first) {
+    return blocks - first < X16_BLOCKS ? (int)(blocks - first) : X16_BLOCKS;
+}
+
 /* Lanes per block in a group of r blocks. */
 static inline int x16_lanes(int r) { return r > 8 ? 1 : r > 4 ? 2 : 4; }
 
@@ -188,7 +193,7 @@ static void x16_fifth_bits(uint8_t *qh, uint8_t *bits, int r, int lanes, int b, 
 /* One row of `blocks` file blocks to the interleaved layout (to_x16), or back. */
 static void x16_row(const x16_fields *f, uint8_t *file, uint8_t *x16, int64_t blocks, int to_x16) {
     for (int64_t first = 0; first < blocks; first += X16_BLOCKS) {
-        const int r = blocks - first < X16_BLOCKS ? (int)(blocks - first) : X16_BLOCKS, lanes = x16_lanes(r);
+        const int r = x16_group_blocks(blocks, first), lanes = x16_lanes(r);
         uint8_t *group = x16 + first * f->block_bytes;
         uint8_t *mins = group + 2 * r, *bits = mins + (f->has_min ? 2 * r : 0);
         uint8_t *codes = bits + (f->fifth_bits ? 4 * r : 0);
@@ -580,15 +585,14 @@ static void x16_activation(const int8_t *q, const float *d, int64_t k, int shift
     memset(offset_sum, 0, sizeof(int32_t) * (size_t)(groups * 16));
     for (int64_t block = 0; block < blocks; block++) {
         const int64_t g = block / X16_BLOCKS;
-        const int r = blocks - g * X16_BLOCKS < X16_BLOCKS ? (int)(blocks - g * X16_BLOCKS) : X16_BLOCKS;
-        const int lanes = x16_lanes(r), b = (int)(block % X16_BLOCKS);
+        const int lanes_per_block = x16_lanes(x16_group_blocks(blocks, g * X16_BLOCKS)), b = (int)(block % X16_BLOCKS);
         int sum = 0;
         for (int j = 0; j < ABLOCK; j++) sum += q[block * ABLOCK + j];
         for (int quad = 0; quad < 8; quad++)
-            memcpy(q16 + g * 512 + x16_quad_at(64, lanes, b, quad), q + block * ABLOCK + 4 * quad, 4);
-        for (int l = 0; l < lanes; l++) d16[g * 16 + b * lanes + l] = d[block];
-        block_sum[g * 16 + b * lanes] = d[block] * (float)sum;
-        offset_sum[g * 16 + b * lanes] = -sum * (1 << shift);
+            memcpy(q16 + g * 512 + x16_quad_at(64, lanes_per_block, b, quad), q + block * ABLOCK + 4 * quad, 4);
+        for (int l = 0; l < lanes_per_block; l++) d16[g * 16 + b * lanes_per_block + l] = d[block];
+        block_sum[g * 16 + b * lanes_per_block] = d[block] * (float)sum;
+        offset_sum[g * 16 + b * lanes_per_block] = -sum * (1 << shift);
     }
 }
 
@@ -625,16 +629,17 @@ static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *cod
     const float offset = type == Q4_0 ? 8.f : type == Q5_0 ? 16.f : type == Q8_0 ? 128.f : 0.f;
     const int64_t blocks = k / ABLOCK;
     for (int64_t first = 0; first < blocks; first += X16_BLOCKS) {
-        const int r = blocks - first < X16_BLOCKS ? (int)(blocks - first) : X16_BLOCKS, lanes = x16_lanes(r);
+        const int r = x16_group_blocks(blocks, first), lanes_per_block = x16_lanes(r);
         const uint8_t *group = row + first * f.block_bytes, *bits = group + (f.has_min ? 4 : 2) * r;
         __m512i c[8];
         uint8_t lane_codes[8][64];
-        x16_codes(bits + (f.fifth_bits ? 4 * r : 0), bits, 8 / lanes, 4 * r * lanes, f.fifth_bits, f.code_bytes == 32, c);
-        for (int i = 0; i < 8 / lanes; i++) _mm512_storeu_si512(lane_codes[i], c[i]);
+        x16_codes(bits + (f.fifth_bits ? 4 * r : 0), bits, 8 / lanes_per_block, 4 * r * lanes_per_block, f.fifth_bits,
+                  f.code_bytes == 32, c);
+        for (int i = 0; i < 8 / lanes_per_block; i++) _mm512_storeu_si512(lane_codes[i], c[i]);
         for (int b = 0; b < r; b++) {
             uint8_t *block_codes = codes + (first + b) * ABLOCK;
             for (int quad = 0; quad < 8; quad++)
-                memcpy(block_codes + 4 * quad, lane_codes[quad / lanes] + 4 * (b * lanes + quad % lanes), 4);
+                memcpy(block_codes + 4 * quad, lane_codes[quad / lanes_per_block] + 4 * (b * lanes_per_block + quad % lanes_per_block), 4);
             const float d = half_to_float(group + 2 * b);
             const float block_min = f.has_min ? -half_to_float(group + 2 * r + 2 * b) : offset * d;
             scale[2 * (first + b)] = scale[2 * (first + b) + 1] = d;
