@@ -1,19 +1,19 @@
 """Linear layers and row gathers on GGUF block-format weights, in C (csrc/quant_gemm.c).
 
-A packed weight is the file's bytes, [rows, row_bytes] uint8, and its ggml type; the 32-value types
-on AVX-512 VNNI machines are interleaved at load, 16 blocks to a group (`kernel_layout`: kind
-"Q4_1x16", the same bytes in another order), which their fused kernel reads. The product
-quantizes the activations to int8 per block (`activation_block`: 32 values, or 256 for the K-quants
-on the AVX-512 VNNI kernel, as llama.cpp's Q8_K) and runs integer dot products against the weight's
+A packed weight is the file's bytes, [rows, row_bytes] uint8, and its ggml type; on AVX-512 VNNI machines
+the 32-value types are interleaved at load 16 blocks to a group and the K-quants 16 rows to a group
+(`kernel_layout`: kind "Q4_1x16", "Q4_Kx16", the same bytes in another order), which their fused kernels
+read. The product quantizes the activations to int8 per block (`activation_block`: 32 values, or 256 for
+the interleaved K-quants, as llama.cpp's Q8_K) and runs integer dot products against the weight's
 codes (AVX-512 VNNI, AVX2, or plain C); `reference_linear` is its meaning (the weight dequantized by
 the gguf package, then a float matmul). The int8 activations make the result differ from the
 reference by at most sum_i |w_i| * max|x| of i's block / 254 (half a step of the activation's
 quantization), which the tests check per output.
 
-From `dequantize_from_rows` activation rows on (a prefill, a large decode batch) `linear` instead
-dequantizes the weight to bfloat16, a slice of rows at a time into a reused per-thread buffer, and runs
-oneDNN's bfloat16 GEMM on it (AMX where the CPU has it): measured on whole models' decode steps, that is
-faster from there on, and the weight stays packed in memory (docs/kernels.md has the figures). Its error
+From `dequantize_from_rows` activation rows on (a prefill, a large decode batch), where that measured
+faster (docs/kernels.md), `linear` instead dequantizes the weight to bfloat16, a slice of rows at a time
+into a reused per-thread buffer, and runs oneDNN's bfloat16 GEMM on it (AMX where the CPU has it); the
+weight stays packed in memory. Its error
 against the reference is bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation
 rounded) plus 2^-8 of the output.
 
@@ -31,12 +31,14 @@ import torch
 from tessera_kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-X16 = "x16"  # a kind's suffix when its blocks are interleaved 16 to a group (kernel_layout)
+X16 = "x16"  # a kind's suffix when its blocks or rows are interleaved 16 to a group (kernel_layout)
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
-# Activation rows from which the bfloat16 path is faster, measured on whole models (docs/kernels.md): the
-# K-quants' integer kernel keeps its lead longer than the other types' kernels do.
+# Activation rows from which the bfloat16 path is faster, measured (docs/kernels.md): for the 32-value types'
+# kernels on whole models; the interleaved K-quants' kernel (None: never) beat it up to 2048 rows
+# (max_num_batched_tokens' default) where oneDNN has no AMX, and its file-order predecessor lost from 64 rows
+# where it has.
 DEQUANTIZE_FROM_ROWS = 32
-K_QUANT_DEQUANTIZE_FROM_ROWS = 64
+K_QUANT_DEQUANTIZE_FROM_ROWS = 64 if native_cpu.has_amx() else None
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
@@ -59,8 +61,8 @@ def block_values(name: str) -> int:
 
 
 def kernel_kind(kind: str, library=None) -> str:
-    """The kind a matrix of `kind` is held as: a 32-value type's blocks interleaved 16 to a group (kind + X16)
-    where the library has that fused kernel (AVX-512 VNNI), else `kind`."""
+    """The kind a matrix of `kind` is held as: interleaved (kind + X16: a 32-value type's blocks 16 to a group,
+    a K-quant's rows 16 to a group) where the library has that fused kernel (AVX-512 VNNI), else `kind`."""
     library = library or native_cpu.load()
     if library is None or kind.endswith(X16) or not library.gguf_x16(type_number(kind)):
         return kind
@@ -98,13 +100,13 @@ def _reorder(library, kind: str, packed: torch.Tensor, in_features: int, to_x16:
 @functools.cache  # asked on every packed linear call: the answer per weight shape never changes
 def fused_k_quant(kind: str, in_features: int, library=None) -> bool:
     """Whether this weight runs on the K-quants' integer kernel (AVX-512 VNNI)."""
-    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+    if file_kind(kind) not in ("Q4_K", "Q5_K", "Q6_K"):
         return False
     return bool((library or native_cpu.load()).gguf_fused(type_number(kind), in_features))  # load(): never recorded
 
 
-def dequantize_from_rows(kind: str, in_features: int, library=None) -> int:
-    """The row count from which `linear` takes the bfloat16 path for this weight."""
+def dequantize_from_rows(kind: str, in_features: int, library=None) -> int | None:
+    """The row count from which `linear` takes the bfloat16 path for this weight (None: never)."""
     return K_QUANT_DEQUANTIZE_FROM_ROWS if fused_k_quant(kind, in_features, library) else DEQUANTIZE_FROM_ROWS
 
 
@@ -129,7 +131,8 @@ def linear(
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
     x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
     From dequantize_from_rows() rows on, through dequantized_linear."""
-    if x.shape[0] >= dequantize_from_rows(kind, in_features, library):
+    crossover = dequantize_from_rows(kind, in_features, library)
+    if crossover is not None and x.shape[0] >= crossover:
         return dequantized_linear(x, packed, kind, in_features, bias, out, library)
     return integer_linear(x, packed, kind, in_features, bias, out, library)
 

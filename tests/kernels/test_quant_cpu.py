@@ -1,10 +1,10 @@
 """kernels/tessera_kernels/quant_cpu.py (csrc/quant_gemm.c) against the gguf package's dequantization.
 
-Every kernel type, on four builds of the library: as the engine builds it (AVX-512 VNNI and VBMI on the
-machines we run on), without VBMI (the fused path's plain nibble shuffles), without AVX-512 (the AVX2
-loop) and without AVX2 (the plain C loop); and each in the file's block order and in the layout the
-engine loads (quant_cpu.kernel_layout: the 32-value types interleaved 16 blocks to a group where the
-build has their fused kernel, which the file's order does not run).
+Every kernel type, on three builds of the library: as the engine builds it (AVX-512 VNNI on the
+machines we run on), without AVX-512 (the AVX2 loop) and without AVX2 (the plain C loop); and each in
+the file's block order and in the layout the engine loads (quant_cpu.kernel_layout: where the build has
+their fused kernels, the 32-value types interleaved 16 blocks to a group and the K-quants 16 rows to a
+group; the file's order runs the decoded path).
 
 Tolerance: the kernel quantizes each activation block (quant_cpu.activation_block: 32 values, 256 for
 the K-quants on the AVX-512 VNNI kernel) to int8 (step max|x| / 127), so an output may differ from
@@ -31,7 +31,6 @@ from tessera_kernels import native_cpu, quant_cpu
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 BUILDS = {
     "engine build": (),
-    "AVX-512 without VBMI": ("-mno-avx512vbmi",),
     "AVX2 build": ("-mno-avx512f",),
     "portable build": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"),
 }
@@ -125,6 +124,26 @@ def test_rows_that_end_in_a_partial_group_of_sixteen_blocks(lib, layout, kind, b
         assert torch.equal(out[row], quant_cpu.integer_linear(x[row : row + 1], held, held_kind, cols, library=lib)[0])
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 5, 16, 21, 47])
+def test_k_quant_rows_that_end_in_a_partial_group_of_sixteen_rows(lib, layout, kind, rows):
+    # the K-quants interleave 16 rows to a group; a last group of fewer rows holds each of their fields
+    # that many rows wide. The file's order must come back byte for byte, each row dequantize as the file's,
+    # and each row's output not depend on the activation rows beside it.
+    cols = 768
+    packed = gguf_blocks(kind, rows, cols, seed=rows)
+    held, held_kind = laid_out(layout, kind, packed, cols, lib)
+    assert torch.equal(quant_cpu.file_layout(held_kind, held, cols, lib)[1], packed)
+    ids = torch.arange(rows).flip(0)
+    rows_back = quant_cpu.dequantize_rows(held, held_kind, ids, cols, library=lib)
+    assert torch.equal(rows_back, dequantized(packed, kind)[ids])
+    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(rows))
+    out = quant_cpu.integer_linear(x, held, held_kind, cols, library=lib)
+    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
+    for row in range(9):
+        assert torch.equal(out[row], quant_cpu.integer_linear(x[row : row + 1], held, held_kind, cols, library=lib)[0])
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_1", "Q8_0"])
 @pytest.mark.parametrize("rows_in", [3, 6])
 def test_rows_past_the_vector_loop_and_into_an_output_slice(lib, layout, kind, rows_in):
@@ -169,15 +188,16 @@ def test_each_activation_row_comes_out_as_it_does_alone(lib, layout, kind, dtype
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 def test_linear_keeps_the_integer_kernel_up_to_its_crossover(lib, kind):
-    # the fused K-quant kernel stays faster than the bfloat16 path for more rows than the other kernels
-    # (docs/kernels.md); below the crossover every row comes out as it does alone, as only the integer
-    # kernel guarantees
+    # the interleaved K-quants' kernel stays faster than the bfloat16 path for more rows than the other
+    # kernels, or for all (docs/kernels.md); below the crossover every row comes out as it does alone, as
+    # only the integer kernel guarantees
     cols = 512
-    fused_k_quant = kind in ("Q4_K", "Q5_K", "Q6_K") and lib.gguf_fused(quant_cpu.type_number(kind), cols)
+    packed, kind = laid_out("kernel layout", kind, gguf_blocks(kind, 37, cols, seed=23), cols, lib)
+    fused_k_quant = kind in ("Q4_Kx16", "Q5_Kx16", "Q6_Kx16")
     crossover = quant_cpu.dequantize_from_rows(kind, cols, lib)
     assert crossover == (quant_cpu.K_QUANT_DEQUANTIZE_FROM_ROWS if fused_k_quant else quant_cpu.DEQUANTIZE_FROM_ROWS)
-    packed = gguf_blocks(kind, 37, cols, seed=23)
-    x = torch.randn(crossover - 1, cols, generator=torch.Generator().manual_seed(24))
+    rows_in = (crossover or 4 * quant_cpu.DEQUANTIZE_FROM_ROWS) - 1
+    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(24))
     together = quant_cpu.linear(x, packed, kind, cols, library=lib)
     assert torch.equal(together, quant_cpu.integer_linear(x, packed, kind, cols, library=lib))
 
@@ -191,12 +211,13 @@ def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tenso
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_run_in_bfloat16_within_its_bound(lib, layout, kind, dtype):
+    # the bfloat16 path itself, at a row count `linear` sends there (or would, for a K-quant where it never does)
     cols = 512
-    rows_in = quant_cpu.dequantize_from_rows(kind, cols, lib) + 5
+    rows_in = (quant_cpu.dequantize_from_rows(kind, cols, lib) or quant_cpu.DEQUANTIZE_FROM_ROWS) + 5
     packed = gguf_blocks(kind, 37, cols, seed=13)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(14)).to(dtype)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(15))
-    out = quant_cpu.linear(x, *laid_out(layout, kind, packed, cols, lib), cols, bias, library=lib)
+    out = quant_cpu.dequantized_linear(x, *laid_out(layout, kind, packed, cols, lib), cols, bias, library=lib)
     assert out.shape == (rows_in, 37) and out.dtype == dtype
     reference = quant_cpu.reference_linear(x, packed, kind, bias)
     bound = bfloat16_bound(dequantized(packed, kind), x, reference)

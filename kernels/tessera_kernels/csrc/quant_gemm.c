@@ -35,6 +35,7 @@ static inline int omp_get_thread_num(void) { return 0; }
 
 #define GROUP 16 /* values per weight scale/min */
 #define ABLOCK 32 /* values per activation scale */
+#define KBLOCK 256 /* values per K-quant block, and per activation scale for their fused kernels */
 #define TILE 4 /* weight rows decoded together */
 
 /* ggml's type numbers (GGMLQuantizationType) */
@@ -213,6 +214,60 @@ static void x16_row(const x16_fields *f, uint8_t *file, uint8_t *x16, int64_t bl
     }
 }
 
+/* ---- the K-quants interleaved: 16 rows to a group ------------------------------------------------
+ *
+ * A K-quant block holds 256 values, so a row has few blocks (6 in 1536 values) and the block's float work
+ * cannot be shared along the row as the 32-value types share it; it is shared across rows instead. Rows
+ * go in groups of 16 (the last group holds the rest, r rows). A group holds, block after block, its r
+ * rows' blocks field by field: a 2-byte field (d, dmin) as r halves side by side, a longer one (scales,
+ * fifth bits, codes) in quads of 4 bytes, quad j of every row (lane l of a vector: row l) before quad j +
+ * 1. The same bytes as the file's, so the same size; one vpdpbusd against a broadcast quad of the
+ * activation advances 16 rows' dot products, and a block's scales, mins and conversion to float come once
+ * per 16 rows (the fused kernel below). */
+#define K16_ROWS 16
+#define K16_MAX_FIELDS 14
+
+typedef struct {
+    int count, offset[K16_MAX_FIELDS], bytes[K16_MAX_FIELDS]; /* in the group's order; offset in the file's block */
+} k16_fields;
+
+static int k16_layout(int type, k16_fields *f) {
+    switch (type) {
+    case Q4_K: *f = (k16_fields){4, {0, 2, 4, 16}, {2, 2, 12, 128}}; return 0; /* d, dmin, scales and mins, nibbles */
+    case Q5_K: *f = (k16_fields){5, {0, 2, 4, 16, 48}, {2, 2, 12, 32, 128}}; return 0; /* ..., fifth bits, nibbles */
+    case Q6_K: /* d, scales, then per 32 values of each half the kernel's 12 code quads, in its order */
+        *f = (k16_fields){14,
+                          {208, 192, 0, 32, 128, 16, 48, 144, 64, 96, 160, 80, 112, 176},
+                          {2, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16, 16}};
+        return 0;
+    default: return -1;
+    }
+}
+
+/* The rows in the group that starts at row `first`: 16, or the rest. */
+static inline int k16_group_rows(int64_t rows, int64_t first) {
+    return rows - first < K16_ROWS ? (int)(rows - first) : K16_ROWS;
+}
+
+/* One file block of row `lane` into a group's block of r rows at `at` (to_k16), or back. */
+static void k16_block(const k16_fields *f, uint8_t *at, int r, int lane, uint8_t *block, int to_k16) {
+    for (int i = 0; i < f->count; at += f->bytes[i] * r, i++) {
+        const int width = f->bytes[i] == 2 ? 2 : 4;
+        int j = 0;
+#if defined(__AVX512F__)
+        /* back to the file's order (the dequantized path's rows), 16 quads a gather: quad q at 4 q r */
+        const __m512i quad_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                   _mm512_set1_epi32(r));
+        for (; !to_k16 && width == 4 && j + 64 <= f->bytes[i]; j += 64)
+            _mm512_storeu_si512(block + f->offset[i] + j, _mm512_i32gather_epi32(quad_at, at + j * r + 4 * lane, 4));
+#endif
+        for (; j < f->bytes[i]; j += width) {
+            uint8_t *slot = at + j * r + width * lane, *field = block + f->offset[i] + j;
+            memcpy(to_k16 ? slot : field, to_k16 ? field : slot, (size_t)width);
+        }
+    }
+}
+
 static inline void decode_q2_k(const uint8_t *b, uint8_t *c, float *s, float *m) {
     const uint8_t *scales = b, *qs = b + 16;
     const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
@@ -303,8 +358,15 @@ typedef struct {
 
 static int find_format(int type, format *f) {
     x16_fields fields;
+    k16_fields k16;
     if (type & X16) {
-        if (!FUSED_KERNELS || x16_layout(type & ~X16, &fields)) return -1;
+        if (!FUSED_KERNELS) return -1;
+        if (k16_layout(type & ~X16, &k16) == 0) {
+            find_format(type & ~X16, f);
+            f->type = type;
+            return 0;
+        }
+        if (x16_layout(type & ~X16, &fields)) return -1;
         *f = (format){type, 32, fields.block_bytes};
         return 0;
     }
@@ -332,7 +394,7 @@ static int find_format(int type, format *f) {
 
 static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *min);
 
-/* One weight row of k values: codes [k], scale and min [k / 16]. */
+/* One weight row of k values in its own bytes (the file's order, or a 32-value type interleaved). */
 static inline void decode_row(const format *f, const uint8_t *row, int64_t k, uint8_t *codes, float *scale,
                               float *min) {
     const int64_t blocks = k / f->block_values;
@@ -353,6 +415,31 @@ static inline void decode_row(const format *f, const uint8_t *row, int64_t k, ui
     case Q5_K: DECODE_BLOCKS(decode_q5_k);
     case Q6_K: DECODE_BLOCKS(decode_q6_k);
     }
+}
+
+/* Row n of an interleaved K-quant (rows x row_bytes): each block copied back to the file's layout, then
+ * decoded as the file's. */
+static void decode_k16_row(const format *f, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n, int64_t k,
+                           uint8_t *codes, float *scale, float *min) {
+    const format file = {f->type & ~X16, f->block_values, f->block_bytes};
+    k16_fields fields;
+    k16_layout(file.type, &fields); /* find_format admitted the type */
+    const int64_t first = n / K16_ROWS * K16_ROWS;
+    const int r = k16_group_rows(rows, first);
+    uint8_t block[256]; /* the largest K-quant block is 210 bytes */
+    for (int64_t b = 0; b < k / f->block_values; b++) {
+        uint8_t *at = (uint8_t *)w + first * row_bytes + b * r * f->block_bytes; /* only read: to_k16 = 0 */
+        k16_block(&fields, at, r, (int)(n - first), block, 0);
+        decode_row(&file, block, f->block_values, codes + b * f->block_values, scale + b * (f->block_values / GROUP),
+                   min + b * (f->block_values / GROUP));
+    }
+}
+
+/* Row n of a weight (rows x row_bytes) of k values: codes [k], scale and min [k / 16]. */
+static void decode_weight_row(const format *f, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n, int64_t k,
+                              uint8_t *codes, float *scale, float *min) {
+    if ((f->type & X16) && f->block_values == 256) decode_k16_row(f, w, row_bytes, rows, n, k, codes, scale, min);
+    else decode_row(f, w + n * row_bytes, k, codes, scale, min);
 }
 
 /* ---- activations to int8 ----------------------------------------------------------------------- */
@@ -512,9 +599,9 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
 
 /* ---- the fused path (AVX-512 VNNI): codes made in registers, 64 values at a time ---------------
  *
- * The common types skip the decoded scratch row: each 64 values of a weight row become 64 unsigned
- * codes in one register straight from the block's bytes, and vpdpbusd sums each 4 products of codes
- * and int8 activations into a 32-bit lane. Up to FUSED_ROWS activation rows share each 64 codes.
+ * The common types skip the decoded scratch row: their weights' bytes become 64 unsigned codes in one
+ * register, and vpdpbusd sums each 4 products of codes and int8 activations into a 32-bit lane. Up to
+ * FUSED_ROWS activation rows share each register of codes.
  *
  * The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) run interleaved (gguf_to_x16, done at load): 16
  * blocks to a group, lane b of every vector block b, so vpdpbusd sums whole blocks in integers and the
@@ -524,25 +611,24 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
  * min is 128 times its scale) meet their mins against the activation's block sums (d * sum of q). In
  * the file's order they run the decoded path.
  *
- * The K-quants (Q4_K, Q5_K, Q6_K) take it per block of 256 (one d a block, llama.cpp's Q8_K), so a
- * weight block's products stay in integers until the block ends: two vpdpbusd, a vpackssdw of their
- * sums into 16 bits and a vpdpwssd by the sub-blocks' integer scales per 128 values and row, then per
- * block and row one conversion and a multiply-add by the block's d times the activation's. Q4_K / Q5_K
- * mins meet the activation's sums per sub-block once a block; Q6_K's offset (code - 32) is subtracted
- * in integers.
+ * The K-quants (Q4_K, Q5_K, Q6_K) run interleaved too, 16 rows to a group (gguf_to_x16), lane l of every
+ * vector row l, and take the activation per block of 256 (one d a block, llama.cpp's Q8_K) in the
+ * values' order: each vpdpbusd meets 16 rows' quads with one broadcast quad of the activation, a
+ * sub-block's sums meet the 16 rows' integer scales in one vpmulld, and per block and activation row
+ * one conversion and multiply-add (two for the mins) finish 16 rows at once (k16_q4_k, k16_q6_k). In
+ * the file's order they run the decoded path.
  *
  * A row's arithmetic is the same whatever rows run beside it, so a row's output does not depend on
  * the batch (speculative verification relies on it). */
 #if FUSED_KERNELS
 #define FUSED_ROWS 8 /* activation rows that share each 64 decoded codes */
-#define KBLOCK 256   /* values per activation scale for the K-quants */
 
 typedef struct {
-    const int8_t *q;           /* in the order the type reads its codes */
+    const int8_t *q;           /* interleaved as the type's blocks (32-value types), or in order (K-quants) */
     const int32_t *offset_sum; /* Q4_0, Q5_0: per block of 32 -offset * its sum of q */
     const float *d;            /* per block of 32 (32-value types, interleaved) or of 256 (K-quants) */
-    const float *block_sum;    /* per 32 values: d * sum of q, the mins' partner (Q4_1, Q5_1, Q8_0, Q4_K, Q5_K) */
-    const int16_t *group_sum;  /* Q6_K: sum of q per 16 values */
+    const float *block_sum;    /* per 32 values: d * sum of q, the mins' partner (Q4_1, Q5_1, Q8_0) */
+    const int16_t *pair_sums;  /* interleaved K-quants: quantize_k16_activation_row's sums */
 } lanes;
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -714,170 +800,172 @@ ALWAYS_INLINE void row_q8_0(const uint8_t *row, int64_t k, const lanes *a, int r
     row_x16(row, k, a, rows, out, 34, 0, 0, 1, 0, -128.f); /* w = d * (code - 128) */
 }
 
-/* Q4_K and Q5_K read a block's sub-blocks of 32 in the order 0, 2, 1, 3, 4, 6, 5, 7 (row_k_nibbles):
- * the slot of sub-block s (the order is its own inverse). */
-static const int nibble_order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+/* ---- interleaved K-quants: 16 weight rows a vector ---- */
 
-/* x ~ d * q per block of 256 (d = max|x| / 127, q rounded to nearest even), q laid out for `type`, and
- * the sums of q that the type's mins (Q4_K, Q5_K) or offsets (Q6_K) need. */
-static void quantize_k_activation_row(const void *x, int is_bf16, int64_t k, int type, int8_t *q, float *d,
-                                      int16_t *group_sum, float *block_sum) {
+/* x ~ d * q per block of 256 (d = max|x| / 127, q rounded to nearest even), q in the values' order, and per `span`
+ * values (32: Q4_K, Q5_K; 16: Q6_K) the sum of q, as 16 bits, each four spans in the order 0, 2, 1, 3:
+ * the pairs that the kernels' vpdpwssd meet with a lane's pairs of mins or scales. */
+static void quantize_k16_activation_row(const void *x, int is_bf16, int64_t k, int span, int8_t *q, float *d,
+                                        int16_t *sums) {
+    static const int pair_order[4] = {0, 2, 1, 3};
     for (int64_t b = 0; b < k / KBLOCK; b++) {
         __m512 amax = _mm512_setzero_ps();
         for (int i = 0; i < KBLOCK; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(x, b * KBLOCK + i, is_bf16)));
         const float scale = _mm512_reduce_max_ps(amax) / 127.f, inverse = scale > 0.f ? 1.f / scale : 0.f;
         d[b] = scale;
-        for (int i = 0; i < KBLOCK; i += 32) {
-            const __m512 factor = _mm512_set1_ps(inverse);
-            const __m512i low = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, b * KBLOCK + i, is_bf16), factor));
-            const __m512i high = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, b * KBLOCK + i + 16, is_bf16), factor));
-            const int sub = i / 32, slot = type == Q6_K ? sub : nibble_order[sub];
-            _mm_storeu_si128((__m128i *)(q + b * KBLOCK + 32 * slot), _mm512_cvtepi32_epi8(low));
-            _mm_storeu_si128((__m128i *)(q + b * KBLOCK + 32 * slot + 16), _mm512_cvtepi32_epi8(high));
-            const int low_sum = _mm512_reduce_add_epi32(low), high_sum = _mm512_reduce_add_epi32(high);
-            if (type == Q6_K) {
-                group_sum[b * 16 + 2 * sub] = (int16_t)low_sum;
-                group_sum[b * 16 + 2 * sub + 1] = (int16_t)high_sum;
-            } else {
-                block_sum[b * 8 + sub] = scale * (float)(low_sum + high_sum);
-            }
+        int16_t *block_sums = sums + b * (KBLOCK / span);
+        memset(block_sums, 0, sizeof(int16_t) * (size_t)(KBLOCK / span));
+        for (int i = 0; i < KBLOCK; i += 16) {
+            const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, b * KBLOCK + i, is_bf16), _mm512_set1_ps(inverse)));
+            _mm_storeu_si128((__m128i *)(q + b * KBLOCK + i), _mm512_cvtepi32_epi8(codes));
+            const int at = i / span;
+            block_sums[at / 4 * 4 + pair_order[at % 4]] += (int16_t)_mm512_reduce_add_epi32(codes);
         }
     }
 }
 
-/* A Q4_K / Q5_K block's eight 6-bit scales (bytes 0-7) and mins (bytes 8-15), unpacked from their 12
- * bytes in one register (the layout k_scale_min reads one by one): the low six bits or low nibble of
- * one byte, plus for scales and mins 4-7 the top two bits of another. */
-ALWAYS_INLINE __m128i k_scales_and_mins(const uint8_t *block) {
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 4)); /* the 12 bytes, then 4 code bytes */
-    const __m128i low = _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i top = _mm_shuffle_epi8(bytes, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i low_bits = _mm_and_si128(low, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-    const __m128i high_nibbles = _mm_and_si128(_mm_srli_epi16(low, 4), _mm_setr_epi32(0, 0, 0, 0x0f0f0f0f));
-    const __m128i top_bits = _mm_and_si128(_mm_srli_epi16(top, 2), _mm_set1_epi8(0x30)); /* bits 6-7 to 4-5 */
-    return _mm_or_si128(_mm_or_si128(low_bits, high_nibbles), top_bits);
+ALWAYS_INLINE __m512i load_quad(const int8_t *q) {
+    int32_t quad;
+    memcpy(&quad, q, 4);
+    return _mm512_set1_epi32(quad);
 }
 
-/* Two registers of 64 codes against an activation row: vpdpbusd sums each 4 products into a 32-bit
- * lane (at most 4 * 63 * 127, so it fits 16 bits), vpackssdw packs both results into one register of
- * 16-bit sums (within each 128 bits: 4 sums of `first`, then 4 of `second`), and vpdpwssd multiplies
- * them by their sub-blocks' scales (`scales`, in the same layout) into the 32-bit totals. */
-ALWAYS_INLINE __m512i scaled_dots(__m512i total, __m512i first, __m512i second, __m512i scales, const int8_t *q) {
-    const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), first, _mm512_loadu_si512(q));
-    const __m512i b = _mm512_dpbusd_epi32(_mm512_setzero_si512(), second, _mm512_loadu_si512(q + 64));
-    return _mm512_dpwssd_epi32(total, _mm512_packs_epi32(a, b), scales);
+/* Byte `byte` of every 32-bit lane, unsigned or sign-extended. */
+ALWAYS_INLINE __m512i lane_byte(__m512i v, int byte, int is_signed) {
+    if (is_signed) return _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * byte), 24);
+    return byte == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xff));
 }
 
-/* The permute that puts scales in scaled_dots' layout: 16-bit lane i (in 128-bit part P = i / 8)
- * takes element (P & part_mask) + first of the scales for i % 8 < 4, (P & part_mask) + second otherwise. */
-ALWAYS_INLINE __m512i scale_index(int first, int second, int part_mask) {
-    const __m512i part = _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                                                            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           3);
-    const __m512i start = _mm512_mask_blend_epi16(0xf0f0f0f0u, _mm512_set1_epi16((short)first), _mm512_set1_epi16((short)second));
-    return _mm512_add_epi16(start, _mm512_and_si512(part, _mm512_set1_epi16((short)part_mask)));
+/* The sum over 8 quads of one sub-block's codes (c: lane l row l's quad i) and the activation's quads at
+ * q, two chains of vpdpbusd. */
+ALWAYS_INLINE __m512i quads_dot(const __m512i *c, int count, const int8_t *q) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int i = 0; i < count; i += 2) {
+        even = _mm512_dpbusd_epi32(even, c[i], load_quad(q + 4 * i));
+        odd = _mm512_dpbusd_epi32(odd, c[i + 1], load_quad(q + 4 * i + 4));
+    }
+    return _mm512_add_epi32(even, odd);
 }
 
-/* A block's integer total (16 lanes, folded to 8 in integers: exact) times the weight's d and the
- * activation's, into a row's accumulator. */
-ALWAYS_INLINE __m256 block_total(__m256 acc, __m512i sum, __m256 weight_d, float activation_d) {
-    const __m256i folded = _mm256_add_epi32(_mm512_castsi512_si256(sum), _mm512_extracti64x4_epi64(sum, 1));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(folded), _mm256_mul_ps(weight_d, _mm256_set1_ps(activation_d)), acc);
-}
-
-/* Code j of 64 takes bit `low` of qh byte j (j < 32) or bit `high` of qh byte j - 32. */
-ALWAYS_INLINE uint64_t fifth_bit_mask(__m256i qh, int low, int high) {
-    const uint64_t first = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << low)));
-    return first | ((uint64_t)_mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << high))) << 32);
-}
-
-/* Q4_K and Q5_K (fifth_bits: 32 bytes of fifth bits before the nibbles; sub-block s takes bit s of
- * qh byte j % 32). A block's sub-blocks of 32 are the low nibbles of its nibble bytes 0-31 (s = 0),
- * their high nibbles (s = 1), the low nibbles of bytes 32-63 (s = 2), and so on, so one 64-byte load
- * holds sub-blocks 0 and 2 in its low nibbles and 1 and 3 in its high ones; the activation comes in
- * that order. */
-ALWAYS_INLINE void row_k_nibbles(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out, int fifth_bits) {
-    const int block_bytes = fifth_bits ? 176 : 144, nibbles_at = fifth_bits ? 48 : 16;
-    /* 128-bit parts 0, 1 of low hold sub-block 4p, parts 2, 3 sub-block 4p + 2; of high 4p + 1, 4p + 3 */
-    const __m512i index[2] = {scale_index(0, 1, 2), scale_index(4, 5, 2)};
-    __m256 acc[FUSED_ROWS];
-    for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < k / KBLOCK; b++, row += block_bytes) {
-        const __m128i scales_mins = k_scales_and_mins(row);
-        const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(scales_mins));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(row + 16));
-        __m512i sum[FUSED_ROWS];
-        for (int j = 0; j < rows; j++) sum[j] = _mm512_setzero_si512();
-        for (int p = 0; p < 2; p++) {
-            const __m512i bytes = _mm512_loadu_si512(row + nibbles_at + 64 * p);
-            __m512i low = low_nibbles(bytes), high = low_nibbles(_mm512_srli_epi16(bytes, 4));
+/* One block of 16 (r) rows of Q4_K / Q5_K (fifth_bits) against `rows` activation rows, into their
+ * accumulators (lane l: row l). Per sub-block s of 32: 8 code vectors (low nibbles of quads 8 (s / 2) ..
+ * + 7 for even s, high for odd, plus bit s of the fifth-bit quads), 8 vpdpbusd a row, one multiply by
+ * the lanes' scales; per block the mins meet the activation's sums in 4 vpdpwssd. */
+ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc, int fifth_bits) {
+    const int stride = 4 * r;
+    const __mmask64 bytes = r == K16_ROWS ? ~0ull : (1ull << stride) - 1;
+    const __mmask16 halves = (__mmask16)((1u << r) - 1);
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at + 2 * r));
+    const uint8_t *packed = at + 4 * r, *qh = packed + 3 * stride, *qs = qh + (fifth_bits ? 8 * stride : 0);
+    const __m512i v0 = _mm512_maskz_loadu_epi8(bytes, packed), v1 = _mm512_maskz_loadu_epi8(bytes, packed + stride);
+    const __m512i v2 = _mm512_maskz_loadu_epi8(bytes, packed + 2 * stride);
+    const __m512i six = _mm512_set1_epi8(63), nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+    /* k_scale_min for 16 rows: byte j of a lane of scales[h] is sub-block 4h + j's scale */
+    const __m512i scales[2] = {_mm512_and_si512(v0, six),
+                               _mm512_or_si512(_mm512_and_si512(v2, nibble), _mm512_and_si512(_mm512_srli_epi16(v0, 2), top))};
+    const __m512i mins[2] = {_mm512_and_si512(v1, six), _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v2, 4), nibble),
+                                                                      _mm512_and_si512(_mm512_srli_epi16(v1, 2), top))};
+    __m512i sums[FUSED_ROWS];
+    for (int j = 0; j < rows; j++) sums[j] = _mm512_setzero_si512();
+    for (int s = 0; s < 8; s++) {
+        __m512i c[8];
+        for (int i = 0; i < 8; i++) {
+            const __m512i quad_bytes = _mm512_maskz_loadu_epi8(bytes, qs + stride * (8 * (s / 2) + i));
+            c[i] = low_nibbles(s % 2 ? _mm512_srli_epi16(quad_bytes, 4) : quad_bytes);
             if (fifth_bits) {
-                low = with_fifth_bits(low, fifth_bit_mask(qh, 4 * p, 4 * p + 2));
-                high = with_fifth_bits(high, fifth_bit_mask(qh, 4 * p + 1, 4 * p + 3));
+                const __m512i h = _mm512_maskz_loadu_epi8(bytes, qh + stride * i);
+                const __m512i bit = s <= 4 ? _mm512_slli_epi16(h, 4 - s) : _mm512_srli_epi16(h, s - 4);
+                c[i] = _mm512_or_si512(c[i], _mm512_and_si512(bit, _mm512_set1_epi8(16)));
             }
-            /* low holds sub-blocks 4p (32-bit lanes 0-7) and 4p + 2, high 4p + 1 and 4p + 3 */
-            const __m512i pair_scales = _mm512_permutexvar_epi16(index[p], scales);
-            for (int j = 0; j < rows; j++) sum[j] = scaled_dots(sum[j], low, high, pair_scales, a[j].q + b * KBLOCK + 128 * p);
         }
-        const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(scales_mins, 8))),
-                                          _mm256_set1_ps(half_to_float(row + 2)));
-        const __m256 d = _mm256_set1_ps(half_to_float(row));
-        for (int j = 0; j < rows; j++) {
-            acc[j] = block_total(acc[j], sum[j], d, a[j].d[b]);
-            acc[j] = _mm256_fnmadd_ps(mins, _mm256_loadu_ps(a[j].block_sum + 8 * b), acc[j]);
-        }
+        const __m512i scale = lane_byte(scales[s / 4], s % 4, 0);
+        for (int j = 0; j < rows; j++)
+            sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c, 8, a[j].q + b * KBLOCK + 32 * s), scale));
     }
-    for (int j = 0; j < rows; j++) out[j] = sum_in_order(_mm512_zextps256_ps512(acc[j]));
+    /* 16-bit pairs of mins (s, s + 2) against the activation's sums in the same pairs */
+    const __m512i low_bytes = _mm512_set1_epi32(0x00ff00ff);
+    const __m512i min_pairs[4] = {_mm512_and_si512(mins[0], low_bytes), _mm512_srli_epi16(mins[0], 8),
+                                  _mm512_and_si512(mins[1], low_bytes), _mm512_srli_epi16(mins[1], 8)};
+    for (int j = 0; j < rows; j++) {
+        const int16_t *pair_sums = a[j].pair_sums + b * 8;
+        __m512i m = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) m = _mm512_dpwssd_epi32(m, min_pairs[p], load_quad((const int8_t *)(pair_sums + 2 * p)));
+        const __m512 activation_d = _mm512_set1_ps(a[j].d[b]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[j]), _mm512_mul_ps(d, activation_d), acc[j]);
+        acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin, activation_d), acc[j]);
+    }
 }
 
-ALWAYS_INLINE void row_q4_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    row_k_nibbles(row, k, a, rows, out, 0);
-}
-
-ALWAYS_INLINE void row_q5_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    row_k_nibbles(row, k, a, rows, out, 1);
-}
-
-/* Q6_K: 64 values hold 4 groups of 16, each with its own int8 scale (16-bit lanes 8g..8g+7 of the
- * 64 codes' maddubs are group g). w = d * scale * (code - 32). */
-ALWAYS_INLINE void row_q6_k(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    __m256 acc[FUSED_ROWS];
-    for (int j = 0; j < rows; j++) acc[j] = _mm256_setzero_ps();
-    const __m512i two_bits = _mm512_set1_epi8(0x30);
-    /* 32-bit lanes 4P..4P+3 of 64 codes are its group P of 16: group 8 half + P, then 8 half + 4 + P */
-    const __m512i index[2] = {scale_index(0, 4, 3), scale_index(8, 12, 3)};
-    for (int64_t b = 0; b < k / KBLOCK; b++, row += 210) {
-        const __m256i scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 192)));
-        const __m512i scales = _mm512_castsi256_si512(scales16);
-        __m512i sum[FUSED_ROWS];
-        for (int j = 0; j < rows; j++) { /* the offset: -32 * sum over groups of scale * sum of q */
-            const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i *)(a[j].group_sum + 16 * b)));
-            sum[j] = _mm512_zextsi256_si512(_mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5)));
-        }
-        for (int half = 0; half < 2; half++) {
-            const __m512i low = _mm512_loadu_si512(row + 64 * half);
-            const __m256i high = _mm256_loadu_si256((const __m256i *)(row + 128 + 32 * half));
-            __m512i codes[2];
-            for (int part = 0; part < 2; part++) { /* values 0-63 of the half, then 64-127 */
-                const __m512i nibble = low_nibbles(part ? _mm512_srli_epi16(low, 4) : low);
-                const __m256i first = _mm256_srli_epi16(high, 4 * part), second = _mm256_srli_epi16(high, 4 * part + 2);
-                const __m512i top = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
-                codes[part] = _mm512_or_si512(nibble, _mm512_and_si512(_mm512_slli_epi16(top, 4), two_bits));
+/* One block of 16 (r) rows of Q6_K: per quarter p of a half (values 128 half + 32 p + 4 i), 8 code
+ * vectors, low nibbles (p < 2) or high of quads 16 half + 8 (p % 2) + i and bits 2p, 2p + 1 of high-bit
+ * quad 8 half + i; its two sub-blocks of 16 meet their int8 scales in one multiply each. The offset
+ * (code - 32) meets the activation's sums per 16 in 8 vpdpwssd a block. */
+ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc) {
+    const int stride = 4 * r;
+    const __mmask64 bytes = r == K16_ROWS ? ~0ull : (1ull << stride) - 1;
+    const uint8_t *packed = at + 2 * r;
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << r) - 1), at));
+    __m512i scales[4];
+    for (int t = 0; t < 4; t++) scales[t] = _mm512_maskz_loadu_epi8(bytes, packed + stride * t);
+    __m512i sums[FUSED_ROWS];
+    for (int j = 0; j < rows; j++) sums[j] = _mm512_setzero_si512();
+    for (int half = 0; half < 2; half++)
+        for (int part = 0; part < 2; part++) { /* quads 4 part .. + 3: the first or second sub-block of 16 */
+            const uint8_t *quads = packed + (4 + 12 * (2 * half + part)) * stride;
+            __m512i c[4][4]; /* [p][i]: values 128 half + 32 p + 16 part + 4 i */
+            for (int i = 0; i < 4; i++) {
+                const __m512i low = _mm512_maskz_loadu_epi8(bytes, quads + stride * i);
+                const __m512i high = _mm512_maskz_loadu_epi8(bytes, quads + stride * (4 + i));
+                const __m512i h = _mm512_maskz_loadu_epi8(bytes, quads + stride * (8 + i)), two = _mm512_set1_epi8(0x30);
+                c[0][i] = _mm512_or_si512(low_nibbles(low), _mm512_and_si512(_mm512_slli_epi16(h, 4), two));
+                c[1][i] = _mm512_or_si512(low_nibbles(high), _mm512_and_si512(_mm512_slli_epi16(h, 2), two));
+                c[2][i] = _mm512_or_si512(low_nibbles(_mm512_srli_epi16(low, 4)), _mm512_and_si512(h, two));
+                c[3][i] = _mm512_or_si512(low_nibbles(_mm512_srli_epi16(high, 4)), _mm512_and_si512(_mm512_srli_epi16(h, 2), two));
             }
-            const __m512i pair_scales = _mm512_permutexvar_epi16(index[half], scales);
-            for (int j = 0; j < rows; j++)
-                sum[j] = scaled_dots(sum[j], codes[0], codes[1], pair_scales, a[j].q + b * KBLOCK + 128 * half);
+            __m512i scale[4];
+            for (int p = 0; p < 4; p++) {
+                const int s = 8 * half + 2 * p + part;
+                scale[p] = lane_byte(scales[s / 4], s % 4, 1);
+            }
+            for (int j = 0; j < rows; j++) {
+                const int8_t *q = a[j].q + b * KBLOCK + 128 * half + 16 * part;
+                for (int p = 0; p < 4; p++)
+                    sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c[p], 4, q + 32 * p), scale[p]));
+            }
         }
-        const __m256 d = _mm256_set1_ps(half_to_float(row + 208));
-        for (int j = 0; j < rows; j++) acc[j] = block_total(acc[j], sum[j], d, a[j].d[b]);
+    /* 16-bit pairs of scales (s, s + 2) against the activation's sums per 16 in the same pairs */
+    __m512i scale_pairs[8];
+    for (int t = 0; t < 4; t++) {
+        scale_pairs[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(scales[t], 8), 8);
+        scale_pairs[2 * t + 1] = _mm512_srai_epi16(scales[t], 8);
     }
-    for (int j = 0; j < rows; j++) out[j] = sum_in_order(_mm512_zextps256_ps512(acc[j]));
+    for (int j = 0; j < rows; j++) {
+        const int16_t *pair_sums = a[j].pair_sums + b * 16;
+        __m512i offset = _mm512_setzero_si512();
+        for (int p = 0; p < 8; p++) offset = _mm512_dpwssd_epi32(offset, scale_pairs[p], load_quad((const int8_t *)(pair_sums + 2 * p)));
+        const __m512i total = _mm512_sub_epi32(sums[j], _mm512_slli_epi32(offset, 5));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(a[j].d[b])), acc[j]);
+    }
+}
+
+/* A group of r rows (at row `first`) of an interleaved K-quant against `rows` activation rows, into
+ * out[j * 16 + l] (row first + l). */
+ALWAYS_INLINE void k16_group(int type, const uint8_t *group, int r, int64_t blocks, const lanes *a, int rows, float *out) {
+    const int block_bytes = type == Q6_K ? 210 : type == Q5_K ? 176 : 144;
+    __m512 acc[FUSED_ROWS];
+    for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, group += r * block_bytes) {
+        if (type == Q6_K) k16_q6_k(group, r, b, a, rows, acc);
+        else k16_q4_k(group, r, b, a, rows, acc, type == Q5_K);
+    }
+    for (int j = 0; j < rows; j++) _mm512_storeu_ps(out + 16 * j, acc[j]);
 }
 
 /* What every thread of one fused_linear call shares. */
 typedef struct {
     const lanes *a;
-    int64_t m, k, row_bytes, ldy;
+    int64_t m, k, row_bytes, ldy, rows;
     const uint8_t *w;
     const void *bias;
     void *y;
@@ -910,16 +998,53 @@ typedef struct {
     }                                                                                                  \
     break
 
+/* Groups [first, last) of an interleaved K-quant against every activation row, FUSED_ROWS at a time (a
+ * last group of fewer than 16 rows one activation row at a time: its copy of k16_group is not made for
+ * every count). */
+ALWAYS_INLINE void k16_range(int type, const fused_job *job, int64_t first, int64_t last) {
+    const int64_t blocks = job->k / KBLOCK;
+    for (int64_t g = first; g < last; g++) {
+        const int64_t row0 = g * K16_ROWS;
+        const int r = k16_group_rows(job->rows, row0);
+        const uint8_t *group = job->w + row0 * job->row_bytes;
+        for (int64_t start = 0; start < job->m; start += FUSED_ROWS) {
+            const lanes *a = job->a + start;
+            const int count = job->m - start < FUSED_ROWS ? (int)(job->m - start) : FUSED_ROWS;
+            float out[FUSED_ROWS * K16_ROWS];
+            if (r < K16_ROWS) {
+                for (int j = 0; j < count; j++) k16_group(type, group, r, blocks, a + j, 1, out + K16_ROWS * j);
+            } else {
+                switch (count) {
+                case 1: k16_group(type, group, K16_ROWS, blocks, a, 1, out); break;
+                case 2: k16_group(type, group, K16_ROWS, blocks, a, 2, out); break;
+                case 3: k16_group(type, group, K16_ROWS, blocks, a, 3, out); break;
+                case 4: k16_group(type, group, K16_ROWS, blocks, a, 4, out); break;
+                case 5: k16_group(type, group, K16_ROWS, blocks, a, 5, out); break;
+                case 6: k16_group(type, group, K16_ROWS, blocks, a, 6, out); break;
+                case 7: k16_group(type, group, K16_ROWS, blocks, a, 7, out); break;
+                default: k16_group(type, group, K16_ROWS, blocks, a, FUSED_ROWS, out); break;
+                }
+            }
+            for (int j = 0; j < count; j++)
+                for (int l = 0; l < r; l++) {
+                    const float bias = job->bias ? load_float(job->bias, row0 + l, job->is_bf16) : 0.f;
+                    store_float(job->y, (start + j) * job->ldy + row0 + l, out[K16_ROWS * j + l] + bias, job->is_bf16);
+                }
+        }
+    }
+}
+
+/* Rows (or, interleaved K-quants, groups of 16 rows) [first, last) of one fused_linear call. */
 static void fused_rows(int type, const fused_job *job, int64_t first, int64_t last) {
     switch (type) {
+    case Q4_K | X16: k16_range(Q4_K, job, first, last); break;
+    case Q5_K | X16: k16_range(Q5_K, job, first, last); break;
+    case Q6_K | X16: k16_range(Q6_K, job, first, last); break;
     case Q4_0 | X16: ROW_RANGE(row_q4_0);
     case Q4_1 | X16: ROW_RANGE(row_q4_1);
     case Q5_0 | X16: ROW_RANGE(row_q5_0);
     case Q5_1 | X16: ROW_RANGE(row_q5_1);
     case Q8_0 | X16: ROW_RANGE(row_q8_0);
-    case Q4_K: ROW_RANGE(row_q4_k);
-    case Q5_K: ROW_RANGE(row_q5_k);
-    case Q6_K: ROW_RANGE(row_q6_k);
     }
 }
 
@@ -927,19 +1052,19 @@ static int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type ==
 
 static int fused_supported(int type, int64_t k) {
     x16_fields fields;
-    if (is_k_quant(type)) return k % KBLOCK == 0;
+    if ((type & X16) && is_k_quant(type & ~X16)) return k % KBLOCK == 0;
     return (type & X16) && x16_layout(type & ~X16, &fields) == 0 && k % ABLOCK == 0;
 }
 
 /* gguf_linear for fused_supported types. */
 static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    const int k_quant = is_k_quant(type);
+    const int k16 = (type & X16) && is_k_quant(type & ~X16);
     const int64_t blocks = k / ABLOCK, padded = (blocks + X16_BLOCKS - 1) / X16_BLOCKS * X16_BLOCKS;
     /* Each activation row's scratch in one allocation: the K-quants' d per 256, block sums, group sums
      * and q; or the 32-value types' q, d and per-16 sums from quantize_activation_row and their
      * interleaved copies (x16_activation). */
-    const size_t row_size = k_quant ? sizeof(float) * (size_t)(k / KBLOCK + blocks) + sizeof(int16_t) * (size_t)(k / GROUP) + (size_t)k
+    const size_t row_size = k16 ? sizeof(float) * (size_t)(k / KBLOCK) + sizeof(int16_t) * (size_t)(k / GROUP) + (size_t)k
                                     : sizeof(float) * (size_t)(blocks + k / GROUP + 2 * padded) +
                                           sizeof(int32_t) * (size_t)padded + (size_t)(k + padded * ABLOCK);
     char *scratch = malloc(row_size * (size_t)m);
@@ -954,12 +1079,12 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
     for (int64_t r = 0; r < m; r++) {
         const void *x_row = (const char *)x + r * ldx * (is_bf16 ? 2 : 4);
         char *region = scratch + (size_t)r * row_size;
-        if (k_quant) {
-            float *d = (float *)region, *block_sum = d + k / KBLOCK;
-            int16_t *group_sum = (int16_t *)(block_sum + blocks);
-            int8_t *q = (int8_t *)(group_sum + k / GROUP);
-            quantize_k_activation_row(x_row, is_bf16, k, type, q, d, group_sum, block_sum);
-            a[r] = (lanes){q, NULL, d, block_sum, group_sum};
+        if (k16) {
+            float *d = (float *)region;
+            int16_t *pair_sums = (int16_t *)(d + k / KBLOCK);
+            int8_t *q = (int8_t *)(pair_sums + k / GROUP);
+            quantize_k16_activation_row(x_row, is_bf16, k, type == (Q6_K | X16) ? 16 : 32, q, d, pair_sums);
+            a[r] = (lanes){q, NULL, d, NULL, pair_sums};
         } else {
             float *d = (float *)region, *group_scaled = d + blocks, *d16 = group_scaled + k / GROUP, *block_sum = d16 + padded;
             int32_t *offset_sum = (int32_t *)(block_sum + padded);
@@ -969,12 +1094,13 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
             a[r] = (lanes){q16, offset_sum, d16, block_sum, NULL};
         }
     }
-    const fused_job job = {a, m, k, row_bytes, ldy, w, bias, y, is_bf16};
-    const int threads = rows < num_threads ? (int)rows : num_threads;
+    const fused_job job = {a, m, k, row_bytes, ldy, rows, w, bias, y, is_bf16};
+    const int64_t units = k16 ? (rows + K16_ROWS - 1) / K16_ROWS : rows; /* what fused_rows takes */
+    const int threads = units < num_threads ? (int)units : num_threads;
 #pragma omp parallel num_threads(threads)
     {
-        const int64_t share = (rows + omp_get_num_threads() - 1) / omp_get_num_threads();
-        const int64_t first = share * omp_get_thread_num(), last = first + share < rows ? first + share : rows;
+        const int64_t share = (units + omp_get_num_threads() - 1) / omp_get_num_threads();
+        const int64_t first = share * omp_get_thread_num(), last = first + share < units ? first + share : units;
         if (first < last) fused_rows(type, &job, first, last);
     }
 done:
@@ -1008,14 +1134,50 @@ int gguf_supported(int type) {
 /* 1 when gguf_linear makes the type's codes in registers for rows of k values (the fused path). */
 int gguf_fused(int type, int64_t k) { return fused_supported(type, k); }
 
-/* 1 when a 32-value type has a fused kernel once its blocks are interleaved (gguf_to_x16). */
-int gguf_x16(int type) { return fused_supported(type | X16, ABLOCK); }
+/* 1 when a type has a fused kernel once interleaved (gguf_to_x16). */
+int gguf_x16(int type) { return fused_supported(type | X16, KBLOCK); }
 
-/* out = w (rows x row_bytes of a 32-value type) with each row's blocks interleaved 16 to a group, or
- * (to_x16 = 0) back to the file's order; the same size; out may be w. Returns 0, -1 for another type
- * or k. */
+/* A K-quant's rows (rows x blocks blocks) interleaved 16 to a group (to_k16), or back; out may be w. */
+static int k16_rows(const k16_fields *f, int block_bytes, const uint8_t *w, uint8_t *out, int64_t rows, int64_t blocks,
+                    int to_k16) {
+    const int64_t row_bytes = blocks * block_bytes;
+    int status = 0;
+#pragma omp parallel
+    {
+        uint8_t *copy = malloc((size_t)(K16_ROWS * row_bytes)); /* the group's rows, so that out may be w */
+        if (!copy) {
+#pragma omp atomic write
+            status = -2;
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t first = 0; first < rows; first += K16_ROWS) {
+                const int r = k16_group_rows(rows, first);
+                uint8_t *group = out + first * row_bytes;
+                memcpy(copy, w + first * row_bytes, (size_t)(r * row_bytes));
+                for (int64_t b = 0; b < blocks; b++)
+                    for (int lane = 0; lane < r; lane++) {
+                        uint8_t *interleaved = (to_k16 ? group : copy) + b * r * block_bytes;
+                        uint8_t *file = (to_k16 ? copy : group) + lane * row_bytes + b * block_bytes;
+                        k16_block(f, interleaved, r, lane, file, to_k16);
+                    }
+            }
+        }
+        free(copy);
+    }
+    return status;
+}
+
+/* out = w (rows x row_bytes) interleaved for the fused kernels: a 32-value type's blocks 16 to a group
+ * within each row, a K-quant's rows 16 to a group; or (to_x16 = 0) back to the file's order. The same
+ * size; out may be w. Returns 0, -1 for another type or k, -2 out of memory. */
 int gguf_to_x16(int type, const uint8_t *w, uint8_t *out, int64_t rows, int64_t k, int to_x16) {
     x16_fields fields;
+    k16_fields k16;
+    if (k16_layout(type, &k16) == 0) {
+        format f;
+        find_format(type, &f);
+        return k % f.block_values ? -1 : k16_rows(&k16, f.block_bytes, w, out, rows, k / f.block_values, to_x16);
+    }
     if (x16_layout(type, &fields) || k % ABLOCK) return -1;
     const int64_t row_bytes = k / ABLOCK * fields.block_bytes;
 #pragma omp parallel
@@ -1067,7 +1229,7 @@ int gguf_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t 
             for (int64_t tile = 0; tile < tiles; tile++) {
                 const int64_t first = tile * TILE, count = rows - first < TILE ? rows - first : TILE;
                 for (int64_t t = 0; t < count; t++)
-                    decode_row(&f, w + (first + t) * row_bytes, k, codes + t * k, scale + t * groups, min + t * groups);
+                    decode_weight_row(&f, w, row_bytes, rows, first + t, k, codes + t * k, scale + t * groups, min + t * groups);
                 int64_t r = 0;
                 for (; ROW_BLOCK > 1 && r + ROW_BLOCK <= m; r += ROW_BLOCK) {
                     for (int64_t t = 0; t < count; t++) {
@@ -1141,7 +1303,7 @@ int gguf_dequantize_rows(const uint8_t *w, int64_t row_bytes, int64_t rows, int 
         } else {
 #pragma omp for schedule(static)
             for (int64_t i = 0; i < count; i++) {
-                decode_row(&f, w + ids[i] * row_bytes, k, codes, scale, min);
+                decode_weight_row(&f, w, row_bytes, rows, ids[i], k, codes, scale, min);
                 store_values(codes, scale, min, k, (char *)out + i * k * (is_bf16 ? 2 : 4), is_bf16);
             }
         }
