@@ -1,7 +1,8 @@
 """kernels/tessera_kernels/quant_cpu.py (csrc/quant_gemm.c) against the gguf package's dequantization.
 
-Every kernel type, on three builds of the library: as the engine builds it (AVX-512 VNNI on the
-machines we run on), without AVX-512 (the AVX2 loop) and without AVX2 (the plain C loop); and each in
+Every kernel type, on four builds of the library: as the engine builds it (AVX-512 VNNI and GFNI on the
+machines we run on), without GFNI (the fused kernels' plain shifts and masks), without AVX-512 (the AVX2
+loop) and without AVX2 (the plain C loop); and each in
 the file's block order and in the layout the engine loads (quant_cpu.kernel_layout: where the build has
 their fused kernels, the 32-value types interleaved 16 blocks to a group and the K-quants 16 rows to a
 group; the file's order runs the decoded path).
@@ -31,6 +32,7 @@ from tessera_kernels import native_cpu, quant_cpu
 K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 BUILDS = {
     "engine build": (),
+    "AVX-512 without GFNI": ("-mno-gfni",),
     "AVX2 build": ("-mno-avx512f",),
     "portable build": ("-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"),
 }

@@ -649,6 +649,38 @@ ALWAYS_INLINE float sum_in_order(__m512 v) {
 
 ALWAYS_INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
 
+/* GFNI's vgf2p8affineqb moves and masks bits within each byte in one instruction: output bit i of a byte
+ * is the parity of the byte AND byte 7 - i of the matrix. */
+#if defined(__GFNI__)
+ALWAYS_INLINE __m512i byte_bits(__m512i v, uint64_t matrix) {
+    return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64((long long)matrix), 0);
+}
+#endif
+
+/* Every byte's high nibble as its low one. */
+ALWAYS_INLINE __m512i high_nibbles(__m512i v) {
+#if defined(__GFNI__)
+    return byte_bits(v, 0x1020408000000000ull); /* bits 0-3 <- 4-7 */
+#else
+    return low_nibbles(_mm512_srli_epi16(v, 4));
+#endif
+}
+
+/* Bits 2p and 2p + 1 of every byte at bits 4 and 5, the others zero (Q6_K's high bits of quarter p). */
+ALWAYS_INLINE __m512i high_bit_pair(__m512i h, int p) {
+#if defined(__GFNI__)
+    return byte_bits(h, (1ull << (2 * p)) << 24 | (1ull << (2 * p + 1)) << 16); /* bits 4, 5 <- 2p, 2p + 1 */
+#else
+    const __m512i at_4 = p == 0 ? _mm512_slli_epi16(h, 4) : p == 1 ? _mm512_slli_epi16(h, 2) : p == 2 ? h : _mm512_srli_epi16(h, 2);
+    return _mm512_and_si512(at_4, _mm512_set1_epi8(0x30));
+#endif
+}
+
+/* (low nibble of v) | bits, in one vpternlogd. */
+ALWAYS_INLINE __m512i low_nibbles_with(__m512i v, __m512i bits) {
+    return _mm512_ternarylogic_epi32(v, bits, _mm512_set1_epi8(0xf), 0xec); /* (v & 0xf) | bits */
+}
+
 /* Sets bit 4 of code j where bit j of `bits` is set. */
 ALWAYS_INLINE __m512i with_fifth_bits(__m512i codes, uint64_t bits) {
     return _mm512_or_si512(codes, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
@@ -703,7 +735,7 @@ ALWAYS_INLINE void x16_codes(const uint8_t *codes, const uint8_t *bits, int vect
     for (int i = 0; i < vectors / 2; i++) {
         const __m512i nibble_bytes = _mm512_maskz_loadu_epi8(byte_mask, codes + stride * i);
         c[i] = low_nibbles(nibble_bytes);
-        c[i + vectors / 2] = low_nibbles(_mm512_srli_epi16(nibble_bytes, 4));
+        c[i + vectors / 2] = high_nibbles(nibble_bytes);
     }
     for (int i = 0; fifth_bits && i < vectors; i++) c[i] = with_fifth_bits(c[i], stream_bits(bits, stride * i, stride));
 }
@@ -872,7 +904,7 @@ ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a,
         __m512i c[8];
         for (int i = 0; i < 8; i++) {
             const __m512i quad_bytes = _mm512_maskz_loadu_epi8(bytes, qs + stride * (8 * (s / 2) + i));
-            c[i] = low_nibbles(s % 2 ? _mm512_srli_epi16(quad_bytes, 4) : quad_bytes);
+            c[i] = s % 2 ? high_nibbles(quad_bytes) : low_nibbles(quad_bytes);
             if (fifth_bits) {
                 const __m512i h = _mm512_maskz_loadu_epi8(bytes, qh + stride * i);
                 const __m512i bit = s <= 4 ? _mm512_slli_epi16(h, 4 - s) : _mm512_srli_epi16(h, s - 4);
@@ -917,11 +949,11 @@ ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a,
             for (int i = 0; i < 4; i++) {
                 const __m512i low = _mm512_maskz_loadu_epi8(bytes, quads + stride * i);
                 const __m512i high = _mm512_maskz_loadu_epi8(bytes, quads + stride * (4 + i));
-                const __m512i h = _mm512_maskz_loadu_epi8(bytes, quads + stride * (8 + i)), two = _mm512_set1_epi8(0x30);
-                c[0][i] = _mm512_or_si512(low_nibbles(low), _mm512_and_si512(_mm512_slli_epi16(h, 4), two));
-                c[1][i] = _mm512_or_si512(low_nibbles(high), _mm512_and_si512(_mm512_slli_epi16(h, 2), two));
-                c[2][i] = _mm512_or_si512(low_nibbles(_mm512_srli_epi16(low, 4)), _mm512_and_si512(h, two));
-                c[3][i] = _mm512_or_si512(low_nibbles(_mm512_srli_epi16(high, 4)), _mm512_and_si512(_mm512_srli_epi16(h, 2), two));
+                const __m512i h = _mm512_maskz_loadu_epi8(bytes, quads + stride * (8 + i));
+                c[0][i] = low_nibbles_with(low, high_bit_pair(h, 0));
+                c[1][i] = low_nibbles_with(high, high_bit_pair(h, 1));
+                c[2][i] = _mm512_or_si512(high_nibbles(low), high_bit_pair(h, 2));
+                c[3][i] = _mm512_or_si512(high_nibbles(high), high_bit_pair(h, 3));
             }
             __m512i scale[4];
             for (int p = 0; p < 4; p++) {
