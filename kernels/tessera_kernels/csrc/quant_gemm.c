@@ -219,9 +219,9 @@ static void x16_row(const x16_fields *f, uint8_t *file, uint8_t *x16, int64_t bl
  * A K-quant block holds 256 values, so a row has few blocks (6 in 1536 values) and the block's float work
  * cannot be shared along the row as the 32-value types share it; it is shared across rows instead. Rows
  * go in groups of 16 (the last group holds the rest, r rows). A group holds, block after block, its r
- * rows' blocks field by field: a 2-byte field (d, dmin) as r halves side by side, a longer one (scales,
- * fifth bits, codes) in quads of 4 bytes, quad j of every row (lane l of a vector: row l) before quad j +
- * 1. The same bytes as the file's, so the same size; one vpdpbusd against a broadcast quad of the
+ * rows' blocks field by field (in k16_layout's order): a 2-byte field (d, dmin) as r halves side by side, a
+ * longer one (scales, fifth bits, codes) in quads of 4 bytes, quad j of every row (lane l of a vector: row
+ * l) before quad j + 1. The same bytes as the file's, so the same size; one vpdpbusd against a broadcast quad of the
  * activation advances 16 rows' dot products, and a block's scales, mins and conversion to float come once
  * per 16 rows (the fused kernel below). */
 #define K16_ROWS 16
@@ -868,8 +868,8 @@ ALWAYS_INLINE __m512i lane_byte(__m512i v, int byte, int is_signed) {
     return byte == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xff));
 }
 
-/* The sum over 8 quads of one sub-block's codes (c: lane l row l's quad i) and the activation's quads at
- * q, two chains of vpdpbusd. */
+/* The sum over `count` quads of one sub-block's codes (c[i]: lane l row l's quad i) and the activation's
+ * quads at q, in two chains of vpdpbusd. */
 ALWAYS_INLINE __m512i quads_dot(const __m512i *c, int count, const int8_t *q) {
     __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
     for (int i = 0; i < count; i += 2) {
@@ -929,10 +929,11 @@ ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a,
     }
 }
 
-/* One block of 16 (r) rows of Q6_K: per quarter p of a half (values 128 half + 32 p + 4 i), 8 code
- * vectors, low nibbles (p < 2) or high of quads 16 half + 8 (p % 2) + i and bits 2p, 2p + 1 of high-bit
- * quad 8 half + i; its two sub-blocks of 16 meet their int8 scales in one multiply each. The offset
- * (code - 32) meets the activation's sums per 16 in 8 vpdpwssd a block. */
+/* One block of 16 (r) rows of Q6_K. Each quarter of the block (half, part) is 12 quad vectors, as
+ * k16_layout orders them: low-nibble quads of ql bytes 64 half + 16 part .., of ql bytes 64 half + 32 + 16
+ * part .., and high-bit quads of qh bytes 32 half + 16 part ..; they make 16 code vectors, 4 for each of the
+ * quarter's 4 sub-blocks of 16 (values 128 half + 32 p + 16 part), and a sub-block's sums meet its int8
+ * scales in one multiply. The offset (code - 32) meets the activation's sums per 16 in 8 vpdpwssd a block. */
 ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc) {
     const int stride = 4 * r;
     const __mmask64 bytes = r == K16_ROWS ? ~0ull : (1ull << stride) - 1;
@@ -1177,22 +1178,22 @@ static int k16_rows(const k16_fields *f, int block_bytes, const uint8_t *w, uint
 #pragma omp parallel
     {
         uint8_t *copy = malloc((size_t)(K16_ROWS * row_bytes)); /* the group's rows, so that out may be w */
-        if (!copy) {
-#pragma omp atomic write
-            status = -2;
-        } else {
 #pragma omp for schedule(static)
-            for (int64_t first = 0; first < rows; first += K16_ROWS) {
-                const int r = k16_group_rows(rows, first);
-                uint8_t *group = out + first * row_bytes;
-                memcpy(copy, w + first * row_bytes, (size_t)(r * row_bytes));
-                for (int64_t b = 0; b < blocks; b++)
-                    for (int lane = 0; lane < r; lane++) {
-                        uint8_t *interleaved = (to_k16 ? group : copy) + b * r * block_bytes;
-                        uint8_t *file = (to_k16 ? copy : group) + lane * row_bytes + b * block_bytes;
-                        k16_block(f, interleaved, r, lane, file, to_k16);
-                    }
+        for (int64_t first = 0; first < rows; first += K16_ROWS) {
+            if (!copy) {
+#pragma omp atomic write
+                status = -2;
+                continue;
             }
+            const int r = k16_group_rows(rows, first);
+            uint8_t *group = out + first * row_bytes;
+            memcpy(copy, w + first * row_bytes, (size_t)(r * row_bytes));
+            for (int64_t b = 0; b < blocks; b++)
+                for (int lane = 0; lane < r; lane++) {
+                    uint8_t *interleaved = (to_k16 ? group : copy) + b * r * block_bytes;
+                    uint8_t *file = (to_k16 ? copy : group) + lane * row_bytes + b * block_bytes;
+                    k16_block(f, interleaved, r, lane, file, to_k16);
+                }
         }
         free(copy);
     }
