@@ -66,24 +66,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TESSERA_KERNEL_CACHE") or default)
 
 
+@functools.cache
+def _cpuinfo() -> list[str]:
+    """The first CPU's model name and flags lines from Linux's /proc/cpuinfo (none elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        return []
+
+
 def _cpu_id() -> str:
     """-march=native code is only valid on the CPU that built it: the cache key names the CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
+    return platform.machine() + "".join(_cpuinfo())
 
 
-@functools.cache
 def has_amx() -> bool:
-    """Whether this CPU has AMX's bfloat16 tiles, which oneDNN's bfloat16 GEMM runs on (Linux's cpuinfo)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_bf16" in line.split() for line in f)
-    except OSError:
-        return False
+    """Whether this CPU has AMX's bfloat16 tiles, which oneDNN's bfloat16 GEMM runs on."""
+    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in _cpuinfo())
 
 
 def _compile(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:

@@ -117,7 +117,7 @@ def test_the_packed_engine_keeps_blocks_and_says_so(both_engines, every_type_fil
 
 def held_as(kind: str) -> str:
     """What a matrix of `kind` becomes in a packed model: dense, converted to Q8_0, and in the layout the
-    kernels read (a 32-value type's blocks interleaved where this machine has that kernel)."""
+    kernels read (interleaved where this machine has that kernel: quant_cpu.kernel_kind)."""
     if kind in ("F16", "BF16", "F32"):
         return "dense"
     kind = "Q8_0" if kind in CONVERTED else kind

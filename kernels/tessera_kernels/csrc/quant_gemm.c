@@ -244,6 +244,12 @@ static int k16_layout(int type, k16_fields *f) {
     }
 }
 
+/* Whether a type number is a K-quant interleaved by rows (gguf_to_x16). */
+static int is_k16(int type) {
+    k16_fields fields;
+    return (type & X16) && k16_layout(type & ~X16, &fields) == 0;
+}
+
 /* The rows in the group that starts at row `first`: 16, or the rest. */
 static inline int k16_group_rows(int64_t rows, int64_t first) {
     return rows - first < K16_ROWS ? (int)(rows - first) : K16_ROWS;
@@ -358,10 +364,9 @@ typedef struct {
 
 static int find_format(int type, format *f) {
     x16_fields fields;
-    k16_fields k16;
     if (type & X16) {
         if (!FUSED_KERNELS) return -1;
-        if (k16_layout(type & ~X16, &k16) == 0) {
+        if (is_k16(type)) {
             find_format(type & ~X16, f);
             f->type = type;
             return 0;
@@ -438,7 +443,7 @@ static void decode_k16_row(const format *f, const uint8_t *w, int64_t row_bytes,
 /* Row n of a weight (rows x row_bytes) of k values: codes [k], scale and min [k / 16]. */
 static void decode_weight_row(const format *f, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n, int64_t k,
                               uint8_t *codes, float *scale, float *min) {
-    if ((f->type & X16) && f->block_values == 256) decode_k16_row(f, w, row_bytes, rows, n, k, codes, scale, min);
+    if (is_k16(f->type)) decode_k16_row(f, w, row_bytes, rows, n, k, codes, scale, min);
     else decode_row(f, w + n * row_bytes, k, codes, scale, min);
 }
 
@@ -832,6 +837,16 @@ ALWAYS_INLINE void row_q8_0(const uint8_t *row, int64_t k, const lanes *a, int r
     row_x16(row, k, a, rows, out, 34, 0, 0, 1, 0, -128.f); /* w = d * (code - 128) */
 }
 
+/* What every thread of one fused_linear call shares. */
+typedef struct {
+    const lanes *a;
+    int64_t m, k, row_bytes, ldy, rows;
+    const uint8_t *w;
+    const void *bias;
+    void *y;
+    int is_bf16;
+} fused_job;
+
 /* ---- interleaved K-quants: 16 weight rows a vector ---- */
 
 /* x ~ d * q per block of 256 (d = max|x| / 127, q rounded to nearest even), q in the values' order, and per `span`
@@ -982,10 +997,11 @@ ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a,
     }
 }
 
-/* A group of r rows (at row `first`) of an interleaved K-quant against `rows` activation rows, into
- * out[j * 16 + l] (row first + l). */
-ALWAYS_INLINE void k16_group(int type, const uint8_t *group, int r, int64_t blocks, const lanes *a, int rows, float *out) {
-    const int block_bytes = type == Q6_K ? 210 : type == Q5_K ? 176 : 144;
+/* A group of r rows of an interleaved K-quant against `rows` activation rows, into out[j * 16 + l] (the
+ * group's row l). */
+ALWAYS_INLINE void k16_group(int type, const fused_job *job, const uint8_t *group, int r, const lanes *a, int rows,
+                             float *out) {
+    const int64_t blocks = job->k / KBLOCK, block_bytes = job->row_bytes / blocks;
     __m512 acc[FUSED_ROWS];
     for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, group += r * block_bytes) {
@@ -994,16 +1010,6 @@ ALWAYS_INLINE void k16_group(int type, const uint8_t *group, int r, int64_t bloc
     }
     for (int j = 0; j < rows; j++) _mm512_storeu_ps(out + 16 * j, acc[j]);
 }
-
-/* What every thread of one fused_linear call shares. */
-typedef struct {
-    const lanes *a;
-    int64_t m, k, row_bytes, ldy, rows;
-    const uint8_t *w;
-    const void *bias;
-    void *y;
-    int is_bf16;
-} fused_job;
 
 /* Weight rows [first, last) against every activation row, FUSED_ROWS at a time, each count of rows
  * (1..FUSED_ROWS) a constant in its own copy of row_fn. */
@@ -1035,7 +1041,6 @@ typedef struct {
  * last group of fewer than 16 rows one activation row at a time: its copy of k16_group is not made for
  * every count). */
 ALWAYS_INLINE void k16_range(int type, const fused_job *job, int64_t first, int64_t last) {
-    const int64_t blocks = job->k / KBLOCK;
     for (int64_t g = first; g < last; g++) {
         const int64_t row0 = g * K16_ROWS;
         const int r = k16_group_rows(job->rows, row0);
@@ -1045,17 +1050,17 @@ ALWAYS_INLINE void k16_range(int type, const fused_job *job, int64_t first, int6
             const int count = job->m - start < FUSED_ROWS ? (int)(job->m - start) : FUSED_ROWS;
             float out[FUSED_ROWS * K16_ROWS];
             if (r < K16_ROWS) {
-                for (int j = 0; j < count; j++) k16_group(type, group, r, blocks, a + j, 1, out + K16_ROWS * j);
+                for (int j = 0; j < count; j++) k16_group(type, job, group, r, a + j, 1, out + K16_ROWS * j);
             } else {
                 switch (count) {
-                case 1: k16_group(type, group, K16_ROWS, blocks, a, 1, out); break;
-                case 2: k16_group(type, group, K16_ROWS, blocks, a, 2, out); break;
-                case 3: k16_group(type, group, K16_ROWS, blocks, a, 3, out); break;
-                case 4: k16_group(type, group, K16_ROWS, blocks, a, 4, out); break;
-                case 5: k16_group(type, group, K16_ROWS, blocks, a, 5, out); break;
-                case 6: k16_group(type, group, K16_ROWS, blocks, a, 6, out); break;
-                case 7: k16_group(type, group, K16_ROWS, blocks, a, 7, out); break;
-                default: k16_group(type, group, K16_ROWS, blocks, a, FUSED_ROWS, out); break;
+                case 1: k16_group(type, job, group, K16_ROWS, a, 1, out); break;
+                case 2: k16_group(type, job, group, K16_ROWS, a, 2, out); break;
+                case 3: k16_group(type, job, group, K16_ROWS, a, 3, out); break;
+                case 4: k16_group(type, job, group, K16_ROWS, a, 4, out); break;
+                case 5: k16_group(type, job, group, K16_ROWS, a, 5, out); break;
+                case 6: k16_group(type, job, group, K16_ROWS, a, 6, out); break;
+                case 7: k16_group(type, job, group, K16_ROWS, a, 7, out); break;
+                default: k16_group(type, job, group, K16_ROWS, a, FUSED_ROWS, out); break;
                 }
             }
             for (int j = 0; j < count; j++)
@@ -1081,18 +1086,16 @@ static void fused_rows(int type, const fused_job *job, int64_t first, int64_t la
     }
 }
 
-static int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
-
 static int fused_supported(int type, int64_t k) {
     x16_fields fields;
-    if ((type & X16) && is_k_quant(type & ~X16)) return k % KBLOCK == 0;
+    if (is_k16(type)) return k % KBLOCK == 0;
     return (type & X16) && x16_layout(type & ~X16, &fields) == 0 && k % ABLOCK == 0;
 }
 
 /* gguf_linear for fused_supported types. */
 static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    const int k16 = (type & X16) && is_k_quant(type & ~X16);
+    const int k16 = is_k16(type);
     const int64_t blocks = k / ABLOCK, padded = (blocks + X16_BLOCKS - 1) / X16_BLOCKS * X16_BLOCKS;
     /* Each activation row's scratch in one allocation: the K-quants' d per 256, block sums, group sums
      * and q; or the 32-value types' q, d and per-16 sums from quantize_activation_row and their
