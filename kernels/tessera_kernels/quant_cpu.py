@@ -1,14 +1,13 @@
 """Linear layers and row gathers on GGUF block-format weights, in C (csrc/quant_gemm.c).
 
 A packed weight is the file's bytes, [rows, row_bytes] uint8, and its ggml type; on AVX-512 VNNI machines
-the 32-value types are interleaved at load 16 blocks to a group and the K-quants 16 rows to a group
-(`kernel_layout`: kind "Q4_1x16", "Q4_Kx16", the same bytes in another order), which their fused kernels
-read. The product quantizes the activations to int8 per block (`activation_block`: 32 values, or 256 for
-the interleaved K-quants, as llama.cpp's Q8_K) and runs integer dot products against the weight's
-codes (AVX-512 VNNI, AVX2, or plain C); `reference_linear` is its meaning (the weight dequantized by
-the gguf package, then a float matmul). The int8 activations make the result differ from the
-reference by at most sum_i |w_i| * max|x| of i's block / 254 (half a step of the activation's
-quantization), which the tests check per output.
+the common types' rows are interleaved at load 16 to a group (`kernel_layout`: kind "Q4_1x16", "Q4_Kx16",
+the same bytes in another order), which their fused kernels read. The product quantizes the activations
+to int8 per block (`activation_block`: 32 values, or 256 for the interleaved K-quants, as llama.cpp's
+Q8_K) and runs integer dot products against the weight's codes (AVX-512 VNNI, AVX2, or plain C);
+`reference_linear` is its meaning (the weight dequantized by the gguf package, then a float matmul). The
+int8 activations make the result differ from the reference by at most sum_i |w_i| * max|x| of i's block /
+254 (half a step of the activation's quantization), which the tests check per output.
 
 From `dequantize_from_rows` activation rows on (a prefill, a large decode batch), where that measured
 faster (docs/kernels.md), `linear` instead dequantizes the weight to bfloat16, a slice of rows at a time
@@ -31,14 +30,14 @@ import torch
 from tessera_kernels import native_cpu
 
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-X16 = "x16"  # a kind's suffix when its blocks or rows are interleaved 16 to a group (kernel_layout)
+X16 = "x16"  # a kind's suffix when its rows are interleaved 16 to a group (kernel_layout)
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
-# Activation rows from which the bfloat16 path is faster, measured (docs/kernels.md): for the 32-value types'
-# kernels on whole models; the interleaved K-quants' kernel (None: never) beat it up to 2048 rows
-# (max_num_batched_tokens' default) where oneDNN has no AMX, and its file-order predecessor lost from 64 rows
-# where it has.
+# Activation rows from which the bfloat16 path is faster, measured (docs/kernels.md): the decoded path's
+# kernel on whole models; the interleaved rows' kernels (None: never) beat it up to 2048 rows
+# (max_num_batched_tokens' default) where oneDNN has no AMX, and the K-quants' file-order kernel lost from 64
+# rows where it has.
 DEQUANTIZE_FROM_ROWS = 32
-K_QUANT_DEQUANTIZE_FROM_ROWS = 64 if native_cpu.has_amx() else None
+INTERLEAVED_DEQUANTIZE_FROM_ROWS = 64 if native_cpu.has_amx() else None
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
@@ -61,8 +60,8 @@ def block_values(name: str) -> int:
 
 
 def kernel_kind(kind: str, library=None) -> str:
-    """The kind a matrix of `kind` is held as: interleaved (kind + X16: a 32-value type's blocks 16 to a group,
-    a K-quant's rows 16 to a group) where the library has that fused kernel (AVX-512 VNNI), else `kind`."""
+    """The kind a matrix of `kind` is held as: interleaved (kind + X16: rows 16 to a group) where the library
+    has that fused kernel (AVX-512 VNNI), else `kind`."""
     library = library or native_cpu.load()
     if library is None or kind.endswith(X16) or not library.gguf_x16(type_number(kind)):
         return kind
@@ -98,21 +97,20 @@ def _reorder(library, kind: str, packed: torch.Tensor, in_features: int, to_x16:
 
 
 @functools.cache  # asked on every packed linear call: the answer per weight shape never changes
-def fused_k_quant(kind: str, in_features: int, library=None) -> bool:
-    """Whether this weight runs on the K-quants' integer kernel (AVX-512 VNNI)."""
-    if file_kind(kind) not in ("Q4_K", "Q5_K", "Q6_K"):
-        return False
+def fused(kind: str, in_features: int, library=None) -> bool:
+    """Whether this weight runs on an interleaved type's integer kernel (AVX-512 VNNI)."""
     return bool((library or native_cpu.load()).gguf_fused(type_number(kind), in_features))  # load(): never recorded
 
 
 def dequantize_from_rows(kind: str, in_features: int, library=None) -> int | None:
     """The row count from which `linear` takes the bfloat16 path for this weight (None: never)."""
-    return K_QUANT_DEQUANTIZE_FROM_ROWS if fused_k_quant(kind, in_features, library) else DEQUANTIZE_FROM_ROWS
+    return INTERLEAVED_DEQUANTIZE_FROM_ROWS if fused(kind, in_features, library) else DEQUANTIZE_FROM_ROWS
 
 
 def activation_block(kind: str, in_features: int, library=None) -> int:
     """Values per int8 scale of the activations that `integer_linear` multiplies with this weight."""
-    return 256 if fused_k_quant(kind, in_features, library) else 32
+    k_quant = file_kind(kind) in ("Q4_K", "Q5_K", "Q6_K")
+    return 256 if k_quant and fused(kind, in_features, library) else 32
 
 
 def supports(x: torch.Tensor) -> bool:

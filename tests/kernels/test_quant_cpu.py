@@ -4,8 +4,7 @@ Every kernel type, on four builds of the library: as the engine builds it (AVX-5
 machines we run on), without GFNI (the fused kernels' plain shifts and masks), without AVX-512 (the AVX2
 loop) and without AVX2 (the plain C loop); and each in
 the file's block order and in the layout the engine loads (quant_cpu.kernel_layout: where the build has
-their fused kernels, the 32-value types interleaved 16 blocks to a group and the K-quants 16 rows to a
-group; the file's order runs the decoded path).
+their fused kernels, the rows interleaved 16 to a group; the file's order runs the decoded path).
 
 Tolerance: the kernel quantizes each activation block (quant_cpu.activation_block: 32 values, 256 for
 the K-quants on the AVX-512 VNNI kernel) to int8 (step max|x| / 127), so an output may differ from
@@ -109,29 +108,12 @@ def test_linear_matches_dequantize_then_matmul(lib, layout, kind, rows_in):
     assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind, bias), packed, kind, x, lib)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-@pytest.mark.parametrize("blocks", [1, 3, 5, 8, 16 + 2, 16 + 9, 16 + 12, 32 + 15])
-def test_rows_that_end_in_a_partial_group_of_sixteen_blocks(lib, layout, kind, blocks):
-    # an interleaved row's last group holds the rest of its blocks, each over 4, 2 or 1 lanes of every
-    # code vector (1-4, 5-8, 9-15 blocks); SmolLM2's 576 values are 16 blocks and 2 more, Qwen 0.5B's 896
-    # 16 and 12. The file's order must come back from the interleaved one byte for byte.
-    cols = 32 * blocks
-    packed = gguf_blocks(kind, 37, cols, seed=cols)
-    held, held_kind = laid_out(layout, kind, packed, cols, lib)
-    assert torch.equal(quant_cpu.file_layout(held_kind, held, cols, lib)[1], packed)
-    x = torch.randn(9, cols, generator=torch.Generator().manual_seed(cols))
-    out = quant_cpu.integer_linear(x, held, held_kind, cols, library=lib)
-    assert_within_bound(out, quant_cpu.reference_linear(x, packed, kind), packed, kind, x, lib)
-    for row in range(9):  # a row's bits do not depend on the rows beside it
-        assert torch.equal(out[row], quant_cpu.integer_linear(x[row : row + 1], held, held_kind, cols, library=lib)[0])
-
-
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 5, 16, 21, 47])
-def test_k_quant_rows_that_end_in_a_partial_group_of_sixteen_rows(lib, layout, kind, rows):
-    # the K-quants interleave 16 rows to a group; a last group of fewer rows holds each of their fields
-    # that many rows wide. The file's order must come back byte for byte, each row dequantize as the file's,
-    # and each row's output not depend on the activation rows beside it.
+def test_rows_that_end_in_a_partial_group_of_sixteen_rows(lib, layout, kind, rows):
+    # the kernel layout interleaves rows 16 to a group; a last group of fewer rows holds each of their
+    # fields that many rows wide. The file's order must come back byte for byte, each row dequantize as
+    # the file's, and each row's output not depend on the activation rows beside it.
     cols = 768
     packed = gguf_blocks(kind, rows, cols, seed=rows)
     held, held_kind = laid_out(layout, kind, packed, cols, lib)
@@ -190,14 +172,14 @@ def test_each_activation_row_comes_out_as_it_does_alone(lib, layout, kind, dtype
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 def test_linear_keeps_the_integer_kernel_up_to_its_crossover(lib, kind):
-    # the interleaved K-quants' kernel stays faster than the bfloat16 path for more rows than the other
-    # kernels, or for all (docs/kernels.md); below the crossover every row comes out as it does alone, as
-    # only the integer kernel guarantees
+    # the interleaved rows' kernels stay faster than the bfloat16 path for more rows than the decoded path's,
+    # or for all (docs/kernels.md); below the crossover every row comes out as it does alone, as only the
+    # integer kernel guarantees
     cols = 512
     packed, kind = laid_out("kernel layout", kind, gguf_blocks(kind, 37, cols, seed=23), cols, lib)
-    fused_k_quant = kind in ("Q4_Kx16", "Q5_Kx16", "Q6_Kx16")
+    interleaved = kind.endswith(quant_cpu.X16)
     crossover = quant_cpu.dequantize_from_rows(kind, cols, lib)
-    assert crossover == (quant_cpu.K_QUANT_DEQUANTIZE_FROM_ROWS if fused_k_quant else quant_cpu.DEQUANTIZE_FROM_ROWS)
+    assert crossover == (quant_cpu.INTERLEAVED_DEQUANTIZE_FROM_ROWS if interleaved else quant_cpu.DEQUANTIZE_FROM_ROWS)
     rows_in = (crossover or 4 * quant_cpu.DEQUANTIZE_FROM_ROWS) - 1
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(24))
     together = quant_cpu.linear(x, packed, kind, cols, library=lib)
@@ -213,7 +195,8 @@ def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tenso
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_run_in_bfloat16_within_its_bound(lib, layout, kind, dtype):
-    # the bfloat16 path itself, at a row count `linear` sends there (or would, for a K-quant where it never does)
+    # the bfloat16 path itself, at a row count `linear` sends there (or would, for interleaved rows where it
+    # never does)
     cols = 512
     rows_in = (quant_cpu.dequantize_from_rows(kind, cols, lib) or quant_cpu.DEQUANTIZE_FROM_ROWS) + 5
     packed = gguf_blocks(kind, 37, cols, seed=13)

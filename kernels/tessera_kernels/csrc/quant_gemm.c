@@ -40,10 +40,9 @@ static inline int omp_get_thread_num(void) { return 0; }
 
 /* ggml's type numbers (GGMLQuantizationType) */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-/* A 32-value type's blocks interleaved 16 to a group (gguf_to_x16): its type number plus X16. Only the
- * AVX-512 VNNI build reads them (FUSED_KERNELS). */
+/* A type's rows interleaved 16 to a group (gguf_to_x16): its type number plus X16. Only the AVX-512 VNNI
+ * build reads them (FUSED_KERNELS). */
 #define X16 0x100
-#define X16_BLOCKS 16
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
 #define FUSED_KERNELS 1
 #else
@@ -136,94 +135,15 @@ static inline void decode_q8_0(const uint8_t *b, uint8_t *c, float *s, float *m)
     m[0] = m[1] = 128.f * d;
 }
 
-/* ---- the 32-value types interleaved: 16 blocks to a group ---------------------------------------
+/* ---- rows interleaved: 16 to a group --------------------------------------------------------------
  *
- * A row's blocks go in groups of 16; the last group holds the rest, r blocks. A block's 32 codes are
- * 8 quads of 4, and a group's code vectors give each block L lanes (4 bytes each) of every vector: L = 1
- * for r > 8, 2 for r > 4, else 4, so a vector of 16 lanes is filled and 8 / L vectors hold the group
- * (lane b * L + l of vector j: block b's quad j * L + l). The group stores the file's fields one after
- * the other, each holding its r blocks side by side: the r f16 scales, the r f16 mins (Q4_1, Q5_1),
- * the fifth bits (Q5_0, Q5_1: a mask of 4 bits a lane per code vector, 4 r L bits each, in one bit
- * stream), then the codes: 4 / L vectors of nibble bytes (their low nibbles are code vectors 0 .. 4 / L
- * - 1, their high ones the rest: a block's nibble byte 4q + t holds codes 4q + t and 16 + 4q + t), or
- * Q8_0's 8 / L vectors of code bytes, each vector 4 r L bytes. The same bytes as the file's, so the
- * same size; vpdpbusd sums a lane's 4 codes of one block, so a whole group's products need no float
- * work before the lanes meet their blocks' scales (the fused kernel below). */
-typedef struct {
-    int block_bytes, has_min, fifth_bits, code_bytes; /* code_bytes: 16 (nibbles) or 32 (Q8_0) */
-} x16_fields;
-
-static int x16_layout(int type, x16_fields *f) {
-    switch (type) {
-    case Q4_0: *f = (x16_fields){18, 0, 0, 16}; return 0;
-    case Q4_1: *f = (x16_fields){20, 1, 0, 16}; return 0;
-    case Q5_0: *f = (x16_fields){22, 0, 1, 16}; return 0;
-    case Q5_1: *f = (x16_fields){24, 1, 1, 16}; return 0;
-    case Q8_0: *f = (x16_fields){34, 0, 0, 32}; return 0;
-    default: return -1;
-    }
-}
-
-/* The blocks of a row's group that starts at block `first` (16, or the rest). */
-static inline int x16_group_blocks(int64_t blocks, int64_t first) {
-    return blocks - first < X16_BLOCKS ? (int)(blocks - first) : X16_BLOCKS;
-}
-
-/* Lanes per block in a group of r blocks. */
-static inline int x16_lanes(int r) { return r > 8 ? 1 : r > 4 ? 2 : 4; }
-
-/* Byte offset of quad q of block b among code vectors of `stride` bytes (4 r L in a weight row). */
-static inline int64_t x16_quad_at(int64_t stride, int lanes, int b, int q) {
-    return stride * (q / lanes) + 4 * (b * lanes + q % lanes);
-}
-
-/* Block b's 32 fifth bits (qh, bit j for code j) into a group's bit stream (one bit per code byte, at the
- * byte's place among the code vectors), or back: a quad's 4 bits are one nibble of the stream. */
-static void x16_fifth_bits(uint8_t *qh, uint8_t *bits, int r, int lanes, int b, int to_x16) {
-    uint32_t word;
-    memcpy(&word, qh, 4);
-    if (!to_x16) word = 0;
-    for (int quad = 0; quad < 8; quad++) {
-        const int64_t at = x16_quad_at(4 * r * lanes, lanes, b, quad); /* a multiple of 4 */
-        if (to_x16) bits[at / 8] |= (uint8_t)(((word >> (4 * quad)) & 0xf) << (at % 8));
-        else word |= (uint32_t)((bits[at / 8] >> (at % 8)) & 0xf) << (4 * quad);
-    }
-    if (!to_x16) memcpy(qh, &word, 4);
-}
-
-/* One row of `blocks` file blocks to the interleaved layout (to_x16), or back. */
-static void x16_row(const x16_fields *f, uint8_t *file, uint8_t *x16, int64_t blocks, int to_x16) {
-    for (int64_t first = 0; first < blocks; first += X16_BLOCKS) {
-        const int r = x16_group_blocks(blocks, first), lanes = x16_lanes(r);
-        uint8_t *group = x16 + first * f->block_bytes;
-        uint8_t *mins = group + 2 * r, *bits = mins + (f->has_min ? 2 * r : 0);
-        uint8_t *codes = bits + (f->fifth_bits ? 4 * r : 0);
-        if (to_x16 && f->fifth_bits) memset(bits, 0, (size_t)(4 * r));
-        for (int b = 0; b < r; b++) {
-            uint8_t *block = file + (first + b) * f->block_bytes;
-            uint8_t *qh = block + 2 + (f->has_min ? 2 : 0), *qs = qh + (f->fifth_bits ? 4 : 0);
-            uint8_t *fields[2][2] = {{group + 2 * b, block}, {mins + 2 * b, block + 2}};
-            for (int field = 0; field < 1 + f->has_min; field++)
-                memcpy(fields[field][!to_x16], fields[field][to_x16], 2);
-            for (int q = 0; q < f->code_bytes / 4; q++) {
-                uint8_t *at = codes + x16_quad_at(4 * r * lanes, lanes, b, q);
-                memcpy(to_x16 ? at : qs + 4 * q, to_x16 ? qs + 4 * q : at, 4);
-            }
-            if (f->fifth_bits) x16_fifth_bits(qh, bits, r, lanes, b, to_x16);
-        }
-    }
-}
-
-/* ---- the K-quants interleaved: 16 rows to a group ------------------------------------------------
- *
- * A K-quant block holds 256 values, so a row has few blocks (6 in 1536 values) and the block's float work
- * cannot be shared along the row as the 32-value types share it; it is shared across rows instead. Rows
- * go in groups of 16 (the last group holds the rest, r rows). A group holds, block after block, its r
- * rows' blocks field by field (in k16_layout's order): a 2-byte field (d, dmin) as r halves side by side, a
- * longer one (scales, fifth bits, codes) in quads of 4 bytes, quad j of every row (lane l of a vector: row
- * l) before quad j + 1. The same bytes as the file's, so the same size; one vpdpbusd against a broadcast quad of the
- * activation advances 16 rows' dot products, and a block's scales, mins and conversion to float come once
- * per 16 rows (the fused kernel below). */
+ * The fused kernels share a block's float work (scales, mins, the conversion to float) across 16 rows,
+ * and each activation value is read once per 16 rows, not once per row. Rows go in groups of 16 (the last
+ * group holds the rest, r rows). A group holds, block after block, its r rows' blocks field by field (in
+ * k16_layout's order): a 2-byte field (d, dmin, a 32-value type's min) as r halves side by side, a longer
+ * one (scales, fifth bits, codes) in quads of 4 bytes, quad j of every row (lane l of a vector: row l)
+ * before quad j + 1. The same bytes as the file's, so the same size; one vpdpbusd against a broadcast quad
+ * of the activation advances 16 rows' dot products (the fused kernels below). */
 #define K16_ROWS 16
 #define K16_MAX_FIELDS 14
 
@@ -233,6 +153,11 @@ typedef struct {
 
 static int k16_layout(int type, k16_fields *f) {
     switch (type) {
+    case Q4_0: *f = (k16_fields){2, {0, 2}, {2, 16}}; return 0; /* d, nibbles */
+    case Q4_1: *f = (k16_fields){3, {0, 2, 4}, {2, 2, 16}}; return 0; /* d, min, nibbles */
+    case Q5_0: *f = (k16_fields){3, {0, 2, 6}, {2, 4, 16}}; return 0; /* d, fifth bits, nibbles */
+    case Q5_1: *f = (k16_fields){4, {0, 2, 4, 8}, {2, 2, 4, 16}}; return 0; /* d, min, fifth bits, nibbles */
+    case Q8_0: *f = (k16_fields){2, {0, 2}, {2, 32}}; return 0; /* d, codes */
     case Q4_K: *f = (k16_fields){4, {0, 2, 4, 16}, {2, 2, 12, 128}}; return 0; /* d, dmin, scales and mins, nibbles */
     case Q5_K: *f = (k16_fields){5, {0, 2, 4, 16, 48}, {2, 2, 12, 32, 128}}; return 0; /* ..., fifth bits, nibbles */
     case Q6_K: /* d, scales, then per 32 values of each half the kernel's 12 code quads, in its order */
@@ -244,7 +169,7 @@ static int k16_layout(int type, k16_fields *f) {
     }
 }
 
-/* Whether a type number is a K-quant interleaved by rows (gguf_to_x16). */
+/* Whether a type number is interleaved by rows (gguf_to_x16). */
 static int is_k16(int type) {
     k16_fields fields;
     return (type & X16) && k16_layout(type & ~X16, &fields) == 0;
@@ -363,16 +288,10 @@ typedef struct {
 } format;
 
 static int find_format(int type, format *f) {
-    x16_fields fields;
     if (type & X16) {
-        if (!FUSED_KERNELS) return -1;
-        if (is_k16(type)) {
-            find_format(type & ~X16, f);
-            f->type = type;
-            return 0;
-        }
-        if (x16_layout(type & ~X16, &fields)) return -1;
-        *f = (format){type, 32, fields.block_bytes};
+        if (!FUSED_KERNELS || !is_k16(type)) return -1;
+        find_format(type & ~X16, f);
+        f->type = type;
         return 0;
     }
     switch (type) {
@@ -397,17 +316,11 @@ static int find_format(int type, format *f) {
         decode(row + b * f->block_bytes, codes + b * f->block_values, scale + b * groups, min + b * groups); \
     break
 
-static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *min);
-
-/* One weight row of k values in its own bytes (the file's order, or a 32-value type interleaved). */
+/* One weight row of k values in the file's order. */
 static inline void decode_row(const format *f, const uint8_t *row, int64_t k, uint8_t *codes, float *scale,
                               float *min) {
     const int64_t blocks = k / f->block_values;
     const int groups = f->block_values / GROUP;
-    if (f->type & X16) {
-        decode_x16_row(f->type & ~X16, row, k, codes, scale, min);
-        return;
-    }
     switch (f->type) {
     case Q4_0: DECODE_BLOCKS(decode_q4_0);
     case Q4_1: DECODE_BLOCKS(decode_q4_1);
@@ -422,7 +335,7 @@ static inline void decode_row(const format *f, const uint8_t *row, int64_t k, ui
     }
 }
 
-/* Row n of an interleaved K-quant (rows x row_bytes): each block copied back to the file's layout, then
+/* Row n of an interleaved weight (rows x row_bytes): each block copied back to the file's layout, then
  * decoded as the file's. */
 static void decode_k16_row(const format *f, const uint8_t *w, int64_t row_bytes, int64_t rows, int64_t n, int64_t k,
                            uint8_t *codes, float *scale, float *min) {
@@ -431,7 +344,7 @@ static void decode_k16_row(const format *f, const uint8_t *w, int64_t row_bytes,
     k16_layout(file.type, &fields); /* find_format admitted the type */
     const int64_t first = n / K16_ROWS * K16_ROWS;
     const int r = k16_group_rows(rows, first);
-    uint8_t block[256]; /* the largest K-quant block is 210 bytes */
+    uint8_t block[256]; /* the largest block is Q6_K's 210 bytes */
     for (int64_t b = 0; b < k / f->block_values; b++) {
         uint8_t *at = (uint8_t *)w + first * row_bytes + b * r * f->block_bytes; /* only read: to_k16 = 0 */
         k16_block(&fields, at, r, (int)(n - first), block, 0);
@@ -602,55 +515,37 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
     return total;
 }
 
-/* ---- the fused path (AVX-512 VNNI): codes made in registers, 64 values at a time ---------------
+/* ---- the fused path (AVX-512 VNNI): codes made in registers, 16 rows a vector ----------------------
  *
- * The common types skip the decoded scratch row: their weights' bytes become 64 unsigned codes in one
- * register, and vpdpbusd sums each 4 products of codes and int8 activations into a 32-bit lane. Up to
- * FUSED_ROWS activation rows share each register of codes.
+ * The common types skip the decoded scratch row. Their rows are interleaved at load, 16 to a group
+ * (gguf_to_x16), so lane l of every vector is row l: one vpdpbusd meets 16 rows' quads of unsigned codes
+ * with one broadcast quad of the int8 activation, and a block's float work comes once per 16 rows. Up to
+ * FUSED_ROWS activation rows share each vector of codes.
  *
- * The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) run interleaved (gguf_to_x16, done at load): 16
- * blocks to a group, lane b of every vector block b, so vpdpbusd sums whole blocks in integers and the
- * float work comes once per 16 blocks and activation row (row_x16). They take the activation per block
- * of 32, as llama.cpp's Q8_0 / Q8_1 do, interleaved the same way. Q4_0 and Q5_0 subtract their offset
- * (8, 16) in integers, where the vpdpbusd starts; Q4_1, Q5_1 and Q8_0 (w = scale * code - min; Q8_0's
- * min is 128 times its scale) meet their mins against the activation's block sums (d * sum of q). In
- * the file's order they run the decoded path.
+ * The 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) take the activation per block of 32, as llama.cpp's
+ * Q8_0 / Q8_1 do: a block's 8 vpdpbusd sum it in integers, Q4_0, Q5_0 and Q8_0 subtract their offset (8,
+ * 16, 128: Q8_0's codes are its int8 + 128) where the vpdpbusd starts, Q4_1 and Q5_1 meet their mins
+ * against the activation's block sums (d * sum of q), and one conversion and multiply-add per activation
+ * row finish 16 rows (k16_small).
  *
- * The K-quants (Q4_K, Q5_K, Q6_K) run interleaved too, 16 rows to a group (gguf_to_x16), lane l of every
- * vector row l, and take the activation per block of 256 (one d a block, llama.cpp's Q8_K) in the
- * values' order: each vpdpbusd meets 16 rows' quads with one broadcast quad of the activation, a
- * sub-block's sums meet the 16 rows' integer scales in one vpmulld, and per block and activation row
- * one conversion and multiply-add (two for the mins) finish 16 rows at once (k16_q4_k, k16_q6_k). In
- * the file's order they run the decoded path.
+ * The K-quants (Q4_K, Q5_K, Q6_K) take the activation per block of 256 (one d a block, llama.cpp's Q8_K):
+ * a sub-block's sums meet the 16 rows' integer scales in one vpmulld, and per block and activation row one
+ * conversion and multiply-add (two for the mins) finish 16 rows (k16_q4_k, k16_q6_k).
  *
- * A row's arithmetic is the same whatever rows run beside it, so a row's output does not depend on
- * the batch (speculative verification relies on it). */
+ * In the file's order every type runs the decoded path. A row's arithmetic is the same whatever rows run
+ * beside it, so a row's output does not depend on the batch (speculative verification relies on it). */
 #if FUSED_KERNELS
-#define FUSED_ROWS 8 /* activation rows that share each 64 decoded codes */
+#define FUSED_ROWS 8 /* activation rows that share each vector of codes */
 
 typedef struct {
-    const int8_t *q;           /* interleaved as the type's blocks (32-value types), or in order (K-quants) */
-    const int32_t *offset_sum; /* Q4_0, Q5_0: per block of 32 -offset * its sum of q */
-    const float *d;            /* per block of 32 (32-value types, interleaved) or of 256 (K-quants) */
-    const float *block_sum;    /* per 32 values: d * sum of q, the mins' partner (Q4_1, Q5_1, Q8_0) */
-    const int16_t *pair_sums;  /* interleaved K-quants: quantize_k16_activation_row's sums */
+    const int8_t *q;           /* in the values' order */
+    const float *d;            /* per block of 32 (32-value types) or of 256 (K-quants) */
+    const int32_t *offset_sum; /* 32-value types, per block: -offset * its sum of q (Q4_0, Q5_0, Q8_0) */
+    const float *block_sum;    /* 32-value types, per block: d * its sum of q, the mins' partner (Q4_1, Q5_1) */
+    const int16_t *pair_sums;  /* K-quants: quantize_k16_activation_row's sums */
 } lanes;
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* An add with its rounding spelled out: -ffast-math may reorder plain vector adds, and it did so
- * differently in the copies for different row counts, which changed a row's bits with its batch. */
-ALWAYS_INLINE __m512 add_in_order(__m512 a, __m512 b) {
-    return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-ALWAYS_INLINE float sum_in_order(__m512 v) {
-    v = add_in_order(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
-    v = add_in_order(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
-    v = add_in_order(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
-    v = add_in_order(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm512_cvtss_f32(v);
-}
 
 ALWAYS_INLINE __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0xf)); }
 
@@ -686,157 +581,6 @@ ALWAYS_INLINE __m512i low_nibbles_with(__m512i v, __m512i bits) {
     return _mm512_ternarylogic_epi32(v, bits, _mm512_set1_epi8(0xf), 0xec); /* (v & 0xf) | bits */
 }
 
-/* Sets bit 4 of code j where bit j of `bits` is set. */
-ALWAYS_INLINE __m512i with_fifth_bits(__m512i codes, uint64_t bits) {
-    return _mm512_or_si512(codes, _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16)));
-}
-
-/* Q4_0's and Q5_0's offsets as shifts (w = scale * (code - 2^shift)), subtracted in integers where the
- * vpdpbusd starts; the other 32-value types meet their mins through the activation's block sums. */
-static int offset_shift(int type) { return type == Q4_0 ? 3 : type == Q5_0 ? 4 : 0; }
-
-/* An activation row (q, d per block of 32 from quantize_activation_row) interleaved as the weights are,
- * in whole vectors of 64 bytes (8 per group, zeros where a group has fewer lanes), and per lane of a
- * group its block's d; in each block's first lane d * its sum of q (the mins' partner) and -2^shift *
- * its sum of q (the symmetric types' offset), zeros in the others, so a block counts them once. */
-static void x16_activation(const int8_t *q, const float *d, int64_t k, int shift, int8_t *q16, float *d16,
-                           float *block_sum, int32_t *offset_sum) {
-    const int64_t blocks = k / ABLOCK, groups = (blocks + X16_BLOCKS - 1) / X16_BLOCKS;
-    memset(q16, 0, (size_t)(groups * 512));
-    memset(d16, 0, sizeof(float) * (size_t)(groups * 16));
-    memset(block_sum, 0, sizeof(float) * (size_t)(groups * 16));
-    memset(offset_sum, 0, sizeof(int32_t) * (size_t)(groups * 16));
-    for (int64_t block = 0; block < blocks; block++) {
-        const int64_t g = block / X16_BLOCKS;
-        const int lanes_per_block = x16_lanes(x16_group_blocks(blocks, g * X16_BLOCKS)), b = (int)(block % X16_BLOCKS);
-        int sum = 0;
-        for (int j = 0; j < ABLOCK; j++) sum += q[block * ABLOCK + j];
-        for (int quad = 0; quad < 8; quad++)
-            memcpy(q16 + g * 512 + x16_quad_at(64, lanes_per_block, b, quad), q + block * ABLOCK + 4 * quad, 4);
-        for (int l = 0; l < lanes_per_block; l++) d16[g * 16 + b * lanes_per_block + l] = d[block];
-        block_sum[g * 16 + b * lanes_per_block] = d[block] * (float)sum;
-        offset_sum[g * 16 + b * lanes_per_block] = -sum * (1 << shift);
-    }
-}
-
-/* Bits [first, first + count) of a little-endian bit stream with 8 readable bytes from first / 8
- * (count <= 64 - first % 8). */
-ALWAYS_INLINE uint64_t stream_bits(const uint8_t *stream, int64_t first, int count) {
-    uint64_t bits;
-    memcpy(&bits, stream + first / 8, 8);
-    bits >>= first % 8;
-    return count == 64 ? bits : bits & ((1ull << count) - 1);
-}
-
-/* A group's code vectors as unsigned codes: lane b * L + l of c[j] holds quad j * L + l of block b. */
-ALWAYS_INLINE void x16_codes(const uint8_t *codes, const uint8_t *bits, int vectors, int stride, int fifth_bits,
-                             int byte_codes, __m512i *c) {
-    const __mmask64 byte_mask = stride == 64 ? ~0ull : (1ull << stride) - 1;
-    if (byte_codes) { /* Q8_0's int8 codes + 128 */
-        for (int i = 0; i < vectors; i++)
-            c[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(byte_mask, codes + stride * i), _mm512_set1_epi8((char)0x80));
-        return;
-    }
-    for (int i = 0; i < vectors / 2; i++) {
-        const __m512i nibble_bytes = _mm512_maskz_loadu_epi8(byte_mask, codes + stride * i);
-        c[i] = low_nibbles(nibble_bytes);
-        c[i + vectors / 2] = high_nibbles(nibble_bytes);
-    }
-    for (int i = 0; fifth_bits && i < vectors; i++) c[i] = with_fifth_bits(c[i], stream_bits(bits, stride * i, stride));
-}
-
-/* One interleaved row as decode_row gives it: codes in the file's order, a scale and a min per 16. */
-static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *min) {
-    x16_fields f = {0, 0, 0, 0};
-    x16_layout(type, &f); /* find_format admitted the type */
-    const float offset = type == Q4_0 ? 8.f : type == Q5_0 ? 16.f : type == Q8_0 ? 128.f : 0.f;
-    const int64_t blocks = k / ABLOCK;
-    for (int64_t first = 0; first < blocks; first += X16_BLOCKS) {
-        const int r = x16_group_blocks(blocks, first), lanes_per_block = x16_lanes(r);
-        const uint8_t *group = row + first * f.block_bytes, *bits = group + (f.has_min ? 4 : 2) * r;
-        __m512i c[8];
-        uint8_t lane_codes[8][64];
-        x16_codes(bits + (f.fifth_bits ? 4 * r : 0), bits, 8 / lanes_per_block, 4 * r * lanes_per_block, f.fifth_bits,
-                  f.code_bytes == 32, c);
-        for (int i = 0; i < 8 / lanes_per_block; i++) _mm512_storeu_si512(lane_codes[i], c[i]);
-        for (int b = 0; b < r; b++) {
-            uint8_t *block_codes = codes + (first + b) * ABLOCK;
-            for (int quad = 0; quad < 8; quad++)
-                memcpy(block_codes + 4 * quad, lane_codes[quad / lanes_per_block] + 4 * (b * lanes_per_block + quad % lanes_per_block), 4);
-            const float d = half_to_float(group + 2 * b);
-            const float block_min = f.has_min ? -half_to_float(group + 2 * r + 2 * b) : offset * d;
-            scale[2 * (first + b)] = scale[2 * (first + b) + 1] = d;
-            min[2 * (first + b)] = min[2 * (first + b) + 1] = block_min;
-        }
-    }
-}
-
-/* Group g of an interleaved row (r blocks, `vectors` = 8 / L code vectors of `stride` = 4 r L bytes)
- * against `rows` activation rows: vpdpbusd sums each lane's 4 codes of one block in integers until the
- * group ends; then per activation row one conversion, one multiply of the weight's d by the
- * activation's, one multiply-add (and one more for the mins). A block's d spreads over its L lanes by
- * one permute; lanes past the group's blocks load as zeros. Called with constants for whole groups. */
-ALWAYS_INLINE void x16_group(const uint8_t *group, int64_t g, int r, int lanes_per_block, int vectors, int stride,
-                             const lanes *a, int rows, __m512 *acc, int has_min, int fifth_bits, int byte_codes,
-                             int symmetric, float min_factor) {
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i block_of_lane = _mm512_srli_epi32(lane, lanes_per_block == 1 ? 0 : lanes_per_block == 2 ? 1 : 2);
-    const __mmask16 block_mask = (__mmask16)((1u << r) - 1);
-    const uint8_t *bits = group + (has_min ? 4 : 2) * r, *codes = bits + (fifth_bits ? 4 * r : 0);
-    const __m512 d = _mm512_permutexvar_ps(block_of_lane, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(block_mask, group)));
-    const __m512 mins = has_min ? _mm512_permutexvar_ps(block_of_lane, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(block_mask, group + 2 * r)))
-                                : _mm512_mul_ps(d, _mm512_set1_ps(min_factor));
-    __m512i c[8];
-    x16_codes(codes, bits, vectors, stride, fifth_bits, byte_codes, c);
-    for (int j = 0; j < rows; j++) {
-        const int8_t *q = a[j].q + g * 512;
-        /* two chains of vpdpbusd, not one: each waits for the one before it */
-        __m512i dots = symmetric ? _mm512_loadu_si512(a[j].offset_sum + g * X16_BLOCKS) : _mm512_setzero_si512();
-        __m512i odd = _mm512_setzero_si512();
-        for (int i = 0; i < vectors; i += 2) {
-            dots = _mm512_dpbusd_epi32(dots, c[i], _mm512_loadu_si512(q + 64 * i));
-            odd = _mm512_dpbusd_epi32(odd, c[i + 1], _mm512_loadu_si512(q + 64 * (i + 1)));
-        }
-        dots = _mm512_add_epi32(dots, odd);
-        const __m512 scale = _mm512_mul_ps(d, _mm512_loadu_ps(a[j].d + g * X16_BLOCKS));
-        acc[j] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(dots), acc[j]);
-        if (!symmetric) acc[j] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(a[j].block_sum + g * X16_BLOCKS), acc[j]);
-    }
-}
-
-/* A row of an interleaved 32-value type (gguf_to_x16) against `rows` activation rows: its whole groups of
- * 16 blocks, then the rest. */
-ALWAYS_INLINE void row_x16(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out, int block_bytes,
-                           int has_min, int fifth_bits, int byte_codes, int symmetric, float min_factor) {
-    __m512 acc[FUSED_ROWS];
-    for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();
-    const int64_t blocks = k / ABLOCK, whole = blocks / X16_BLOCKS;
-    for (int64_t g = 0; g < whole; g++)
-        x16_group(row + g * X16_BLOCKS * block_bytes, g, X16_BLOCKS, 1, 8, 64, a, rows, acc, has_min, fifth_bits,
-                  byte_codes, symmetric, min_factor);
-    const int r = (int)(blocks - whole * X16_BLOCKS), lanes_per_block = x16_lanes(r);
-    if (r)
-        x16_group(row + whole * X16_BLOCKS * block_bytes, whole, r, lanes_per_block, 8 / lanes_per_block,
-                  4 * r * lanes_per_block, a, rows, acc, has_min, fifth_bits, byte_codes, symmetric, min_factor);
-    for (int j = 0; j < rows; j++) out[j] = sum_in_order(acc[j]);
-}
-
-ALWAYS_INLINE void row_q4_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    row_x16(row, k, a, rows, out, 18, 0, 0, 0, 1, 0.f);
-}
-ALWAYS_INLINE void row_q4_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    row_x16(row, k, a, rows, out, 20, 1, 0, 0, 0, 1.f); /* w = d * code + m */
-}
-ALWAYS_INLINE void row_q5_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    row_x16(row, k, a, rows, out, 22, 0, 1, 0, 1, 0.f);
-}
-ALWAYS_INLINE void row_q5_1(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    row_x16(row, k, a, rows, out, 24, 1, 1, 0, 0, 1.f);
-}
-ALWAYS_INLINE void row_q8_0(const uint8_t *row, int64_t k, const lanes *a, int rows, float *out) {
-    row_x16(row, k, a, rows, out, 34, 0, 0, 1, 0, -128.f); /* w = d * (code - 128) */
-}
-
 /* What every thread of one fused_linear call shares. */
 typedef struct {
     const lanes *a;
@@ -847,7 +591,7 @@ typedef struct {
     int is_bf16;
 } fused_job;
 
-/* ---- interleaved K-quants: 16 weight rows a vector ---- */
+/* ---- the kernels: 16 weight rows a vector ---- */
 
 /* x ~ d * q per block of 256 (d = max|x| / 127, q rounded to nearest even), q in the values' order, and per `span`
  * values (32: Q4_K, Q5_K; 16: Q6_K) the sum of q, as 16 bits, each four spans in the order 0, 2, 1, 3:
@@ -883,10 +627,10 @@ ALWAYS_INLINE __m512i lane_byte(__m512i v, int byte, int is_signed) {
     return byte == 3 ? _mm512_srli_epi32(v, 24) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xff));
 }
 
-/* The sum over `count` quads of one sub-block's codes (c[i]: lane l row l's quad i) and the activation's
- * quads at q, in two chains of vpdpbusd. */
-ALWAYS_INLINE __m512i quads_dot(const __m512i *c, int count, const int8_t *q) {
-    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+/* start + the sum over `count` quads of one sub-block's codes (c[i]: lane l row l's quad i) and the
+ * activation's quads at q, in two chains of vpdpbusd. */
+ALWAYS_INLINE __m512i quads_dot(const __m512i *c, int count, const int8_t *q, __m512i start) {
+    __m512i even = start, odd = _mm512_setzero_si512();
     for (int i = 0; i < count; i += 2) {
         even = _mm512_dpbusd_epi32(even, c[i], load_quad(q + 4 * i));
         odd = _mm512_dpbusd_epi32(odd, c[i + 1], load_quad(q + 4 * i + 4));
@@ -928,7 +672,7 @@ ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a,
         }
         const __m512i scale = lane_byte(scales[s / 4], s % 4, 0);
         for (int j = 0; j < rows; j++)
-            sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c, 8, a[j].q + b * KBLOCK + 32 * s), scale));
+            sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c, 8, a[j].q + b * KBLOCK + 32 * s, _mm512_setzero_si512()), scale));
     }
     /* 16-bit pairs of mins (s, s + 2) against the activation's sums in the same pairs */
     const __m512i low_bytes = _mm512_set1_epi32(0x00ff00ff);
@@ -979,7 +723,7 @@ ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a,
             for (int j = 0; j < rows; j++) {
                 const int8_t *q = a[j].q + b * KBLOCK + 128 * half + 16 * part;
                 for (int p = 0; p < 4; p++)
-                    sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c[p], 4, q + 32 * p), scale[p]));
+                    sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c[p], 4, q + 32 * p, _mm512_setzero_si512()), scale[p]));
             }
         }
     /* 16-bit pairs of scales (s, s + 2) against the activation's sums per 16 in the same pairs */
@@ -997,47 +741,82 @@ ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a,
     }
 }
 
-/* A group of r rows of an interleaved K-quant against `rows` activation rows, into out[j * 16 + l] (the
- * group's row l). */
+/* What a 32-value type's code is above its value (w = d * (code - offset)): Q8_0's codes are its int8 + 128;
+ * 0 for the types with a min. */
+static int code_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
+
+static int is_k_quant(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+/* Per block of 32 of an activation row (quantize_activation_row's q and d): -offset * the sum of q, and d *
+ * the sum of q. */
+static void activation_block_sums(const int8_t *q, const float *d, int64_t k, int offset, int32_t *offset_sum,
+                                  float *block_sum) {
+    for (int64_t b = 0; b < k / ABLOCK; b++) {
+        int sum = 0;
+        for (int i = 0; i < ABLOCK; i++) sum += q[b * ABLOCK + i];
+        offset_sum[b] = -offset * sum;
+        block_sum[b] = d[b] * (float)sum;
+    }
+}
+
+/* Where the fifth bits of code vector i (codes 4i .. 4i + 3) are set: byte t of lane l tests bit 4i + t of row
+ * l's 32 fifth bits (the lane's byte i / 2, copied to its 4 bytes). */
+ALWAYS_INLINE __mmask64 fifth_bit_mask(__m512i h, int i) {
+    const __m512i lane_bytes = _mm512_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404,
+                                                0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+    const __m512i byte = _mm512_shuffle_epi8(h, _mm512_add_epi8(lane_bytes, _mm512_set1_epi8((char)(i / 2))));
+    return _mm512_test_epi8_mask(byte, _mm512_set1_epi32(i % 2 ? (int)0x80402010 : 0x08040201));
+}
+
+/* One block of 16 (r) rows of a 32-value type against `rows` activation rows, into their accumulators (lane
+ * l: row l). 8 code vectors (c[i]: codes 4i .. 4i + 3 of each row: low nibbles of nibble quad i for i < 4,
+ * high ones of quad i - 4; Q8_0's code quads), 8 vpdpbusd a row starting from the offset's share, one
+ * conversion and multiply-add (one more for the mins). */
+ALWAYS_INLINE void k16_small(int type, const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc) {
+    const int has_min = type == Q4_1 || type == Q5_1, fifth_bits = type == Q5_0 || type == Q5_1, stride = 4 * r;
+    const __mmask64 bytes = r == K16_ROWS ? ~0ull : (1ull << stride) - 1;
+    const __mmask16 halves = (__mmask16)((1u << r) - 1);
+    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at));
+    const __m512 mins = has_min ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at + 2 * r)) : _mm512_setzero_ps();
+    const uint8_t *qh = at + (has_min ? 4 : 2) * r, *qs = qh + (fifth_bits ? stride : 0);
+    __m512i c[8];
+    if (type == Q8_0) {
+        for (int i = 0; i < 8; i++)
+            c[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, qs + stride * i), _mm512_set1_epi8((char)0x80));
+    } else {
+        for (int i = 0; i < 4; i++) {
+            const __m512i nibble_bytes = _mm512_maskz_loadu_epi8(bytes, qs + stride * i);
+            c[i] = low_nibbles(nibble_bytes);
+            c[i + 4] = high_nibbles(nibble_bytes);
+        }
+    }
+    if (fifth_bits) {
+        const __m512i h = _mm512_maskz_loadu_epi8(bytes, qh);
+        for (int i = 0; i < 8; i++) c[i] = _mm512_mask_add_epi8(c[i], fifth_bit_mask(h, i), c[i], _mm512_set1_epi8(16));
+    }
+    for (int j = 0; j < rows; j++) {
+        const __m512i start = has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(a[j].offset_sum[b]);
+        const __m512i dots = quads_dot(c, 8, a[j].q + b * ABLOCK, start);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(d, _mm512_set1_ps(a[j].d[b])), acc[j]);
+        if (has_min) acc[j] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a[j].block_sum[b]), acc[j]);
+    }
+}
+
+/* A group of r interleaved rows against `rows` activation rows, into out[j * 16 + l] (the group's row l). */
 ALWAYS_INLINE void k16_group(int type, const fused_job *job, const uint8_t *group, int r, const lanes *a, int rows,
                              float *out) {
-    const int64_t blocks = job->k / KBLOCK, block_bytes = job->row_bytes / blocks;
+    const int64_t blocks = job->k / (is_k_quant(type) ? KBLOCK : ABLOCK), block_bytes = job->row_bytes / blocks;
     __m512 acc[FUSED_ROWS];
     for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, group += r * block_bytes) {
         if (type == Q6_K) k16_q6_k(group, r, b, a, rows, acc);
-        else k16_q4_k(group, r, b, a, rows, acc, type == Q5_K);
+        else if (is_k_quant(type)) k16_q4_k(group, r, b, a, rows, acc, type == Q5_K);
+        else k16_small(type, group, r, b, a, rows, acc);
     }
     for (int j = 0; j < rows; j++) _mm512_storeu_ps(out + 16 * j, acc[j]);
 }
 
-/* Weight rows [first, last) against every activation row, FUSED_ROWS at a time, each count of rows
- * (1..FUSED_ROWS) a constant in its own copy of row_fn. */
-#define ROW_RANGE(row_fn)                                                                              \
-    for (int64_t n = first; n < last; n++) {                                                           \
-        const uint8_t *row = job->w + n * job->row_bytes;                                              \
-        const float row_bias = job->bias ? load_float(job->bias, n, job->is_bf16) : 0.f;               \
-        for (int64_t r = 0; r < job->m; r += FUSED_ROWS) {                                             \
-            const lanes *a = job->a + r;                                                               \
-            const int64_t k = job->k, count = job->m - r < FUSED_ROWS ? job->m - r : FUSED_ROWS;       \
-            float out[FUSED_ROWS];                                                                     \
-            switch (count) {                                                                           \
-            case 1: row_fn(row, k, a, 1, out); break;                                                  \
-            case 2: row_fn(row, k, a, 2, out); break;                                                  \
-            case 3: row_fn(row, k, a, 3, out); break;                                                  \
-            case 4: row_fn(row, k, a, 4, out); break;                                                  \
-            case 5: row_fn(row, k, a, 5, out); break;                                                  \
-            case 6: row_fn(row, k, a, 6, out); break;                                                  \
-            case 7: row_fn(row, k, a, 7, out); break;                                                  \
-            default: row_fn(row, k, a, FUSED_ROWS, out); break;                                        \
-            }                                                                                          \
-            for (int j = 0; j < count; j++)                                                            \
-                store_float(job->y, (r + j) * job->ldy + n, out[j] + row_bias, job->is_bf16);          \
-        }                                                                                              \
-    }                                                                                                  \
-    break
-
-/* Groups [first, last) of an interleaved K-quant against every activation row, FUSED_ROWS at a time (a
+/* Groups [first, last) of an interleaved weight against every activation row, FUSED_ROWS at a time (a
  * last group of fewer than 16 rows one activation row at a time: its copy of k16_group is not made for
  * every count). */
 ALWAYS_INLINE void k16_range(int type, const fused_job *job, int64_t first, int64_t last) {
@@ -1072,37 +851,34 @@ ALWAYS_INLINE void k16_range(int type, const fused_job *job, int64_t first, int6
     }
 }
 
-/* Rows (or, interleaved K-quants, groups of 16 rows) [first, last) of one fused_linear call. */
+/* Groups of 16 rows [first, last) of one fused_linear call, each type's kernel its own copy. */
 static void fused_rows(int type, const fused_job *job, int64_t first, int64_t last) {
     switch (type) {
+    case Q4_0 | X16: k16_range(Q4_0, job, first, last); break;
+    case Q4_1 | X16: k16_range(Q4_1, job, first, last); break;
+    case Q5_0 | X16: k16_range(Q5_0, job, first, last); break;
+    case Q5_1 | X16: k16_range(Q5_1, job, first, last); break;
+    case Q8_0 | X16: k16_range(Q8_0, job, first, last); break;
     case Q4_K | X16: k16_range(Q4_K, job, first, last); break;
     case Q5_K | X16: k16_range(Q5_K, job, first, last); break;
     case Q6_K | X16: k16_range(Q6_K, job, first, last); break;
-    case Q4_0 | X16: ROW_RANGE(row_q4_0);
-    case Q4_1 | X16: ROW_RANGE(row_q4_1);
-    case Q5_0 | X16: ROW_RANGE(row_q5_0);
-    case Q5_1 | X16: ROW_RANGE(row_q5_1);
-    case Q8_0 | X16: ROW_RANGE(row_q8_0);
     }
 }
 
 static int fused_supported(int type, int64_t k) {
-    x16_fields fields;
-    if (is_k16(type)) return k % KBLOCK == 0;
-    return (type & X16) && x16_layout(type & ~X16, &fields) == 0 && k % ABLOCK == 0;
+    format f;
+    return is_k16(type) && find_format(type, &f) == 0 && k % f.block_values == 0;
 }
 
 /* gguf_linear for fused_supported types. */
 static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    const int k16 = is_k16(type);
-    const int64_t blocks = k / ABLOCK, padded = (blocks + X16_BLOCKS - 1) / X16_BLOCKS * X16_BLOCKS;
-    /* Each activation row's scratch in one allocation: the K-quants' d per 256, block sums, group sums
-     * and q; or the 32-value types' q, d and per-16 sums from quantize_activation_row and their
-     * interleaved copies (x16_activation). */
-    const size_t row_size = k16 ? sizeof(float) * (size_t)(k / KBLOCK) + sizeof(int16_t) * (size_t)(k / GROUP) + (size_t)k
-                                    : sizeof(float) * (size_t)(blocks + k / GROUP + 2 * padded) +
-                                          sizeof(int32_t) * (size_t)padded + (size_t)(k + padded * ABLOCK);
+    const int file_type = type & ~X16, k_quant = is_k_quant(file_type);
+    const int64_t blocks = k / ABLOCK;
+    /* Each activation row's scratch in one allocation: the K-quants' d per 256, pair sums and q; or the
+     * 32-value types' d, per-16 sums (quantize_activation_row's), block sums, offset sums and q. */
+    const size_t row_size = k_quant ? sizeof(float) * (size_t)(k / KBLOCK) + sizeof(int16_t) * (size_t)(k / GROUP) + (size_t)k
+                                    : sizeof(float) * (size_t)(2 * blocks + k / GROUP) + sizeof(int32_t) * (size_t)blocks + (size_t)k;
     char *scratch = malloc(row_size * (size_t)m);
     lanes *a = malloc(sizeof(lanes) * (size_t)m);
     int status = 0;
@@ -1115,23 +891,23 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
     for (int64_t r = 0; r < m; r++) {
         const void *x_row = (const char *)x + r * ldx * (is_bf16 ? 2 : 4);
         char *region = scratch + (size_t)r * row_size;
-        if (k16) {
+        if (k_quant) {
             float *d = (float *)region;
             int16_t *pair_sums = (int16_t *)(d + k / KBLOCK);
             int8_t *q = (int8_t *)(pair_sums + k / GROUP);
-            quantize_k16_activation_row(x_row, is_bf16, k, type == (Q6_K | X16) ? 16 : 32, q, d, pair_sums);
-            a[r] = (lanes){q, NULL, d, NULL, pair_sums};
+            quantize_k16_activation_row(x_row, is_bf16, k, file_type == Q6_K ? 16 : 32, q, d, pair_sums);
+            a[r] = (lanes){q, d, NULL, NULL, pair_sums};
         } else {
-            float *d = (float *)region, *group_scaled = d + blocks, *d16 = group_scaled + k / GROUP, *block_sum = d16 + padded;
-            int32_t *offset_sum = (int32_t *)(block_sum + padded);
-            int8_t *q = (int8_t *)(offset_sum + padded), *q16 = q + k;
-            quantize_activation_row(x_row, is_bf16, k, q, d, group_scaled);
-            x16_activation(q, d, k, offset_shift(type & ~X16), q16, d16, block_sum, offset_sum);
-            a[r] = (lanes){q16, offset_sum, d16, block_sum, NULL};
+            float *d = (float *)region, *group_sums = d + blocks, *block_sum = group_sums + k / GROUP;
+            int32_t *offset_sum = (int32_t *)(block_sum + blocks);
+            int8_t *q = (int8_t *)(offset_sum + blocks);
+            quantize_activation_row(x_row, is_bf16, k, q, d, group_sums);
+            activation_block_sums(q, d, k, code_offset(file_type), offset_sum, block_sum);
+            a[r] = (lanes){q, d, offset_sum, block_sum, NULL};
         }
     }
     const fused_job job = {a, m, k, row_bytes, ldy, rows, w, bias, y, is_bf16};
-    const int64_t units = k16 ? (rows + K16_ROWS - 1) / K16_ROWS : rows; /* what fused_rows takes */
+    const int64_t units = (rows + K16_ROWS - 1) / K16_ROWS; /* groups of 16 rows: what fused_rows takes */
     const int threads = units < num_threads ? (int)units : num_threads;
 #pragma omp parallel num_threads(threads)
     {
@@ -1155,9 +931,6 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
     (void)ldy, (void)is_bf16, (void)num_threads;
     return -1;
 }
-static void decode_x16_row(int type, const uint8_t *row, int64_t k, uint8_t *codes, float *scale, float *min) {
-    (void)type, (void)row, (void)k, (void)codes, (void)scale, (void)min; /* find_format admits no X16 type here */
-}
 #endif
 
 /* ---- entry points ---------------------------------------------------------------------------- */
@@ -1173,7 +946,7 @@ int gguf_fused(int type, int64_t k) { return fused_supported(type, k); }
 /* 1 when a type has a fused kernel once interleaved (gguf_to_x16). */
 int gguf_x16(int type) { return fused_supported(type | X16, KBLOCK); }
 
-/* A K-quant's rows (rows x blocks blocks) interleaved 16 to a group (to_k16), or back; out may be w. */
+/* A weight's rows (rows x blocks blocks) interleaved 16 to a group (to_k16), or back; out may be w. */
 static int k16_rows(const k16_fields *f, int block_bytes, const uint8_t *w, uint8_t *out, int64_t rows, int64_t blocks,
                     int to_k16) {
     const int64_t row_bytes = blocks * block_bytes;
@@ -1203,30 +976,13 @@ static int k16_rows(const k16_fields *f, int block_bytes, const uint8_t *w, uint
     return status;
 }
 
-/* out = w (rows x row_bytes) interleaved for the fused kernels: a 32-value type's blocks 16 to a group
- * within each row, a K-quant's rows 16 to a group; or (to_x16 = 0) back to the file's order. The same
- * size; out may be w. Returns 0, -1 for another type or k, -2 out of memory. */
+/* out = w (rows x row_bytes) interleaved for the fused kernels, rows 16 to a group; or (to_x16 = 0) back to
+ * the file's order. The same size; out may be w. Returns 0, -1 for another type or k, -2 out of memory. */
 int gguf_to_x16(int type, const uint8_t *w, uint8_t *out, int64_t rows, int64_t k, int to_x16) {
-    x16_fields fields;
-    k16_fields k16;
-    if (k16_layout(type, &k16) == 0) {
-        format f;
-        find_format(type, &f);
-        return k % f.block_values ? -1 : k16_rows(&k16, f.block_bytes, w, out, rows, k / f.block_values, to_x16);
-    }
-    if (x16_layout(type, &fields) || k % ABLOCK) return -1;
-    const int64_t row_bytes = k / ABLOCK * fields.block_bytes;
-#pragma omp parallel
-    {
-        uint8_t row[row_bytes]; /* a copy of the row, so that out may be w */
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            uint8_t *at = out + r * row_bytes;
-            memcpy(row, w + r * row_bytes, (size_t)row_bytes);
-            x16_row(&fields, to_x16 ? row : at, to_x16 ? at : row, k / ABLOCK, to_x16);
-        }
-    }
-    return 0;
+    k16_fields fields;
+    format f;
+    if (k16_layout(type, &fields) || find_format(type, &f) || k % f.block_values) return -1;
+    return k16_rows(&fields, f.block_bytes, w, out, rows, k / f.block_values, to_x16);
 }
 
 /* y[m, n] (row stride ldy, float32 or bfloat16 like x) = x[m, :k] . W[n, :k] (+ bias[n]) for n < rows.
