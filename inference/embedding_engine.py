@@ -19,7 +19,7 @@ from typing import cast
 import torch
 
 from inference.config import DTYPES, EngineArgs
-from inference.engine_setup import resolve_device
+from inference.engine_setup import keep_freed_memory, resolve_device
 from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
 from inference.kv_cache_manager import KVCacheManager
@@ -122,6 +122,8 @@ class EmbeddingEngine:
             "max_model_len": self.max_model_len,
             "embedding_dimension": self.pooling.dimension,
         }
+        if self.device.type == "cpu":  # everything loaded: what follows is per-step memory
+            keep_freed_memory()
         logger.info("embedding engine ready: %s, %s pooling", self.memory, self.pooling.mode)
 
     # ---- start-up -------------------------------------------------------------------------

@@ -9,7 +9,13 @@ import torch
 
 from inference.config import EngineArgs, ModelConfig
 from inference.detokenizer import IncrementalDetokenizer
-from inference.engine_setup import choose_ops, resolve_device, resolve_max_model_len, weight_bytes
+from inference.engine_setup import (
+    choose_ops,
+    keep_freed_memory,
+    resolve_device,
+    resolve_max_model_len,
+    weight_bytes,
+)
 from inference.executor import create_executor
 from inference.fairness import check_weight
 from inference.gguf_files import served_model_name
@@ -65,6 +71,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._idle_since_arrival: float | None = None
         self.warmed_up_at: float | None = None  # time.time() when warm_up() finished
+        if self.device.type == "cpu":  # everything loaded and allocated: what follows is per-step memory
+            keep_freed_memory()
         logger.info("engine ready: %s", self.memory)
 
     # ---- start-up -------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from inference.config import EngineArgs, ModelConfig
 from inference.distributed import ParallelConfig, TensorParallelError, control_group, destroy_groups, init_groups
-from inference.engine_setup import choose_ops, resolve_device, resolve_max_model_len
+from inference.engine_setup import choose_ops, keep_freed_memory, resolve_device, resolve_max_model_len
 from inference.loader import load_model
 from inference.model_runner import ModelRunner
 from inference.step_wire import CMD_COPY, CMD_EXECUTE, CMD_LOGITS, CMD_STOP, HEADER, step_lengths, unpack_step
@@ -58,6 +58,8 @@ def serve(parallel: ParallelConfig) -> None:
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, src=0, group=control_group())
     runner.allocate(int(num_blocks))
+    if runner.device.type == "cpu":
+        keep_freed_memory()
     runner.loop()
 
 
