@@ -762,8 +762,7 @@ static void activation_block_sums(const int8_t *q, const float *d, int64_t k, in
 /* Where the fifth bits of code vector i (codes 4i .. 4i + 3) are set: byte t of lane l tests bit 4i + t of row
  * l's 32 fifth bits (the lane's byte i / 2, copied to its 4 bytes). */
 ALWAYS_INLINE __mmask64 fifth_bit_mask(__m512i h, int i) {
-    const __m512i lane_bytes = _mm512_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404,
-                                                0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0);
+    const __m512i lane_bytes = _mm512_broadcast_i32x4(_mm_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0));
     const __m512i byte = _mm512_shuffle_epi8(h, _mm512_add_epi8(lane_bytes, _mm512_set1_epi8((char)(i / 2))));
     return _mm512_test_epi8_mask(byte, _mm512_set1_epi32(i % 2 ? (int)0x80402010 : 0x08040201));
 }
