@@ -6,12 +6,14 @@ import time
 
 import pytest
 import torch
-from tiny_models import hf_greedy
+from test_gguf import write_gguf
+from tiny_models import hf_greedy, make_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.engine_setup import weight_bytes
 from inference.request import Request
 from inference.sampler import Sampler
+from inference.spec_decode import speculator
 from inference.spec_decode.ngram import ngram_proposal
 from inference.spec_decode.rejection_sampler import RejectionSampler
 from inference.spec_decode.speculator import (
@@ -22,6 +24,7 @@ from inference.spec_decode.speculator import (
     best_k,
     step_cost,
 )
+from tessera_kernels import quant_cpu
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -126,6 +129,33 @@ def test_greedy_speculation_scores_each_token_with_plain_decodings_bits(plain, t
             e[t].logprob for e, t in zip(x.logprobs, x.token_ids)
         ]
     assert speculating.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_a_packed_batch_speculates_with_plain_decodings_bits(tmp_path, monkeypatch):
+    """8 sequences verifying 4 proposals each are 40 rows a step, past the 32 from which the 32-value GGUF
+    types once changed to the bfloat16 path while plain decoding's 8 rows did not, so near ties flipped at
+    batch 32 (docs/benchmarks.md). Interleaved rows keep the integer kernel (below 64 rows on every host),
+    whose rows are row-invariant: every token scored with plain decoding's bits."""
+    if not quant_cpu.kernel_kind("Q8_0").endswith(quant_cpu.X16):
+        pytest.skip("no fused GGUF kernels on this CPU: its decoded path changes to bfloat16 at 32 rows")
+    monkeypatch.setattr(speculator, "best_k", lambda max_k, *args: max_k)  # every step speculates, k = 4
+    monkeypatch.setattr(speculator.StepCosts, "needs_plain_timing", lambda self, batch_size: False)
+    model = make_tiny_model(tmp_path / "hf", "llama")
+    file = str(write_gguf(model, tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0")))
+    prompts = repetitive_prompts(0) + repetitive_prompts(1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outputs = []
+    for config in (None, draft_of(file)):
+        llm = LLM(model=file, device="cpu", max_model_len=256, speculative_config=config)
+        done = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0] for o in done])
+    stats = llm.llm_engine.get_stats()
+    assert stats["spec_decode_num_draft_tokens_total"] >= 8 * 4 * 4  # several steps of 8 x (1 + 4) rows
+    for x, y in zip(*outputs):
+        assert y.token_ids == x.token_ids
+        assert [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)] == [
+            e[t].logprob for e, t in zip(x.logprobs, x.token_ids)
+        ]
 
 
 def test_stops_cut_the_accepted_tokens(plain, self_drafted):
