@@ -122,8 +122,7 @@ class EmbeddingEngine:
             "max_model_len": self.max_model_len,
             "embedding_dimension": self.pooling.dimension,
         }
-        if self.device.type == "cpu":  # everything loaded: what follows is per-step memory
-            keep_freed_memory()
+        keep_freed_memory(self.device)  # everything loaded: what follows is per-step memory
         logger.info("embedding engine ready: %s, %s pooling", self.memory, self.pooling.mode)
 
     # ---- start-up -------------------------------------------------------------------------

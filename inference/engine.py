@@ -71,8 +71,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._idle_since_arrival: float | None = None
         self.warmed_up_at: float | None = None  # time.time() when warm_up() finished
-        if self.device.type == "cpu":  # everything loaded and allocated: what follows is per-step memory
-            keep_freed_memory()
+        keep_freed_memory(self.device)  # everything loaded and allocated: what follows is per-step memory
         logger.info("engine ready: %s", self.memory)
 
     # ---- start-up -------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 import torch
 
@@ -44,14 +43,13 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 KEPT_FREE_BYTES = 1 << 30  # freed heap memory held for reuse before glibc returns any of it
 
 
-def keep_freed_memory() -> bool:
+def keep_freed_memory(device: torch.device) -> None:
     """On CPU, once the weights and the KV pool are allocated: glibc hands every block over 32 MiB (a long
     prefill chunk's MLP activations) to mmap and back to the OS when freed, so every step faulted those
     pages in again, and freed heap memory past 128 KiB was trimmed the same way. From here on large blocks
     come from the heap and freed memory stays there for the next step (docs/kernels.md has the cost).
-    Process-wide; False where the C library has no mallopt (not glibc)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    mallopt = getattr(libc, "mallopt", None)
-    if mallopt is None:
-        return False
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES))
+    Process-wide; nothing where the C library has no mallopt (not glibc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library: no lookup
+    if device.type == "cpu" and mallopt is not None:
+        mallopt(M_MMAP_MAX, 0)
+        mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES)

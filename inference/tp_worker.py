@@ -58,8 +58,7 @@ def serve(parallel: ParallelConfig) -> None:
     num_blocks = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(num_blocks, src=0, group=control_group())
     runner.allocate(int(num_blocks))
-    if runner.device.type == "cpu":
-        keep_freed_memory()
+    keep_freed_memory(runner.device)
     runner.loop()
 
 

@@ -109,8 +109,7 @@ def dequantize_from_rows(kind: str, in_features: int, library=None) -> int | Non
 
 def activation_block(kind: str, in_features: int, library=None) -> int:
     """Values per int8 scale of the activations that `integer_linear` multiplies with this weight."""
-    k_quant = file_kind(kind) in ("Q4_K", "Q5_K", "Q6_K")
-    return 256 if k_quant and fused(kind, in_features, library) else 32
+    return 256 if block_values(kind) == 256 and fused(kind, in_features, library) else 32
 
 
 def supports(x: torch.Tensor) -> bool:
