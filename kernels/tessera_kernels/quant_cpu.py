@@ -32,12 +32,11 @@ from tessera_kernels import native_cpu
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 X16 = "x16"  # a kind's suffix when its rows are interleaved 16 to a group (kernel_layout)
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
-# Activation rows from which the bfloat16 path is faster, measured (docs/kernels.md): the decoded path's
-# kernel on whole models; the interleaved rows' kernels (None: never) beat it up to 2048 rows
-# (max_num_batched_tokens' default) where oneDNN has no AMX, and the K-quants' file-order kernel lost from 64
-# rows where it has.
+# Activation rows from which the bfloat16 path is faster on whole models, measured (docs/kernels.md): the
+# decoded path's kernel from 32; the interleaved rows' kernels (None: never) beat it up to 2048 rows
+# (max_num_batched_tokens' default) where oneDNN has no AMX, and up to 128-256 rows where it has.
 DEQUANTIZE_FROM_ROWS = 32
-INTERLEAVED_DEQUANTIZE_FROM_ROWS = 64 if native_cpu.has_amx() else None
+INTERLEAVED_DEQUANTIZE_FROM_ROWS = 192 if native_cpu.has_amx() else None
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 

@@ -134,7 +134,7 @@ def test_greedy_speculation_scores_each_token_with_plain_decodings_bits(plain, t
 def test_a_packed_batch_speculates_with_plain_decodings_bits(tmp_path, monkeypatch):
     """8 sequences verifying 4 proposals each are 40 rows a step, past the 32 from which the 32-value GGUF
     types once changed to the bfloat16 path while plain decoding's 8 rows did not, so near ties flipped at
-    batch 32 (docs/benchmarks.md). Interleaved rows keep the integer kernel (below 64 rows on every host),
+    batch 32 (docs/benchmarks.md). Interleaved rows keep the integer kernel (below 192 rows on every host),
     whose rows are row-invariant: every token scored with plain decoding's bits."""
     if not quant_cpu.kernel_kind("Q8_0").endswith(quant_cpu.X16):
         pytest.skip("no fused GGUF kernels on this CPU: its decoded path changes to bfloat16 at 32 rows")
