@@ -186,11 +186,15 @@ static void k16_block(const k16_fields *f, uint8_t *at, int r, int lane, uint8_t
         const int width = f->bytes[i] == 2 ? 2 : 4;
         int j = 0;
 #if defined(__AVX512F__)
-        /* back to the file's order (the dequantized path's rows), 16 quads a gather: quad q at 4 q r */
+        /* back to the file's order (the dequantized path's rows), up to 16 quads a gather: quad q at 4 q r */
         const __m512i quad_at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                    _mm512_set1_epi32(r));
-        for (; !to_k16 && width == 4 && j + 64 <= f->bytes[i]; j += 64)
-            _mm512_storeu_si512(block + f->offset[i] + j, _mm512_i32gather_epi32(quad_at, at + j * r + 4 * lane, 4));
+        for (; !to_k16 && width == 4 && f->bytes[i] - j >= 8; j += 64) {
+            const int quads = f->bytes[i] - j >= 64 ? 16 : (f->bytes[i] - j) / 4;
+            const __mmask16 lanes = (__mmask16)((1u << quads) - 1);
+            const __m512i gathered = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, quad_at, at + j * r + 4 * lane, 4);
+            _mm512_mask_storeu_epi32(block + f->offset[i] + j, lanes, gathered);
+        }
 #endif
         for (; j < f->bytes[i]; j += width) {
             uint8_t *slot = at + j * r + width * lane, *field = block + f->offset[i] + j;
