@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format) as a model source: config, weights, tokenizer, sampling defaults.
 
-Read with the `gguf` package. Weights are renamed to the Hugging Face Llama layout, so the rest of
-the loader treats them like safetensors tensors: dequantized at load into the engine's dtype, or,
+The header is read by inference/gguf_header.py; blocks are dequantized by the `gguf` package. Weights
+are renamed to the Hugging Face Llama layout, so the rest of the loader treats them like safetensors
+tensors: dequantized at load into the engine's dtype, or,
 with packed weights (inference/quantization/gguf.py), each quantized matrix as the file's blocks.
 llama.cpp's converter permutes the Q and K rows of Llama-architecture models (its rotary
 embedding pairs adjacent dimensions, HF's pairs the two halves); that is undone here.
@@ -15,11 +16,11 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+
+from inference.gguf_header import Header, read_header
 
 logger = logging.getLogger("inference")
 
@@ -61,32 +62,12 @@ VOCABULARY_ARRAYS = (
 )
 
 
-@dataclass(frozen=True)
-class Header:
-    """What is kept of a parsed file: its metadata values, its tensors (memory-mapped) and where their data
-    starts. Not the GGUFReader: its parsed fields hold numpy views of every token and merge, about 80 MiB
-    for a 49k vocabulary and 180 MiB for a 128k one, for as long as the process runs. Nor the vocabulary
-    arrays' values (a Python string per token and merge, another 140 MiB for a 128k vocabulary): the
-    tokenizer is built from the file by transformers (load_tokenizer); only their lengths are kept."""
-
-    fields: dict[str, Any]  # key -> value (the field's contents()), VOCABULARY_ARRAYS left out
-    lengths: dict[str, int]  # VOCABULARY_ARRAYS key -> its number of entries
-    tensors: list  # gguf's ReaderTensor: name, tensor_type, shape, data_offset, n_bytes, data
-    data_offset: int
-    data: np.memmap  # the whole file
-
-
 @functools.lru_cache(maxsize=4)
 def open_gguf(path: str) -> Header:
-    """The parsed header; parsing a 49k-token vocabulary takes a second or two."""
-    from gguf import GGUFReader
-
+    """The parsed header (inference/gguf_header.py), the vocabulary arrays' lengths only."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
-    reader = GGUFReader(path)
-    values = {key: field.contents() for key, field in reader.fields.items() if key not in VOCABULARY_ARRAYS}
-    lengths = {key: len(field.data) for key, field in reader.fields.items() if key in VOCABULARY_ARRAYS}
-    return Header(values, lengths, reader.tensors, reader.data_offset, reader.data)
+    return read_header(path, skipped=VOCABULARY_ARRAYS)
 
 
 def metadata(path: str, key: str, default=None):
