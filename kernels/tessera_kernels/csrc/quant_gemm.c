@@ -198,7 +198,8 @@ static void k16_block(const k16_fields *f, uint8_t *at, int r, int lane, uint8_t
 #endif
         for (; j < f->bytes[i]; j += width) {
             uint8_t *slot = at + j * r + width * lane, *field = block + f->offset[i] + j;
-            memcpy(to_k16 ? slot : field, to_k16 ? field : slot, (size_t)width);
+            if (width == 2) memcpy(to_k16 ? slot : field, to_k16 ? field : slot, 2); /* sizes the compiler inlines */
+            else memcpy(to_k16 ? slot : field, to_k16 ? field : slot, 4);
         }
     }
 }
@@ -346,14 +347,18 @@ static void decode_k16_row(const format *f, const uint8_t *w, int64_t row_bytes,
     const format file = {f->type & ~X16, f->block_values, f->block_bytes};
     k16_fields fields;
     k16_layout(file.type, &fields); /* find_format admitted the type */
-    const int64_t first = n / K16_ROWS * K16_ROWS;
-    const int r = k16_group_rows(rows, first);
-    uint8_t block[256]; /* the largest block is Q6_K's 210 bytes */
-    for (int64_t b = 0; b < k / f->block_values; b++) {
-        uint8_t *at = (uint8_t *)w + first * row_bytes + b * r * f->block_bytes; /* only read: to_k16 = 0 */
-        k16_block(&fields, at, r, (int)(n - first), block, 0);
-        decode_row(&file, block, f->block_values, codes + b * f->block_values, scale + b * (f->block_values / GROUP),
-                   min + b * (f->block_values / GROUP));
+    const int64_t first = n / K16_ROWS * K16_ROWS, count = k / f->block_values;
+    const int r = k16_group_rows(rows, first), groups = f->block_values / GROUP;
+    enum { CHUNK = 16 };
+    uint8_t blocks[CHUNK * 256]; /* the largest block is Q6_K's 210 bytes */
+    for (int64_t b0 = 0; b0 < count; b0 += CHUNK) { /* CHUNK blocks a decode_row call */
+        const int64_t chunk = count - b0 < CHUNK ? count - b0 : CHUNK;
+        for (int64_t b = 0; b < chunk; b++) { /* only read: to_k16 = 0 */
+            uint8_t *at = (uint8_t *)w + first * row_bytes + (b0 + b) * r * f->block_bytes;
+            k16_block(&fields, at, r, (int)(n - first), blocks + b * f->block_bytes, 0);
+        }
+        decode_row(&file, blocks, chunk * f->block_values, codes + b0 * f->block_values, scale + b0 * groups,
+                   min + b0 * groups);
     }
 }
 
