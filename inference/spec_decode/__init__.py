@@ -22,7 +22,10 @@ def create_speculator(config: SpeculativeConfig | None, engine) -> Speculator | 
         from inference.spec_decode.draft_model import DraftModelProposer
 
         proposer = DraftModelProposer(config, engine)
-    return Speculator(config, proposer, engine.sampler, engine.metrics, engine.max_model_len)
+    from inference.quantization.gguf import row_invariant_rows
+
+    row_limit = row_invariant_rows(engine.model)
+    return Speculator(config, proposer, engine.sampler, engine.metrics, engine.max_model_len, row_limit)
 
 
 __all__ = ["SpeculativeConfig", "Speculator", "create_speculator"]

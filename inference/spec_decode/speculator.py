@@ -229,8 +229,12 @@ class Speculator:
         sampler: Sampler,
         metrics: EngineMetrics,
         max_model_len: int,
+        row_limit: int | None = None,
     ):
         self.config, self.proposer, self.metrics = config, proposer, metrics
+        # a step's rows stay below it (the packed linears' crossover: quantization/gguf.row_invariant_rows),
+        # so every verified token is scored with the bits plain decoding gives it
+        self.row_limit = row_limit
         self.verify_rows = RejectionSampler(sampler)
         self.max_model_len = max_model_len
         self.acceptance: weakref.WeakKeyDictionary[Request, Acceptance] = weakref.WeakKeyDictionary()
@@ -244,7 +248,12 @@ class Speculator:
         for seq in running:
             seq.spec_token_ids = []
         limit = self.config.disable_by_batch_size
-        if (limit is not None and len(running) > limit) or self.costs.needs_plain_timing(len(running)):
+        spare_rows = None if self.row_limit is None else self.row_limit - 1 - len(running)
+        if (
+            (limit is not None and len(running) > limit)
+            or (spare_rows is not None and spare_rows <= 0)
+            or self.costs.needs_plain_timing(len(running))
+        ):
             return []
         seqs, ks, backlog = [], [], 0
         for seq in running:
@@ -252,6 +261,9 @@ class Speculator:
                 continue
             catch_up = self.proposer.catch_up_tokens(seq)
             k = self._k_for(seq, len(running), catch_up)
+            if spare_rows is not None:
+                k = max(0, min(k, spare_rows))
+                spare_rows -= k
             if k:
                 seqs.append(seq)
                 ks.append(k)

@@ -158,6 +158,42 @@ def test_a_packed_batch_speculates_with_plain_decodings_bits(tmp_path, monkeypat
         ]
 
 
+def test_verification_steps_stay_below_the_packed_linears_crossover(tmp_path, monkeypatch):
+    """With the bfloat16 path taken from 12 rows, 8 sequences verifying 4 proposals each (40 rows) would score
+    their tokens on it while plain decoding's 8 rows stay on the integer kernel; the speculator keeps every
+    step below 12 rows instead, so tokens and logprobs keep plain decoding's bits."""
+    monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
+    monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
+    monkeypatch.setattr(speculator, "best_k", lambda max_k, *args: max_k)
+    monkeypatch.setattr(speculator.StepCosts, "needs_plain_timing", lambda self, batch_size: False)
+    step_rows = []
+    propose = speculator.Speculator.propose
+
+    def recording_propose(self, running):
+        failed = propose(self, running)
+        step_rows.append(len(running) + sum(len(seq.spec_token_ids) for seq in running))
+        return failed
+
+    monkeypatch.setattr(speculator.Speculator, "propose", recording_propose)
+    model = make_tiny_model(tmp_path / "hf", "llama")
+    file = str(write_gguf(model, tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0")))
+    prompts = repetitive_prompts(0) + repetitive_prompts(1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outputs = []
+    for config in (None, draft_of(file)):
+        llm = LLM(model=file, device="cpu", max_model_len=256, speculative_config=config)
+        done = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0] for o in done])
+    assert llm.llm_engine.speculator.row_limit == 12
+    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens_total"] > 0
+    assert max(step_rows) == 11  # the spare rows used, never more
+    for x, y in zip(*outputs):
+        assert y.token_ids == x.token_ids
+        assert [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)] == [
+            e[t].logprob for e, t in zip(x.logprobs, x.token_ids)
+        ]
+
+
 def test_stops_cut_the_accepted_tokens(plain, self_drafted):
     prompt = repetitive_prompts()[:1]
     free = generate(plain, prompt, temperature=0, max_tokens=40)[0]
