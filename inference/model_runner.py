@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.decode_graph import DecodeGraphs
+from inference.layers.linear import STEP_DECODE_ROWS
 from inference.layers.ops import AttentionMetadata
 from inference.request import Request
 from inference.scheduler import SchedulerOutput
@@ -136,7 +137,11 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.eligible(inputs):
             replayed_hidden, replayed_logits, self.last_step_captured = self.decode_graphs.execute(inputs)
             return replayed_hidden, replayed_logits
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        decodes = STEP_DECODE_ROWS.set(inputs.meta.num_decodes)
+        try:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        finally:
+            STEP_DECODE_ROWS.reset(decodes)
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)) if inputs.sample_rows else None
         return hidden, logits

@@ -8,6 +8,7 @@ unquantized one is below, quantized formats plug in the same way.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -15,6 +16,10 @@ from torch import nn
 
 from inference.distributed import SINGLE, ParallelConfig, all_reduce
 from inference.layers import onednn
+
+# The decode rows (laid out first) of the step in progress, set by ModelRunner.execute: packed linears
+# compute them apart from the step's prefill chunks (tessera_kernels.quant_cpu.linear).
+STEP_DECODE_ROWS: ContextVar[int] = ContextVar("step_decode_rows", default=0)
 
 
 class UnquantizedLinearMethod:

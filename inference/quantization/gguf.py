@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from inference.layers.embedding import ParallelLMHead
-from inference.layers.linear import LinearBase, with_loader
+from inference.layers.linear import STEP_DECODE_ROWS, LinearBase, with_loader
 from tessera_kernels import quant_cpu
 
 SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
@@ -122,7 +122,7 @@ class GGUFLinearMethod:
 def segment_linear(layer, seg: Segment, x, bias, out=None):
     weight = getattr(layer, seg.name)
     if seg.kind != "dense":
-        return quant_cpu.linear(x, weight, seg.kind, layer.in_features, bias, out)
+        return quant_cpu.linear(x, weight, seg.kind, layer.in_features, bias, out, decode_rows=STEP_DECODE_ROWS.get())
     result = nn.functional.linear(x, weight, bias)
     if out is None:
         return result

@@ -123,14 +123,22 @@ def linear(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     library=None,
+    decode_rows: int = 0,
 ) -> torch.Tensor:
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
     x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
-    From dequantize_from_rows() rows on, through dequantized_linear."""
+    From dequantize_from_rows() rows on, through dequantized_linear; then the first `decode_rows` rows (a
+    step's decodes, ahead of its prefill chunks) go apart from the rest, each part by its own count, so a
+    decode row's bits never depend on a chunk that shares its step."""
     crossover = dequantize_from_rows(kind, in_features, library)
-    if crossover is not None and x.shape[0] >= crossover:
-        return dequantized_linear(x, packed, kind, in_features, bias, out, library)
-    return integer_linear(x, packed, kind, in_features, bias, out, library)
+    if crossover is None or x.shape[0] < crossover:
+        return integer_linear(x, packed, kind, in_features, bias, out, library)
+    if 0 < decode_rows < x.shape[0]:
+        out = x.new_empty(x.shape[0], packed.shape[0]) if out is None else out
+        for rows in (slice(0, decode_rows), slice(decode_rows, None)):
+            linear(x[rows], packed, kind, in_features, bias, out[rows], library)
+        return out
+    return dequantized_linear(x, packed, kind, in_features, bias, out, library)
 
 
 def integer_linear(

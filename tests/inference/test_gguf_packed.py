@@ -168,6 +168,33 @@ def test_the_packed_engine_generates_the_same_tokens_each_time(both_engines):
     assert all(len(o) == 10 for o in first) and first == again[::-1]
 
 
+def test_a_decode_keeps_its_bits_beside_a_prefill_chunk(tmp_path, monkeypatch):
+    """With the bfloat16 path taken from 12 rows, a step holding another request's 40-token prompt would take
+    it for the decode beside it too; the runner marks the step's decode rows and the packed linears compute
+    them apart, so a request's tokens and logprobs are the same with or without a neighbour's prefill."""
+    monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
+    monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
+    file = write_gguf(make_tiny_model(tmp_path / "hf", "llama"), tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0"))
+    engine = LLM(model=str(file), device="cpu", max_model_len=256).llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+    def decoded(neighbour: bool):
+        engine.add_request(f"a-{neighbour}", {"prompt_token_ids": list(range(5, 15))}, params)
+        finished, steps = {}, 0
+        while engine.has_unfinished_requests():
+            if neighbour and steps == 3:  # a's decodes under way: b's whole prompt shares a step with one
+                engine.add_request("b", {"prompt_token_ids": list(range(20, 60))}, params)
+            finished.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+            steps += 1
+        return finished[f"a-{neighbour}"]
+
+    alone, beside = decoded(False), decoded(True)
+    assert beside.token_ids == alone.token_ids
+    assert [e[t].logprob for e, t in zip(beside.logprobs, beside.token_ids)] == [
+        e[t].logprob for e, t in zip(alone.logprobs, alone.token_ids)
+    ]
+
+
 def test_qwen2_tied_table_biases_and_mixed_qkv_types(tmp_path):
     # The 0.5B Qwen file's mix: Q8_0 and Q5_0 beside Q4_K / Q6_K; the tied table serves both ends.
     hf_dir = make_tiny_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=256)

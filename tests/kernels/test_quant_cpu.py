@@ -186,6 +186,23 @@ def test_linear_keeps_the_integer_kernel_up_to_its_crossover(lib, kind):
     assert torch.equal(together, quant_cpu.integer_linear(x, packed, kind, cols, library=lib))
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q3_K"])  # interleaved 32-value, interleaved K-quant, decoded
+def test_a_steps_decode_rows_go_apart_from_its_prefill_rows(lib, kind, monkeypatch):
+    # past the crossover, the first decode_rows rows come out as a call of their own gives them (the
+    # integer kernel here), the rest as theirs would: a decode row's bits never depend on a chunk beside it
+    monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
+    monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
+    cols = 512
+    packed, kind = laid_out("kernel layout", kind, gguf_blocks(kind, 37, cols, seed=25), cols, lib)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(26))
+    split = quant_cpu.linear(x, packed, kind, cols, library=lib, decode_rows=5)
+    assert torch.equal(split[:5], quant_cpu.integer_linear(x[:5], packed, kind, cols, library=lib))
+    assert torch.equal(split[5:], quant_cpu.dequantized_linear(x[5:], packed, kind, cols, library=lib))
+    together = quant_cpu.linear(x, packed, kind, cols, library=lib)
+    assert torch.equal(together, quant_cpu.dequantized_linear(x, packed, kind, cols, library=lib))
+    assert not torch.equal(together[:5], split[:5])  # what going apart changes
+
+
 def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """[m, rows]: the most the bfloat16 path can move each output (see the module docstring)."""
     magnitude = x.float().abs() @ weight.abs().float().T
