@@ -158,3 +158,8 @@ def make_tiny_bert(out_dir: str | Path, pooling: str = "mean", normalize: bool =
     )
     (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 96, "do_lower_case": False}))
     return out_dir
+
+
+def chosen_logprobs(completion) -> list[float]:
+    """Each generated token's own logprob (the request asked for logprobs): what "the same bits" compares."""
+    return [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]

@@ -9,6 +9,7 @@ import struct
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
+from test_gguf import write_gguf
 from test_gguf_packed import EVERY_TYPE
 from tiny_models import make_tiny_model
 
@@ -19,8 +20,6 @@ from inference.gguf_loader import VOCABULARY_ARRAYS
 
 @pytest.fixture(scope="module")
 def every_type_file(tmp_path_factory):
-    from test_gguf import write_gguf
-
     root = tmp_path_factory.mktemp("header")
     hf_dir = make_tiny_model(root / "hf", "qwen2", hidden_size=256, intermediate_size=256)
     return write_gguf(hf_dir, root / "every-type.gguf", EVERY_TYPE, sampling={"temp": 0.6, "top_k": 20})

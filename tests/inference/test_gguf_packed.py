@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gguf import ENGINE, PROMPTS, write_gguf
-from tiny_models import make_tiny_model
+from tiny_models import chosen_logprobs, make_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.gguf_loader import metadata, open_gguf, supported_types
@@ -190,9 +190,7 @@ def test_a_decode_keeps_its_bits_beside_a_prefill_chunk(tmp_path, monkeypatch):
 
     alone, beside = decoded(False), decoded(True)
     assert beside.token_ids == alone.token_ids
-    assert [e[t].logprob for e, t in zip(beside.logprobs, beside.token_ids)] == [
-        e[t].logprob for e, t in zip(alone.logprobs, alone.token_ids)
-    ]
+    assert chosen_logprobs(beside) == chosen_logprobs(alone)
 
 
 def test_qwen2_tied_table_biases_and_mixed_qkv_types(tmp_path):

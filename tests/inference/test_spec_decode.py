@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from test_gguf import write_gguf
-from tiny_models import hf_greedy, make_tiny_model
+from tiny_models import chosen_logprobs, hf_greedy, make_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.engine_setup import weight_bytes
@@ -125,10 +125,29 @@ def test_greedy_speculation_scores_each_token_with_plain_decodings_bits(plain, t
         [b] = speculating.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
         x, y = a.outputs[0], b.outputs[0]
         assert y.token_ids == x.token_ids
-        assert [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)] == [
-            e[t].logprob for e, t in zip(x.logprobs, x.token_ids)
-        ]
+        assert chosen_logprobs(y) == chosen_logprobs(x)
     assert speculating.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
+
+
+def assert_packed_speculation_has_plain_bits(tmp_path, monkeypatch) -> LLM:
+    """8 greedy sequences on a tiny packed GGUF file (32-value types), plain and then speculating on every
+    step with k = 4 (drafted by the file itself): the same tokens, each with the same logprob bits.
+    Returns the speculating LLM."""
+    monkeypatch.setattr(speculator, "best_k", lambda max_k, *args: max_k)
+    monkeypatch.setattr(speculator.StepCosts, "needs_plain_timing", lambda self, batch_size: False)
+    model = make_tiny_model(tmp_path / "hf", "llama")
+    file = str(write_gguf(model, tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0")))
+    prompts = repetitive_prompts(0) + repetitive_prompts(1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outputs = []
+    for config in (None, draft_of(file)):
+        llm = LLM(model=file, device="cpu", max_model_len=256, speculative_config=config)
+        done = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        outputs.append([o.outputs[0] for o in done])
+    for x, y in zip(*outputs):
+        assert y.token_ids == x.token_ids
+        assert chosen_logprobs(y) == chosen_logprobs(x)
+    return llm
 
 
 def test_a_packed_batch_speculates_with_plain_decodings_bits(tmp_path, monkeypatch):
@@ -138,24 +157,9 @@ def test_a_packed_batch_speculates_with_plain_decodings_bits(tmp_path, monkeypat
     whose rows are row-invariant: every token scored with plain decoding's bits."""
     if not quant_cpu.kernel_kind("Q8_0").endswith(quant_cpu.X16):
         pytest.skip("no fused GGUF kernels on this CPU: its decoded path changes to bfloat16 at 32 rows")
-    monkeypatch.setattr(speculator, "best_k", lambda max_k, *args: max_k)  # every step speculates, k = 4
-    monkeypatch.setattr(speculator.StepCosts, "needs_plain_timing", lambda self, batch_size: False)
-    model = make_tiny_model(tmp_path / "hf", "llama")
-    file = str(write_gguf(model, tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0")))
-    prompts = repetitive_prompts(0) + repetitive_prompts(1)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    outputs = []
-    for config in (None, draft_of(file)):
-        llm = LLM(model=file, device="cpu", max_model_len=256, speculative_config=config)
-        done = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        outputs.append([o.outputs[0] for o in done])
-    stats = llm.llm_engine.get_stats()
+    speculating = assert_packed_speculation_has_plain_bits(tmp_path, monkeypatch)
+    stats = speculating.llm_engine.get_stats()
     assert stats["spec_decode_num_draft_tokens_total"] >= 8 * 4 * 4  # several steps of 8 x (1 + 4) rows
-    for x, y in zip(*outputs):
-        assert y.token_ids == x.token_ids
-        assert [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)] == [
-            e[t].logprob for e, t in zip(x.logprobs, x.token_ids)
-        ]
 
 
 def test_verification_steps_stay_below_the_packed_linears_crossover(tmp_path, monkeypatch):
@@ -164,8 +168,6 @@ def test_verification_steps_stay_below_the_packed_linears_crossover(tmp_path, mo
     step below 12 rows instead, so tokens and logprobs keep plain decoding's bits."""
     monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
     monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
-    monkeypatch.setattr(speculator, "best_k", lambda max_k, *args: max_k)
-    monkeypatch.setattr(speculator.StepCosts, "needs_plain_timing", lambda self, batch_size: False)
     step_rows = []
     propose = speculator.Speculator.propose
 
@@ -175,23 +177,10 @@ def test_verification_steps_stay_below_the_packed_linears_crossover(tmp_path, mo
         return failed
 
     monkeypatch.setattr(speculator.Speculator, "propose", recording_propose)
-    model = make_tiny_model(tmp_path / "hf", "llama")
-    file = str(write_gguf(model, tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0")))
-    prompts = repetitive_prompts(0) + repetitive_prompts(1)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
-    outputs = []
-    for config in (None, draft_of(file)):
-        llm = LLM(model=file, device="cpu", max_model_len=256, speculative_config=config)
-        done = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        outputs.append([o.outputs[0] for o in done])
-    assert llm.llm_engine.speculator.row_limit == 12
-    assert llm.llm_engine.get_stats()["spec_decode_num_draft_tokens_total"] > 0
+    speculating = assert_packed_speculation_has_plain_bits(tmp_path, monkeypatch)
+    assert speculating.llm_engine.speculator.row_limit == 12
+    assert speculating.llm_engine.get_stats()["spec_decode_num_draft_tokens_total"] > 0
     assert max(step_rows) == 11  # the spare rows used, never more
-    for x, y in zip(*outputs):
-        assert y.token_ids == x.token_ids
-        assert [e[t].logprob for e, t in zip(y.logprobs, y.token_ids)] == [
-            e[t].logprob for e, t in zip(x.logprobs, x.token_ids)
-        ]
 
 
 def test_stops_cut_the_accepted_tokens(plain, self_drafted):
