@@ -253,8 +253,8 @@ class QuotaLedger:
         Redis unreachable: the settlement waits in this process and is applied before its next ledger
         call (settle, reserve, renew), so the slot comes back as soon as Redis does, not when its lease ends.
         """
-        self.retry_unsettled()
         try:
+            self.retry_unsettled()
             return self._settle_now(reservation, actual_tokens)
         except redis.RedisError:
             self._unsettled.append((reservation, int(actual_tokens)))
@@ -262,7 +262,9 @@ class QuotaLedger:
             return False
 
     def retry_unsettled(self) -> int:
-        """Apply the settlements that failed while Redis was away; how many were applied."""
+        """Apply the settlements that failed while Redis was away; how many were applied. Raises Redis's
+        error while some cannot be applied yet: counters without them are stale, so nobody is admitted
+        or refused against them."""
         applied = 0
         while self._unsettled:
             try:
@@ -273,7 +275,7 @@ class QuotaLedger:
                 self._settle_now(reservation, tokens)  # idempotent: one applied before the reply was lost gives 0
             except redis.RedisError:
                 self._unsettled.appendleft((reservation, tokens))  # still away: the next call tries again
-                break
+                raise
             applied += 1
         return applied
 

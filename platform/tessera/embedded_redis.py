@@ -13,6 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
 from tessera.private_files import read_or_create_secret
 
 
@@ -46,8 +50,9 @@ def start(port: int | None = None, data_dir: str | None = None, quiet: bool = Tr
     out = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen(server_command(port, Path(data_dir)), stdout=out, stderr=out)
     atexit.register(_stop, proc)
-    wait_until_listening(port, proc)
-    return url(port, password(Path(data_dir))), proc
+    redis_url = url(port, password(Path(data_dir)))
+    wait_until_ready(redis_url, proc)
+    return redis_url, proc
 
 
 def server_command(port: int, data_dir: Path, persistent: bool = False, host: str = "127.0.0.1") -> list[str]:
@@ -91,17 +96,23 @@ def config_file(data_dir: Path) -> Path:
     return path
 
 
-def wait_until_listening(port: int, proc: subprocess.Popen, timeout: float = 10.0, host: str = "127.0.0.1") -> None:
+def wait_until_ready(redis_url: str, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Until redis-server answers PING. Accepting connections is not enough: it listens before it has
+    loaded its append-only file and answers LOADING to every command until then."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=0.5, retry=Retry(NoBackoff(), 0))
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with code {proc.returncode}")
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"redis-server did not listen on port {port} within {timeout}s")
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with code {proc.returncode}")
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:  # not listening yet, or still loading (BusyLoadingError)
+                time.sleep(0.05)
+    finally:
+        client.close()
+    raise RuntimeError(f"redis-server at {redis_url.rsplit('@', 1)[-1]} did not answer PING within {timeout}s")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -180,8 +180,9 @@ def start_redis(supervisor: Supervisor, var_dir: Path) -> str:
     (data_dir / "appendonly.aof").unlink(missing_ok=True)
     argv = embedded_redis.server_command(port, data_dir, persistent=True)
     child = supervisor.start("redis", argv, tier=0, restart=RESTART)  # stopped last: the engine drains into it
-    embedded_redis.wait_until_listening(port, child.process)
-    return embedded_redis.url(port, embedded_redis.password(data_dir))
+    redis_url = embedded_redis.url(port, embedded_redis.password(data_dir))
+    embedded_redis.wait_until_ready(redis_url, child.process)
+    return redis_url
 
 
 def start_postgres(supervisor: Supervisor, var_dir: Path) -> str:

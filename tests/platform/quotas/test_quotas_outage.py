@@ -28,8 +28,9 @@ class RestartableRedis:
         command = embedded_redis.server_command(self.port, self.data_dir, persistent=True)
         command[command.index("everysec")] = "always"  # nothing acknowledged is lost by the kill
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        embedded_redis.wait_until_listening(self.port, self.proc)
-        return embedded_redis.url(self.port, embedded_redis.password(self.data_dir))
+        redis_url = embedded_redis.url(self.port, embedded_redis.password(self.data_dir))
+        embedded_redis.wait_until_ready(redis_url, self.proc)  # loaded its append-only file, not just listening
+        return redis_url
 
     def kill(self) -> None:
         self.proc.kill()
