@@ -132,15 +132,15 @@ def segment_linear(layer, seg: Segment, x, bias, out=None):
 
 def row_invariant_rows(model: nn.Module) -> int | None:
     """The fewest activation rows at which one of the model's packed linears (its LM head included) leaves
-    the integer kernel for the bfloat16 path (quant_cpu.dequantize_from_rows); below it every row comes
-    out as it does alone. None: no packed linear changes path."""
+    the integer kernel (quant_cpu.leaves_integer_at); below it every row comes out as it does alone.
+    None: no packed linear changes path."""
     crossovers: list[int | None] = []
     for module in model.modules():
         if isinstance(module, LinearBase):
             packed = [seg.kind for seg in getattr(module, "segments", ()) if seg.kind != "dense"]
-            crossovers += [quant_cpu.dequantize_from_rows(kind, module.in_features) for kind in packed]
+            crossovers += [quant_cpu.leaves_integer_at(kind, module.in_features) for kind in packed]
         elif isinstance(module, ParallelLMHead) and (kind := getattr(module.weight, "ggml_type", None)):
-            crossovers.append(quant_cpu.dequantize_from_rows(kind, module.hidden))
+            crossovers.append(quant_cpu.leaves_integer_at(kind, module.hidden))
     return min((c for c in crossovers if c is not None), default=None)
 
 

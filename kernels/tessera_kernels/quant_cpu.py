@@ -9,12 +9,14 @@ Q8_K) and runs integer dot products against the weight's codes (AVX-512 VNNI, AV
 int8 activations make the result differ from the reference by at most sum_i |w_i| * max|x| of i's block /
 254 (half a step of the activation's quantization), which the tests check per output.
 
-From `dequantize_from_rows` activation rows on (a prefill, a large decode batch), where that measured
-faster (docs/kernels.md), `linear` instead dequantizes the weight to bfloat16, a slice of rows at a time
-into a reused per-thread buffer, and runs oneDNN's bfloat16 GEMM on it (AMX where the CPU has it); the
-weight stays packed in memory. Its error
-against the reference is bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation
-rounded) plus 2^-8 of the output.
+With more activation rows (a prefill, a large decode batch) `linear` leaves the integer kernel where
+another path measured faster (docs/kernels.md, `path`): on CPUs with AMX, interleaved rows go to its
+bfloat16 tiles (`tile_linear`: each group of 16 weight rows dequantized in registers, in the C kernel);
+with more rows still, and for rows in the file's order, the weight is dequantized to bfloat16 a slice of
+rows at a time into a reused per-thread buffer and oneDNN's bfloat16 GEMM runs on it
+(`dequantized_linear`). The weight stays packed in memory either way. Their error against the reference
+is bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation rounded) plus 2^-8 of the
+output.
 
 KERNEL_TYPES have kernels; other ggml types are converted at load (inference/quantization/gguf.py).
 """
@@ -32,11 +34,13 @@ from tessera_kernels import native_cpu
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 X16 = "x16"  # a kind's suffix when its rows are interleaved 16 to a group (kernel_layout)
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
-# Activation rows from which the bfloat16 path is faster on whole models, measured (docs/kernels.md): the
-# decoded path's kernel from 32; the interleaved rows' kernels (None: never) beat it up to 2048 rows
-# (max_num_batched_tokens' default) where oneDNN has no AMX, and up to 128-256 rows where it has.
+# Activation rows from which another path is faster, measured (docs/kernels.md): for the decoded path's
+# kernel, oneDNN on the dequantized weight from 32 rows; for interleaved rows, AMX's tiles from 32 rows
+# where the library has them, and oneDNN from 512 (AMX tiles there too); without AMX the interleaved rows'
+# kernels beat oneDNN up to 2048 rows (max_num_batched_tokens' default): None, never.
 DEQUANTIZE_FROM_ROWS = 32
-INTERLEAVED_DEQUANTIZE_FROM_ROWS = 192 if native_cpu.has_amx() else None
+TILES_FROM_ROWS = 32
+INTERLEAVED_DEQUANTIZE_FROM_ROWS = 512 if native_cpu.has_amx() else None
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
@@ -101,9 +105,28 @@ def fused(kind: str, in_features: int, library=None) -> bool:
     return bool((library or native_cpu.load()).gguf_fused(type_number(kind), in_features))  # load(): never recorded
 
 
-def dequantize_from_rows(kind: str, in_features: int, library=None) -> int | None:
-    """The row count from which `linear` takes the bfloat16 path for this weight (None: never)."""
-    return INTERLEAVED_DEQUANTIZE_FROM_ROWS if fused(kind, in_features, library) else DEQUANTIZE_FROM_ROWS
+@functools.cache
+def tiles(kind: str, in_features: int, library=None) -> bool:
+    """Whether this weight has the AMX tile kernel (interleaved rows on a CPU with AMX)."""
+    return bool((library or native_cpu.load()).gguf_tiles(type_number(kind), in_features))
+
+
+def path(kind: str, in_features: int, rows: int, library=None) -> str:
+    """Which kernel `linear` runs for `rows` activation rows: "integer", "tiles" or "dequantized"."""
+    if not fused(kind, in_features, library):
+        return "integer" if rows < DEQUANTIZE_FROM_ROWS else "dequantized"
+    if INTERLEAVED_DEQUANTIZE_FROM_ROWS is not None and rows >= INTERLEAVED_DEQUANTIZE_FROM_ROWS:
+        return "dequantized"
+    return "tiles" if rows >= TILES_FROM_ROWS and tiles(kind, in_features, library) else "integer"
+
+
+def leaves_integer_at(kind: str, in_features: int, library=None) -> int | None:
+    """The fewest activation rows for which `linear` leaves the integer kernel for this weight (None: never)."""
+    if not fused(kind, in_features, library):
+        return DEQUANTIZE_FROM_ROWS
+    if tiles(kind, in_features, library):
+        return TILES_FROM_ROWS
+    return INTERLEAVED_DEQUANTIZE_FROM_ROWS
 
 
 def activation_block(kind: str, in_features: int, library=None) -> int:
@@ -127,18 +150,17 @@ def linear(
 ) -> torch.Tensor:
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
     x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
-    From dequantize_from_rows() rows on, through dequantized_linear; then the first `decode_rows` rows (a
+    The kernel is `path`'s for the row count; off the integer kernel, the first `decode_rows` rows (a
     step's decodes, ahead of its prefill chunks) go apart from the rest, each part by its own count, so a
     decode row's bits never depend on a chunk that shares its step."""
-    crossover = dequantize_from_rows(kind, in_features, library)
-    if crossover is None or x.shape[0] < crossover:
-        return integer_linear(x, packed, kind, in_features, bias, out, library)
-    if 0 < decode_rows < x.shape[0]:
+    chosen = path(kind, in_features, x.shape[0], library)
+    if chosen != "integer" and 0 < decode_rows < x.shape[0]:
         out = x.new_empty(x.shape[0], packed.shape[0]) if out is None else out
         for rows in (slice(0, decode_rows), slice(decode_rows, None)):
             linear(x[rows], packed, kind, in_features, bias, out[rows], library)
         return out
-    return dequantized_linear(x, packed, kind, in_features, bias, out, library)
+    run = {"integer": integer_linear, "tiles": tile_linear, "dequantized": dequantized_linear}[chosen]
+    return run(x, packed, kind, in_features, bias, out, library)
 
 
 def integer_linear(
@@ -151,13 +173,31 @@ def integer_linear(
     library=None,
 ) -> torch.Tensor:
     """`linear` by the C kernel: int8 activations, integer dot products against the blocks' codes."""
+    return _native_linear("gguf_linear", x, packed, kind, in_features, bias, out, library)
+
+
+def tile_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    kind: str,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    library=None,
+) -> torch.Tensor:
+    """`linear` on AMX's bfloat16 tiles (where `tiles` says so): each group of 16 weight rows dequantized in
+    registers and met by every activation row, float32 sums."""
+    return _native_linear("gguf_tile_linear", x, packed, kind, in_features, bias, out, library)
+
+
+def _native_linear(entry: str, x, packed, kind, in_features, bias, out, library) -> torch.Tensor:
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = packed.shape[0]
     out = x.new_empty(x.shape[0], rows) if out is None else out
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
-    status = (library or native_cpu.active_library()).gguf_linear(
+    status = getattr(library or native_cpu.active_library(), entry)(
         x.data_ptr(),
         x.stride(0),
         x.shape[0],

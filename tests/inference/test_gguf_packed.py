@@ -174,6 +174,7 @@ def test_a_decode_keeps_its_bits_beside_a_prefill_chunk(tmp_path, monkeypatch):
     them apart, so a request's tokens and logprobs are the same with or without a neighbour's prefill."""
     monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
     monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
+    monkeypatch.setattr(quant_cpu, "TILES_FROM_ROWS", 12)
     file = write_gguf(make_tiny_model(tmp_path / "hf", "llama"), tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0"))
     engine = LLM(model=str(file), device="cpu", max_model_len=256).llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)

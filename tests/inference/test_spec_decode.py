@@ -168,6 +168,7 @@ def test_verification_steps_stay_below_the_packed_linears_crossover(tmp_path, mo
     step below 12 rows instead, so tokens and logprobs keep plain decoding's bits."""
     monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
     monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
+    monkeypatch.setattr(quant_cpu, "TILES_FROM_ROWS", 12)
     step_rows = []
     propose = speculator.Speculator.propose
 

@@ -11,8 +11,9 @@ the K-quants on the AVX-512 VNNI kernel) to int8 (step max|x| / 127), so an outp
 the dequantize-then-matmul reference by up to sum_i |w_i| * max|x| of i's block / 254 (half a step
 per product); each output is checked
 against its own bound, plus 1e-5 of the output's scale for float32 rounding. Dequantized rows
-must equal the gguf package's values exactly. From quant_cpu.dequantize_from_rows rows on, `linear`
-runs a bfloat16 GEMM on the dequantized weight instead: weight and activations rounded to bfloat16
+must equal the gguf package's values exactly. From quant_cpu.leaves_integer_at rows on, `linear`
+runs a bfloat16 GEMM instead (AMX's tiles, or oneDNN's on the dequantized weight; quant_cpu.path): weight
+and activations rounded to bfloat16
 (2^-8 each, so 2^-7 of sum_i |w_i x_i|), the product rounded once more (2^-8 of the output), plus
 float32 accumulation (in_features * 2^-24 of sum_i |w_i x_i|).
 """
@@ -172,14 +173,19 @@ def test_each_activation_row_comes_out_as_it_does_alone(lib, layout, kind, dtype
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 def test_linear_keeps_the_integer_kernel_up_to_its_crossover(lib, kind):
-    # the interleaved rows' kernels stay faster than the bfloat16 path for more rows than the decoded path's,
-    # or for all (docs/kernels.md); below the crossover every row comes out as it does alone, as only the
-    # integer kernel guarantees
+    # interleaved rows leave the integer kernel for AMX's tiles where the library has them, else for the
+    # bfloat16 path later than the decoded path's rows do, or never (docs/kernels.md); below the crossover
+    # every row comes out as it does alone, and as it does on the integer kernel
     cols = 512
     packed, kind = laid_out("kernel layout", kind, gguf_blocks(kind, 37, cols, seed=23), cols, lib)
-    interleaved = kind.endswith(quant_cpu.X16)
-    crossover = quant_cpu.dequantize_from_rows(kind, cols, lib)
-    assert crossover == (quant_cpu.INTERLEAVED_DEQUANTIZE_FROM_ROWS if interleaved else quant_cpu.DEQUANTIZE_FROM_ROWS)
+    crossover = quant_cpu.leaves_integer_at(kind, cols, lib)
+    if quant_cpu.tiles(kind, cols, lib):
+        expected = quant_cpu.TILES_FROM_ROWS
+    elif kind.endswith(quant_cpu.X16):
+        expected = quant_cpu.INTERLEAVED_DEQUANTIZE_FROM_ROWS
+    else:
+        expected = quant_cpu.DEQUANTIZE_FROM_ROWS
+    assert crossover == expected
     rows_in = (crossover or 4 * quant_cpu.DEQUANTIZE_FROM_ROWS) - 1
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(24))
     together = quant_cpu.linear(x, packed, kind, cols, library=lib)
@@ -209,31 +215,74 @@ def bfloat16_bound(weight: torch.Tensor, x: torch.Tensor, reference: torch.Tenso
     return magnitude * (2**-7 + x.shape[1] * 2**-24) + reference.abs() * 2**-8 + 1e-6
 
 
+def assert_within_bfloat16_bound(out, packed, kind, x, bias=None):
+    reference = quant_cpu.reference_linear(x, packed, kind, bias)
+    bound = bfloat16_bound(dequantized(packed, kind), x, reference)
+    if out.dtype == torch.bfloat16:  # the bias is added after the product, then rounded with it
+        bound = bound + reference.abs() * 2**-8
+    excess = ((out.float() - reference).abs() - bound).max()
+    assert excess <= 0, f"an output is {float(excess):.3g} past its bound"
+
+
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_run_in_bfloat16_within_its_bound(lib, layout, kind, dtype):
-    # the bfloat16 path itself, at a row count `linear` sends there (or would, for interleaved rows where it
-    # never does)
-    cols = 512
-    rows_in = (quant_cpu.dequantize_from_rows(kind, cols, lib) or quant_cpu.DEQUANTIZE_FROM_ROWS) + 5
+    # the bfloat16 path itself, at a row count `linear` sends there on the decoded path
+    cols, rows_in = 512, quant_cpu.DEQUANTIZE_FROM_ROWS + 5
     packed = gguf_blocks(kind, 37, cols, seed=13)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(14)).to(dtype)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(15))
     out = quant_cpu.dequantized_linear(x, *laid_out(layout, kind, packed, cols, lib), cols, bias, library=lib)
     assert out.shape == (rows_in, 37) and out.dtype == dtype
-    reference = quant_cpu.reference_linear(x, packed, kind, bias)
-    bound = bfloat16_bound(dequantized(packed, kind), x, reference)
-    if dtype == torch.bfloat16:  # the bias is added after the product, then rounded with it
-        bound = bound + reference.abs() * 2**-8
-    excess = ((out.float() - reference).abs() - bound).max()
-    assert excess <= 0, f"an output is {float(excess):.3g} past its bound"
+    assert_within_bfloat16_bound(out, packed, kind, x, bias)
+
+
+def amx_tiles(kind: str, cols: int, lib) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(file blocks, blocks in the kernel layout, its kind) of random weights where the library has AMX tiles
+    for them."""
+    packed = gguf_blocks(kind, 37, cols, seed=31)  # 37 rows: two groups of 16 and a partial one of 5
+    held, held_kind = laid_out("kernel layout", kind, packed, cols, lib)
+    if not quant_cpu.tiles(held_kind, cols, lib):
+        pytest.skip("no AMX tiles in this build (the CPU has no AMX, or the kind is not interleaved)")
+    return packed, held, held_kind
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_tiles_run_in_bfloat16_within_its_bound_each_row_as_alone(lib, kind, dtype):
+    # 70 activation rows: four tiles of 16 share each weight tile, then two more rows; every output within
+    # the bfloat16 bound, each row's bits as a one-row call gives them (what speculation relies on)
+    cols = 768
+    packed, held, held_kind = amx_tiles(kind, cols, lib)
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(32)).to(dtype)
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(33))
+    out = quant_cpu.tile_linear(x, held, held_kind, cols, bias, library=lib)
+    assert out.shape == (70, 37) and out.dtype == dtype
+    assert_within_bfloat16_bound(out, packed, kind, x, bias)
+    for row in (0, 17, 63, 69):
+        alone = quant_cpu.tile_linear(x[row : row + 1], held, held_kind, cols, bias, library=lib)
+        assert torch.equal(out[row], alone[0])
+
+
+def test_between_the_crossovers_linear_runs_on_amx_tiles_into_an_output_slice(lib):
+    cols = 512
+    packed, held, held_kind = amx_tiles("Q4_K", cols, lib)
+    rows_in = quant_cpu.TILES_FROM_ROWS + 3
+    assert quant_cpu.path(held_kind, cols, rows_in, lib) == "tiles"
+    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(34))
+    wide = torch.full((rows_in, 45), 7.0)
+    quant_cpu.linear(x, held, held_kind, cols, out=wide[:, 4:41], library=lib)
+    assert torch.equal(wide[:, 4:41], quant_cpu.tile_linear(x, held, held_kind, cols, library=lib))
+    assert_within_bfloat16_bound(wide[:, 4:41], packed, "Q4_K", x)
+    assert torch.equal(wide[:, :4], torch.full((rows_in, 4), 7.0))
+    assert torch.equal(wide[:, 41:], torch.full((rows_in, 4), 7.0))
 
 
 def test_bfloat16_path_in_slices_of_the_weight_into_an_output_slice(lib, monkeypatch):
     # a scratch of 5 rows: 37 weight rows in 8 slices (the last one partial), as an LM head goes
     monkeypatch.setattr(quant_cpu, "SCRATCH_VALUES", 5 * 256)
     kind, cols = "Q4_K", 256
-    rows_in = quant_cpu.dequantize_from_rows(kind, cols, lib)
+    rows_in = quant_cpu.leaves_integer_at(kind, cols, lib)
     packed = gguf_blocks(kind, 37, cols, seed=16)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(17))
     wide = torch.full((rows_in, 45), 7.0)

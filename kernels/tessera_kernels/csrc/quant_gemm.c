@@ -651,34 +651,60 @@ ALWAYS_INLINE __m512i quads_dot(const __m512i *c, int count, const int8_t *q, __
  * accumulators (lane l: row l). Per sub-block s of 32: 8 code vectors (low nibbles of quads 8 (s / 2) ..
  * + 7 for even s, high for odd, plus bit s of the fifth-bit quads), 8 vpdpbusd a row, one multiply by
  * the lanes' scales; per block the mins meet the activation's sums in 4 vpdpwssd. */
-ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc, int fifth_bits) {
-    const int stride = 4 * r;
-    const __mmask64 bytes = r == K16_ROWS ? ~0ull : (1ull << stride) - 1;
+/* A Q4_K / Q5_K block of 16 (r) rows: its byte mask and quad stride, d and dmin (lane l: row l), the packed
+ * 6-bit scales and mins (byte j of a lane of scales[h]: sub-block 4h + j's), and where its codes are. */
+typedef struct {
+    __mmask64 bytes;
+    int stride;
+    __m512 d, dmin;
+    __m512i scales[2], mins[2];
+    const uint8_t *qh, *qs;
+} q4_k_block;
+
+ALWAYS_INLINE q4_k_block q4_k_open(const uint8_t *at, int r, int fifth_bits) {
+    q4_k_block k;
+    k.stride = 4 * r;
+    k.bytes = r == K16_ROWS ? ~0ull : (1ull << k.stride) - 1;
     const __mmask16 halves = (__mmask16)((1u << r) - 1);
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at + 2 * r));
-    const uint8_t *packed = at + 4 * r, *qh = packed + 3 * stride, *qs = qh + (fifth_bits ? 8 * stride : 0);
-    const __m512i v0 = _mm512_maskz_loadu_epi8(bytes, packed), v1 = _mm512_maskz_loadu_epi8(bytes, packed + stride);
-    const __m512i v2 = _mm512_maskz_loadu_epi8(bytes, packed + 2 * stride);
+    k.d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at));
+    k.dmin = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at + 2 * r));
+    const uint8_t *packed = at + 4 * r;
+    k.qh = packed + 3 * k.stride;
+    k.qs = k.qh + (fifth_bits ? 8 * k.stride : 0);
+    const __m512i v0 = _mm512_maskz_loadu_epi8(k.bytes, packed), v1 = _mm512_maskz_loadu_epi8(k.bytes, packed + k.stride);
+    const __m512i v2 = _mm512_maskz_loadu_epi8(k.bytes, packed + 2 * k.stride);
     const __m512i six = _mm512_set1_epi8(63), nibble = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
-    /* k_scale_min for 16 rows: byte j of a lane of scales[h] is sub-block 4h + j's scale */
-    const __m512i scales[2] = {_mm512_and_si512(v0, six),
-                               _mm512_or_si512(_mm512_and_si512(v2, nibble), _mm512_and_si512(_mm512_srli_epi16(v0, 2), top))};
-    const __m512i mins[2] = {_mm512_and_si512(v1, six), _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v2, 4), nibble),
-                                                                      _mm512_and_si512(_mm512_srli_epi16(v1, 2), top))};
+    /* k_scale_min for 16 rows */
+    k.scales[0] = _mm512_and_si512(v0, six);
+    k.scales[1] = _mm512_or_si512(_mm512_and_si512(v2, nibble), _mm512_and_si512(_mm512_srli_epi16(v0, 2), top));
+    k.mins[0] = _mm512_and_si512(v1, six);
+    k.mins[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v2, 4), nibble), _mm512_and_si512(_mm512_srli_epi16(v1, 2), top));
+    return k;
+}
+
+/* Sub-block s's 8 code vectors: low nibbles of quads 8 (s / 2) .. + 7 for even s, high for odd, plus bit s
+ * of the fifth-bit quads (Q5_K). c[i]: values 32 s + 4 i .. + 3. */
+ALWAYS_INLINE void q4_k_codes(const q4_k_block *k, int s, int fifth_bits, __m512i *c) {
+    for (int i = 0; i < 8; i++) {
+        const __m512i quad_bytes = _mm512_maskz_loadu_epi8(k->bytes, k->qs + k->stride * (8 * (s / 2) + i));
+        c[i] = s % 2 ? high_nibbles(quad_bytes) : low_nibbles(quad_bytes);
+        if (fifth_bits) {
+            const __m512i h = _mm512_maskz_loadu_epi8(k->bytes, k->qh + k->stride * i);
+            const __m512i bit = s <= 4 ? _mm512_slli_epi16(h, 4 - s) : _mm512_srli_epi16(h, s - 4);
+            c[i] = _mm512_or_si512(c[i], _mm512_and_si512(bit, _mm512_set1_epi8(16)));
+        }
+    }
+}
+
+ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc, int fifth_bits) {
+    const q4_k_block k = q4_k_open(at, r, fifth_bits);
+    const __m512 d = k.d, dmin = k.dmin;
+    const __m512i *scales = k.scales, *mins = k.mins;
     __m512i sums[FUSED_ROWS];
     for (int j = 0; j < rows; j++) sums[j] = _mm512_setzero_si512();
     for (int s = 0; s < 8; s++) {
         __m512i c[8];
-        for (int i = 0; i < 8; i++) {
-            const __m512i quad_bytes = _mm512_maskz_loadu_epi8(bytes, qs + stride * (8 * (s / 2) + i));
-            c[i] = s % 2 ? high_nibbles(quad_bytes) : low_nibbles(quad_bytes);
-            if (fifth_bits) {
-                const __m512i h = _mm512_maskz_loadu_epi8(bytes, qh + stride * i);
-                const __m512i bit = s <= 4 ? _mm512_slli_epi16(h, 4 - s) : _mm512_srli_epi16(h, s - 4);
-                c[i] = _mm512_or_si512(c[i], _mm512_and_si512(bit, _mm512_set1_epi8(16)));
-            }
-        }
+        q4_k_codes(&k, s, fifth_bits, c);
         const __m512i scale = lane_byte(scales[s / 4], s % 4, 0);
         for (int j = 0; j < rows; j++)
             sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c, 8, a[j].q + b * KBLOCK + 32 * s, _mm512_setzero_si512()), scale));
@@ -702,28 +728,49 @@ ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a,
  * part .., and high-bit quads of qh bytes 32 half + 16 part ..; they make 16 code vectors, 4 for each of the
  * quarter's 4 sub-blocks of 16 (values 128 half + 32 p + 16 part), and a sub-block's sums meet its int8
  * scales in one multiply. The offset (code - 32) meets the activation's sums per 16 in 8 vpdpwssd a block. */
+typedef struct {
+    __mmask64 bytes;
+    int stride;
+    __m512 d;
+    __m512i scales[4]; /* byte j of a lane of scales[t]: sub-block 4t + j's int8 scale */
+    const uint8_t *packed;
+} q6_k_block;
+
+ALWAYS_INLINE q6_k_block q6_k_open(const uint8_t *at, int r) {
+    q6_k_block k;
+    k.stride = 4 * r;
+    k.bytes = r == K16_ROWS ? ~0ull : (1ull << k.stride) - 1;
+    k.packed = at + 2 * r;
+    k.d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << r) - 1), at));
+    for (int t = 0; t < 4; t++) k.scales[t] = _mm512_maskz_loadu_epi8(k.bytes, k.packed + k.stride * t);
+    return k;
+}
+
+/* Quarter (half, part)'s 16 code vectors, c[p][i]: values 128 half + 32 p + 16 part + 4 i .. + 3, whose
+ * sub-block is 8 half + 2 p + part; a value is its sub-block's scale * (code - 32). */
+ALWAYS_INLINE void q6_k_codes(const q6_k_block *k, int half, int part, __m512i c[4][4]) {
+    const uint8_t *quads = k->packed + (4 + 12 * (2 * half + part)) * k->stride;
+    for (int i = 0; i < 4; i++) {
+        const __m512i low = _mm512_maskz_loadu_epi8(k->bytes, quads + k->stride * i);
+        const __m512i high = _mm512_maskz_loadu_epi8(k->bytes, quads + k->stride * (4 + i));
+        const __m512i h = _mm512_maskz_loadu_epi8(k->bytes, quads + k->stride * (8 + i));
+        c[0][i] = low_nibbles_with(low, high_bit_pair(h, 0));
+        c[1][i] = low_nibbles_with(high, high_bit_pair(h, 1));
+        c[2][i] = _mm512_or_si512(high_nibbles(low), high_bit_pair(h, 2));
+        c[3][i] = _mm512_or_si512(high_nibbles(high), high_bit_pair(h, 3));
+    }
+}
+
 ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc) {
-    const int stride = 4 * r;
-    const __mmask64 bytes = r == K16_ROWS ? ~0ull : (1ull << stride) - 1;
-    const uint8_t *packed = at + 2 * r;
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << r) - 1), at));
-    __m512i scales[4];
-    for (int t = 0; t < 4; t++) scales[t] = _mm512_maskz_loadu_epi8(bytes, packed + stride * t);
+    const q6_k_block k = q6_k_open(at, r);
+    const __m512 d = k.d;
+    const __m512i *scales = k.scales;
     __m512i sums[FUSED_ROWS];
     for (int j = 0; j < rows; j++) sums[j] = _mm512_setzero_si512();
     for (int half = 0; half < 2; half++)
-        for (int part = 0; part < 2; part++) { /* quads 4 part .. + 3: the first or second sub-block of 16 */
-            const uint8_t *quads = packed + (4 + 12 * (2 * half + part)) * stride;
-            __m512i c[4][4]; /* [p][i]: values 128 half + 32 p + 16 part + 4 i */
-            for (int i = 0; i < 4; i++) {
-                const __m512i low = _mm512_maskz_loadu_epi8(bytes, quads + stride * i);
-                const __m512i high = _mm512_maskz_loadu_epi8(bytes, quads + stride * (4 + i));
-                const __m512i h = _mm512_maskz_loadu_epi8(bytes, quads + stride * (8 + i));
-                c[0][i] = low_nibbles_with(low, high_bit_pair(h, 0));
-                c[1][i] = low_nibbles_with(high, high_bit_pair(h, 1));
-                c[2][i] = _mm512_or_si512(high_nibbles(low), high_bit_pair(h, 2));
-                c[3][i] = _mm512_or_si512(high_nibbles(high), high_bit_pair(h, 3));
-            }
+        for (int part = 0; part < 2; part++) { /* the first or second sub-block of 16 of each 32 */
+            __m512i c[4][4];
+            q6_k_codes(&k, half, part, c);
             __m512i scale[4];
             for (int p = 0; p < 4; p++) {
                 const int s = 8 * half + 2 * p + part;
@@ -776,18 +823,16 @@ ALWAYS_INLINE __mmask64 fifth_bit_mask(__m512i h, int i) {
     return _mm512_test_epi8_mask(byte, _mm512_set1_epi32(i % 2 ? (int)0x80402010 : 0x08040201));
 }
 
-/* One block of 16 (r) rows of a 32-value type against `rows` activation rows, into their accumulators (lane
- * l: row l). 8 code vectors (c[i]: codes 4i .. 4i + 3 of each row: low nibbles of nibble quad i for i < 4,
- * high ones of quad i - 4; Q8_0's code quads), 8 vpdpbusd a row starting from the offset's share, one
- * conversion and multiply-add (one more for the mins). */
-ALWAYS_INLINE void k16_small(int type, const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc) {
+/* A 32-value block of 16 (r) rows: d and min (zero without one) per lane, and its 8 code vectors (c[i]:
+ * codes 4i .. 4i + 3 of each row: low nibbles of nibble quad i for i < 4, high ones of quad i - 4; Q8_0's
+ * code quads, its int8 + 128). A value is d * (code - code_offset) + min. */
+ALWAYS_INLINE void small_codes(int type, const uint8_t *at, int r, __m512 *d, __m512 *mins, __m512i *c) {
     const int has_min = type == Q4_1 || type == Q5_1, fifth_bits = type == Q5_0 || type == Q5_1, stride = 4 * r;
     const __mmask64 bytes = r == K16_ROWS ? ~0ull : (1ull << stride) - 1;
     const __mmask16 halves = (__mmask16)((1u << r) - 1);
-    const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at));
-    const __m512 mins = has_min ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at + 2 * r)) : _mm512_setzero_ps();
+    *d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at));
+    *mins = has_min ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(halves, at + 2 * r)) : _mm512_setzero_ps();
     const uint8_t *qh = at + (has_min ? 4 : 2) * r, *qs = qh + (fifth_bits ? stride : 0);
-    __m512i c[8];
     if (type == Q8_0) {
         for (int i = 0; i < 8; i++)
             c[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, qs + stride * i), _mm512_set1_epi8((char)0x80));
@@ -802,6 +847,16 @@ ALWAYS_INLINE void k16_small(int type, const uint8_t *at, int r, int64_t b, cons
         const __m512i h = _mm512_maskz_loadu_epi8(bytes, qh);
         for (int i = 0; i < 8; i++) c[i] = _mm512_mask_add_epi8(c[i], fifth_bit_mask(h, i), c[i], _mm512_set1_epi8(16));
     }
+}
+
+/* One block of 16 (r) rows of a 32-value type against `rows` activation rows, into their accumulators (lane
+ * l: row l): 8 vpdpbusd a row starting from the offset's share, one conversion and multiply-add (one more
+ * for the mins). */
+ALWAYS_INLINE void k16_small(int type, const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc) {
+    const int has_min = type == Q4_1 || type == Q5_1;
+    __m512 d, mins;
+    __m512i c[8];
+    small_codes(type, at, r, &d, &mins, c);
     for (int j = 0; j < rows; j++) {
         const __m512i start = has_min ? _mm512_setzero_si512() : _mm512_set1_epi32(a[j].offset_sum[b]);
         const __m512i dots = quads_dot(c, 8, a[j].q + b * ABLOCK, start);
@@ -928,6 +983,224 @@ done:
     free(a);
     return status;
 }
+
+/* ---- AMX tiles: 16 x 16 outputs an instruction ---------------------------------------------------
+ *
+ * Where the CPU has AMX (Sapphire Rapids on), a batch of activation rows runs on its bfloat16 tiles: each
+ * group of 16 interleaved weight rows is dequantized once, in registers from the same code vectors the
+ * integer kernels make, to bfloat16 in the tiles' pair layout (a tile row holds, per weight row l, the pair
+ * of values 2j, 2j + 1 of a 32-value slice at lane l), into a per-thread buffer that stays in L2; then
+ * every 16 activation rows (bfloat16, zero-padded) meet it 32 values at a time in one tdpbf16ps, which
+ * sums in float32. Nothing of the weight outlives its group. Every output's sum runs in the same order
+ * whatever the batch, so a row's result does not depend on the rows beside it (as the integer kernels'). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define AMX_KERNELS 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TILE_VALUES 32 /* bfloat16 values of a row per tile: 64 bytes */
+#define TILE_PAIR_ROWS 16 /* a weight tile's rows: one per pair of the 32 values */
+#define TILE_BATCH 4 /* activation tiles (16 rows each) that share each weight tile */
+
+/* Linux hands a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Every tile 16 rows of 64 bytes; per thread (tile configuration is thread state). */
+static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* Values of quad vector c (lane l: row l's 4 codes) as scale * code - min, bfloat16, into the two pair rows
+ * at out (64 values: row 0 lane l holds values 0 and 1 of the quad, row 1 values 2 and 3). */
+ALWAYS_INLINE void quad_to_pairs(__m512i c, __m512 scale, __m512 min, uint16_t *out) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                                21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int pair = 0; pair < 2; pair++) {
+        const __m512 first = _mm512_fmsub_ps(_mm512_cvtepi32_ps(lane_byte(c, 2 * pair, 0)), scale, min);
+        const __m512 second = _mm512_fmsub_ps(_mm512_cvtepi32_ps(lane_byte(c, 2 * pair + 1, 0)), scale, min);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first); /* first's 16, then second's */
+        _mm512_storeu_si512(out + 32 * pair, _mm512_permutexvar_epi16(interleave, both));
+    }
+}
+
+/* Block b of a group of r rows as pair rows: value v of the block lands in pair row (KBLOCK b + v) / 2. */
+ALWAYS_INLINE void block_to_pairs(int type, const uint8_t *at, int r, uint16_t *pairs) {
+    if (type == Q6_K) {
+        const q6_k_block k = q6_k_open(at, r);
+        for (int half = 0; half < 2; half++)
+            for (int part = 0; part < 2; part++) {
+                __m512i c[4][4];
+                q6_k_codes(&k, half, part, c);
+                for (int p = 0; p < 4; p++) {
+                    const int s = 8 * half + 2 * p + part;
+                    const __m512 scale = _mm512_mul_ps(k.d, _mm512_cvtepi32_ps(lane_byte(k.scales[s / 4], s % 4, 1)));
+                    const __m512 min = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));
+                    for (int i = 0; i < 4; i++) quad_to_pairs(c[p][i], scale, min, pairs + 32 * (128 * half + 32 * p + 16 * part + 4 * i) / 2);
+                }
+            }
+    } else if (is_k_quant(type)) {
+        const int fifth_bits = type == Q5_K;
+        const q4_k_block k = q4_k_open(at, r, fifth_bits);
+        for (int s = 0; s < 8; s++) {
+            __m512i c[8];
+            q4_k_codes(&k, s, fifth_bits, c);
+            const __m512 scale = _mm512_mul_ps(k.d, _mm512_cvtepi32_ps(lane_byte(k.scales[s / 4], s % 4, 0)));
+            const __m512 min = _mm512_mul_ps(k.dmin, _mm512_cvtepi32_ps(lane_byte(k.mins[s / 4], s % 4, 0)));
+            for (int i = 0; i < 8; i++) quad_to_pairs(c[i], scale, min, pairs + 32 * (32 * s + 4 * i) / 2);
+        }
+    } else {
+        __m512 d, mins;
+        __m512i c[8];
+        small_codes(type, at, r, &d, &mins, c);
+        const __m512 min = _mm512_fmsub_ps(d, _mm512_set1_ps((float)code_offset(type)), mins); /* d offset - min */
+        for (int i = 0; i < 8; i++) quad_to_pairs(c[i], d, min, pairs + 32 * (4 * i) / 2);
+    }
+}
+
+/* A group of r interleaved rows, every block, as pair rows (k / 2 of them, 64 bytes each). */
+ALWAYS_INLINE void group_to_pairs(int type, const uint8_t *group, int r, int64_t k, int64_t row_bytes, uint16_t *pairs) {
+    const int64_t values = is_k_quant(type) ? KBLOCK : ABLOCK, blocks = k / values, block_bytes = row_bytes / blocks;
+    for (int64_t b = 0; b < blocks; b++) block_to_pairs(type, group + b * r * block_bytes, r, pairs + 16 * values * b);
+}
+
+/* What every thread of one tile_linear call shares. */
+typedef struct {
+    const uint16_t *x; /* bfloat16 activations, m_tiles x 16 rows of k, zero past m */
+    int64_t m, m_tiles, k, row_bytes, rows, ldy;
+    const uint8_t *w;
+    const void *bias;
+    void *y;
+    int is_bf16;
+} tile_job;
+
+/* Activation tiles [first, first + count) (count <= TILE_BATCH) against one group's pair rows, into y. */
+static void tile_products(const tile_job *job, const uint16_t *pairs, int64_t row0, int r, int64_t first, int count) {
+    const int64_t stride = 2 * job->k;
+    const uint16_t *x = job->x + first * 16 * job->k;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t v = 0; v < job->k; v += TILE_VALUES) {
+        _tile_loadd(4, pairs + 16 * v, 64);
+        _tile_loadd(5, x + v, stride);
+        _tile_dpbf16ps(0, 5, 4);
+        if (count > 1) {
+            _tile_loadd(6, x + 16 * job->k + v, stride);
+            _tile_dpbf16ps(1, 6, 4);
+        }
+        if (count > 2) {
+            _tile_loadd(7, x + 32 * job->k + v, stride);
+            _tile_dpbf16ps(2, 7, 4);
+        }
+        if (count > 3) {
+            _tile_loadd(5, x + 48 * job->k + v, stride);
+            _tile_dpbf16ps(3, 5, 4);
+        }
+    }
+    float out[TILE_BATCH][16 * 16];
+    _tile_stored(0, out[0], 64);
+    if (count > 1) _tile_stored(1, out[1], 64);
+    if (count > 2) _tile_stored(2, out[2], 64);
+    if (count > 3) _tile_stored(3, out[3], 64);
+    for (int t = 0; t < count; t++)
+        for (int i = 0; i < 16 && (first + t) * 16 + i < job->m; i++) {
+            const int64_t row = (first + t) * 16 + i;
+            for (int l = 0; l < r; l++) {
+                const float bias = job->bias ? load_float(job->bias, row0 + l, job->is_bf16) : 0.f;
+                store_float(job->y, row * job->ldy + row0 + l, out[t][16 * i + l] + bias, job->is_bf16);
+            }
+        }
+}
+
+/* Groups [first, last) of one tile_linear call. */
+static void tile_rows(int type, const tile_job *job, int64_t first, int64_t last, uint16_t *pairs) {
+    for (int64_t g = first; g < last; g++) {
+        const int64_t row0 = g * K16_ROWS;
+        const int r = k16_group_rows(job->rows, row0);
+        switch (type) { /* each type's dequantization its own copy */
+        case Q4_0: group_to_pairs(Q4_0, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        case Q4_1: group_to_pairs(Q4_1, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        case Q5_0: group_to_pairs(Q5_0, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        case Q5_1: group_to_pairs(Q5_1, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        case Q8_0: group_to_pairs(Q8_0, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        case Q4_K: group_to_pairs(Q4_K, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        case Q5_K: group_to_pairs(Q5_K, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        case Q6_K: group_to_pairs(Q6_K, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
+        }
+        for (int64_t t = 0; t < job->m_tiles; t += TILE_BATCH) {
+            const int count = job->m_tiles - t < TILE_BATCH ? (int)(job->m_tiles - t) : TILE_BATCH;
+            tile_products(job, pairs, row0, r, t, count);
+        }
+    }
+}
+
+static int tile_supported(int type, int64_t k) { return fused_supported(type, k) && k % TILE_VALUES == 0 && amx_permitted(); }
+
+/* gguf_tile_linear for tile_supported types. */
+static int tile_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+                       int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    const int64_t m_tiles = (m + 15) / 16;
+    uint16_t *activations = aligned_alloc(64, sizeof(uint16_t) * (size_t)(m_tiles * 16 * k));
+    if (!activations) return -2;
+    const int convert_threads = m >= 4 ? num_threads : 1;
+#pragma omp parallel for num_threads(convert_threads) schedule(static)
+    for (int64_t row = 0; row < m_tiles * 16; row++) {
+        uint16_t *to = activations + row * k;
+        if (row >= m) memset(to, 0, sizeof(uint16_t) * (size_t)k);
+        else if (is_bf16) memcpy(to, (const uint16_t *)x + row * ldx, sizeof(uint16_t) * (size_t)k);
+        else
+            for (int64_t v = 0; v < k; v += 16)
+                _mm256_storeu_si256((__m256i *)(to + v), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps((const float *)x + row * ldx + v)));
+    }
+    const tile_job job = {activations, m, m_tiles, k, row_bytes, rows, ldy, w, bias, y, is_bf16};
+    const int64_t units = (rows + K16_ROWS - 1) / K16_ROWS;
+    const int threads = units < num_threads ? (int)units : num_threads;
+    int status = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t *pairs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
+        if (!pairs) {
+#pragma omp atomic write
+            status = -2;
+        } else {
+            configure_tiles();
+            const int64_t share = (units + omp_get_num_threads() - 1) / omp_get_num_threads();
+            const int64_t first = share * omp_get_thread_num(), last = first + share < units ? first + share : units;
+            if (first < last) tile_rows(type & ~X16, &job, first, last, pairs);
+            _tile_release();
+        }
+        free(pairs);
+    }
+    free(activations);
+    return status;
+}
+#else
+static int tile_supported(int type, int64_t k) {
+    (void)type, (void)k;
+    return 0;
+}
+static int tile_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+                       int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
+    (void)ldy, (void)is_bf16, (void)num_threads;
+    return -1;
+}
+#endif
 #else
 static int fused_supported(int type, int64_t k) {
     (void)type, (void)k;
@@ -935,6 +1208,16 @@ static int fused_supported(int type, int64_t k) {
 }
 static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
+    (void)ldy, (void)is_bf16, (void)num_threads;
+    return -1;
+}
+static int tile_supported(int type, int64_t k) {
+    (void)type, (void)k;
+    return 0;
+}
+static int tile_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
+                       int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
     (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
     (void)ldy, (void)is_bf16, (void)num_threads;
     return -1;
@@ -950,6 +1233,17 @@ int gguf_supported(int type) {
 
 /* 1 when gguf_linear makes the type's codes in registers for rows of k values (the fused path). */
 int gguf_fused(int type, int64_t k) { return fused_supported(type, k); }
+
+/* 1 when gguf_tile_linear runs this (interleaved) type on AMX tiles for rows of k values. */
+int gguf_tiles(int type, int64_t k) { return tile_supported(type, k); }
+
+/* gguf_linear on AMX's bfloat16 tiles (the weight dequantized a group of 16 rows at a time, in registers);
+ * -1 where gguf_tiles says no. */
+int gguf_tile_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes, int64_t rows,
+                     int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
+    if (!tile_supported(type, k)) return -1;
+    return tile_linear(x, ldx, m, k, w, row_bytes, rows, type, bias, y, ldy, is_bf16, num_threads);
+}
 
 /* 1 when a type has a fused kernel once interleaved (gguf_to_x16). */
 int gguf_x16(int type) { return fused_supported(type | X16, KBLOCK); }
