@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 
 from inference.decode_graph import DecodeGraphs
-from inference.layers.linear import STEP_DECODE_ROWS
+from inference.layers.linear import step_decode_rows
 from inference.layers.ops import AttentionMetadata
 from inference.request import Request
 from inference.scheduler import SchedulerOutput
@@ -137,14 +138,14 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.eligible(inputs):
             replayed_hidden, replayed_logits, self.last_step_captured = self.decode_graphs.execute(inputs)
             return replayed_hidden, replayed_logits
-        decodes = STEP_DECODE_ROWS.set(inputs.meta.num_decodes)
-        try:
+        with step_decode_rows(inputs.meta.num_decodes):
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        finally:
-            STEP_DECODE_ROWS.reset(decodes)
+        if not inputs.sample_rows:
+            return hidden, None
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)) if inputs.sample_rows else None
-        return hidden, logits
+        # the decodes' sampled rows come first among the logits' rows, as their rows do in the body
+        with step_decode_rows(bisect.bisect_left(inputs.sample_rows, inputs.meta.num_decodes)):
+            return hidden, self.model.compute_logits(hidden.index_select(0, rows))
 
     @torch.inference_mode()
     def logits_of(self, hidden_rows: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from torch import nn
 
 from inference.distributed import SINGLE, ParallelConfig, all_gather_last_dim, all_reduce
 from inference.layers import onednn
-from inference.layers.linear import copy_checked, with_loader
+from inference.layers.linear import STEP_DECODE_ROWS, copy_checked, with_loader
 from tessera_kernels import quant_cpu
 
 
@@ -76,6 +76,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         kind = getattr(self.weight, "ggml_type", None)
         if kind is not None:
-            return quant_cpu.linear(hidden, self.weight, kind, self.hidden)
+            return quant_cpu.linear(hidden, self.weight, kind, self.hidden, decode_rows=STEP_DECODE_ROWS.get())
         local = nn.functional.linear(hidden, self.weight) if self.packed is None else onednn.linear(hidden, self.packed)
         return all_gather_last_dim(local, self.parallel)[..., : self.vocab_size]

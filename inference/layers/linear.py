@@ -8,6 +8,8 @@ unquantized one is below, quantized formats plug in the same way.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -17,9 +19,19 @@ from torch import nn
 from inference.distributed import SINGLE, ParallelConfig, all_reduce
 from inference.layers import onednn
 
-# The decode rows (laid out first) of the step in progress, set by ModelRunner.execute: packed linears
-# compute them apart from the step's prefill chunks (tessera_kernels.quant_cpu.linear).
+# The decode rows (laid out first) of the step in progress, set by ModelRunner.execute for the body and
+# for the logits' rows: packed linears (the LM head's too) compute them apart from the step's prefill
+# chunks (tessera_kernels.quant_cpu.linear).
 STEP_DECODE_ROWS: ContextVar[int] = ContextVar("step_decode_rows", default=0)
+
+
+@contextmanager
+def step_decode_rows(count: int) -> Iterator[None]:
+    token = STEP_DECODE_ROWS.set(count)
+    try:
+        yield
+    finally:
+        STEP_DECODE_ROWS.reset(token)
 
 
 class UnquantizedLinearMethod:

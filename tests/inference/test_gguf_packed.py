@@ -169,22 +169,26 @@ def test_the_packed_engine_generates_the_same_tokens_each_time(both_engines):
 
 
 def test_a_decode_keeps_its_bits_beside_a_prefill_chunk(tmp_path, monkeypatch):
-    """With the bfloat16 path taken from 12 rows, a step holding another request's 40-token prompt would take
-    it for the decode beside it too; the runner marks the step's decode rows and the packed linears compute
-    them apart, so a request's tokens and logprobs are the same with or without a neighbour's prefill."""
+    """With the bfloat16 path taken from 12 rows, a step holding another request's 40-token prompt and twelve
+    one-token requests' prompts would take it for the decode beside them too, in the body (1 + 76 rows) and
+    in the LM head (1 + 13 rows of logits); the runner marks the decode rows of both, and the packed linears
+    compute them apart, so a request's tokens and logprobs are the same with or without neighbours."""
     monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
     monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
     monkeypatch.setattr(quant_cpu, "TILES_FROM_ROWS", 12)
     file = write_gguf(make_tiny_model(tmp_path / "hf", "llama"), tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0"))
     engine = LLM(model=str(file), device="cpu", max_model_len=256).llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    one_token = SamplingParams(temperature=0, max_tokens=1)  # finished by its prefill: no decode beside a's
 
     def decoded(neighbour: bool):
         engine.add_request(f"a-{neighbour}", {"prompt_token_ids": list(range(5, 15))}, params)
         finished, steps = {}, 0
         while engine.has_unfinished_requests():
-            if neighbour and steps == 3:  # a's decodes under way: b's whole prompt shares a step with one
+            if neighbour and steps == 3:  # a's decodes under way: the prompts share a step with one
                 engine.add_request("b", {"prompt_token_ids": list(range(20, 60))}, params)
+                for i in range(12):
+                    engine.add_request(f"c{i}", {"prompt_token_ids": [70 + i, 90 + i, 110 + i]}, one_token)
             finished.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
             steps += 1
         return finished[f"a-{neighbour}"]
