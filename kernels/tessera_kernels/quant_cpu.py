@@ -9,14 +9,13 @@ Q8_K) and runs integer dot products against the weight's codes (AVX-512 VNNI, AV
 int8 activations make the result differ from the reference by at most sum_i |w_i| * max|x| of i's block /
 254 (half a step of the activation's quantization), which the tests check per output.
 
-With more activation rows (a prefill, a large decode batch) `linear` leaves the integer kernel where
-another path measured faster (docs/kernels.md, `path`): on CPUs with AMX, interleaved rows go to its
+With more activation rows `linear` leaves the integer kernel where another path measured faster
+(docs/kernels.md, `path`): on CPUs with AMX, a step's decode rows (a large decode batch) go to its
 bfloat16 tiles (`tile_linear`: each group of 16 weight rows dequantized in registers, in the C kernel);
-with more rows still, and for rows in the file's order, the weight is dequantized to bfloat16 a slice of
-rows at a time into a reused per-thread buffer and oneDNN's bfloat16 GEMM runs on it
-(`dequantized_linear`). The weight stays packed in memory either way. Their error against the reference
-is bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and activation rounded) plus 2^-8 of the
-output.
+prefill rows, and the decoded path's rows, go to oneDNN's bfloat16 GEMM on the weight dequantized a
+slice of rows at a time into a reused per-thread buffer (`dequantized_linear`). The weight stays packed
+in memory either way. Their error against the reference is bfloat16 rounding: at most 2^-7 of
+sum_i |w_i x_i| (weight and activation rounded) plus 2^-8 of the output.
 
 KERNEL_TYPES have kernels; other ggml types are converted at load (inference/quantization/gguf.py).
 """
@@ -34,13 +33,15 @@ from tessera_kernels import native_cpu
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 X16 = "x16"  # a kind's suffix when its rows are interleaved 16 to a group (kernel_layout)
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
-# Activation rows from which another path is faster, measured (docs/kernels.md): for the decoded path's
-# kernel, oneDNN on the dequantized weight from 32 rows; for interleaved rows, AMX's tiles from 32 rows
-# where the library has them, and oneDNN from 512 (AMX tiles there too); without AMX the interleaved rows'
-# kernels beat oneDNN up to 2048 rows (max_num_batched_tokens' default): None, never.
+# Activation rows from which another path is faster, measured (docs/kernels.md). The decoded path's kernel:
+# oneDNN on the dequantized weight from 32 rows. Interleaved rows: a step's decodes on AMX's tiles from 32
+# rows where the library has them; other rows (prefill chunks) on oneDNN from 192 rows where the CPU has
+# AMX, and never (None) without: there the interleaved rows' kernels beat oneDNN up to 2048 rows
+# (max_num_batched_tokens' default). Prefill rows stay off the tiles: a prompt is chunked differently by a
+# speculating engine and a plain one, and its rows must get the same bits from both (`path`).
 DEQUANTIZE_FROM_ROWS = 32
-TILES_FROM_ROWS = 32
-INTERLEAVED_DEQUANTIZE_FROM_ROWS = 512 if native_cpu.has_amx() else None
+TILES_FROM_ROWS = 64
+INTERLEAVED_DEQUANTIZE_FROM_ROWS = 192 if native_cpu.has_amx() else None
 SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
@@ -111,17 +112,21 @@ def tiles(kind: str, in_features: int, library=None) -> bool:
     return bool((library or native_cpu.load()).gguf_tiles(type_number(kind), in_features))
 
 
-def path(kind: str, in_features: int, rows: int, library=None) -> str:
-    """Which kernel `linear` runs for `rows` activation rows: "integer", "tiles" or "dequantized"."""
+def path(kind: str, in_features: int, rows: int, library=None, decoding: bool = False) -> str:
+    """Which kernel `linear` runs for `rows` activation rows ("integer", "tiles" or "dequantized"); decoding:
+    they are a step's decode rows. The tiles take only those: a row comes out of them as it does alone at
+    any count, but not as out of oneDNN, which a prefill chunk of another size would take."""
     if not fused(kind, in_features, library):
         return "integer" if rows < DEQUANTIZE_FROM_ROWS else "dequantized"
+    if decoding and rows >= TILES_FROM_ROWS and tiles(kind, in_features, library):
+        return "tiles"
     if INTERLEAVED_DEQUANTIZE_FROM_ROWS is not None and rows >= INTERLEAVED_DEQUANTIZE_FROM_ROWS:
         return "dequantized"
-    return "tiles" if rows >= TILES_FROM_ROWS and tiles(kind, in_features, library) else "integer"
+    return "integer"
 
 
 def leaves_integer_at(kind: str, in_features: int, library=None) -> int | None:
-    """The fewest activation rows for which `linear` leaves the integer kernel for this weight (None: never)."""
+    """The fewest decode rows for which `linear` leaves the integer kernel for this weight (None: never)."""
     if not fused(kind, in_features, library):
         return DEQUANTIZE_FROM_ROWS
     if tiles(kind, in_features, library):
@@ -150,17 +155,22 @@ def linear(
 ) -> torch.Tensor:
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
     x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
-    The kernel is `path`'s for the row count; off the integer kernel, the first `decode_rows` rows (a
-    step's decodes, ahead of its prefill chunks) go apart from the rest, each part by its own count, so a
-    decode row's bits never depend on a chunk that shares its step."""
-    chosen = path(kind, in_features, x.shape[0], library)
-    if chosen != "integer" and 0 < decode_rows < x.shape[0]:
-        out = x.new_empty(x.shape[0], packed.shape[0]) if out is None else out
-        for rows in (slice(0, decode_rows), slice(decode_rows, None)):
-            linear(x[rows], packed, kind, in_features, bias, out[rows], library)
+    The first `decode_rows` rows are a step's decodes (laid out ahead of its prefill chunks): each part
+    runs `path`'s kernel for its own count, apart from the other where either leaves the integer kernel,
+    so a decode row's bits never depend on a chunk that shares its step."""
+    rows = x.shape[0]
+    decode_rows = min(decode_rows, rows)
+    decode = path(kind, in_features, decode_rows, library, decoding=True) if decode_rows else "integer"
+    rest = path(kind, in_features, rows - decode_rows, library) if rows > decode_rows else "integer"
+    if decode == rest == "integer":
+        return integer_linear(x, packed, kind, in_features, bias, out, library)
+    if 0 < decode_rows < rows:
+        out = x.new_empty(rows, packed.shape[0]) if out is None else out
+        for part, count in ((slice(0, decode_rows), decode_rows), (slice(decode_rows, None), 0)):
+            linear(x[part], packed, kind, in_features, bias, out[part], library, count)
         return out
-    run = {"integer": integer_linear, "tiles": tile_linear, "dequantized": dequantized_linear}[chosen]
-    return run(x, packed, kind, in_features, bias, out, library)
+    kernels = {"integer": integer_linear, "tiles": tile_linear, "dequantized": dequantized_linear}
+    return kernels[decode if decode_rows else rest](x, packed, kind, in_features, bias, out, library)
 
 
 def integer_linear(

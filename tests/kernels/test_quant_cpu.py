@@ -264,18 +264,27 @@ def test_amx_tiles_run_in_bfloat16_within_its_bound_each_row_as_alone(lib, kind,
         assert torch.equal(out[row], alone[0])
 
 
-def test_between_the_crossovers_linear_runs_on_amx_tiles_into_an_output_slice(lib):
+def test_a_steps_decode_rows_run_on_amx_tiles_and_its_prefill_rows_do_not(lib):
+    # decode rows from TILES_FROM_ROWS on go to the tiles (into a column slice of a wider output here); the
+    # same count of prefill rows stays off them (a prompt's rows must get the same bits however it is
+    # chunked), and a mixed call runs each part on its own count's kernel
     cols = 512
     packed, held, held_kind = amx_tiles("Q4_K", cols, lib)
     rows_in = quant_cpu.TILES_FROM_ROWS + 3
-    assert quant_cpu.path(held_kind, cols, rows_in, lib) == "tiles"
-    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(34))
+    assert quant_cpu.path(held_kind, cols, rows_in, lib, decoding=True) == "tiles"
+    assert quant_cpu.path(held_kind, cols, rows_in, lib) != "tiles"
+    x = torch.randn(2 * rows_in, cols, generator=torch.Generator().manual_seed(34))
     wide = torch.full((rows_in, 45), 7.0)
-    quant_cpu.linear(x, held, held_kind, cols, out=wide[:, 4:41], library=lib)
-    assert torch.equal(wide[:, 4:41], quant_cpu.tile_linear(x, held, held_kind, cols, library=lib))
-    assert_within_bfloat16_bound(wide[:, 4:41], packed, "Q4_K", x)
+    quant_cpu.linear(x[:rows_in], held, held_kind, cols, out=wide[:, 4:41], library=lib, decode_rows=rows_in)
+    assert torch.equal(wide[:, 4:41], quant_cpu.tile_linear(x[:rows_in], held, held_kind, cols, library=lib))
+    assert_within_bfloat16_bound(wide[:, 4:41], packed, "Q4_K", x[:rows_in])
     assert torch.equal(wide[:, :4], torch.full((rows_in, 4), 7.0))
     assert torch.equal(wide[:, 41:], torch.full((rows_in, 4), 7.0))
+    as_prefill = quant_cpu.linear(x[:rows_in], held, held_kind, cols, library=lib)
+    assert torch.equal(as_prefill, quant_cpu.integer_linear(x[:rows_in], held, held_kind, cols, library=lib))
+    mixed = quant_cpu.linear(x, held, held_kind, cols, library=lib, decode_rows=rows_in)
+    assert torch.equal(mixed[:rows_in], wide[:, 4:41])
+    assert torch.equal(mixed[rows_in:], quant_cpu.linear(x[rows_in:], held, held_kind, cols, library=lib))
 
 
 def test_bfloat16_path_in_slices_of_the_weight_into_an_output_slice(lib, monkeypatch):

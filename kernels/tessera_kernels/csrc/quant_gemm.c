@@ -1024,15 +1024,30 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
+/* A lane's scale as the 4 bytes of a quad see it: byte j masked in place is its code * 256^j, so it is
+ * multiplied by scale / 256^j (exact: powers of two). */
+typedef struct {
+    __m512 byte[4];
+} byte_scales;
+
+ALWAYS_INLINE byte_scales scales_per_byte(__m512 scale) {
+    byte_scales s;
+    for (int j = 0; j < 4; j++) s.byte[j] = _mm512_mul_ps(scale, _mm512_set1_ps(1.f / (float)(1u << (8 * j))));
+    return s;
+}
+
 /* Values of quad vector c (lane l: row l's 4 codes) as scale * code - min, bfloat16, into the two pair rows
  * at out (64 values: row 0 lane l holds values 0 and 1 of the quad, row 1 values 2 and 3). */
-ALWAYS_INLINE void quad_to_pairs(__m512i c, __m512 scale, __m512 min, uint16_t *out) {
+ALWAYS_INLINE void quad_to_pairs(__m512i c, const byte_scales *scale, __m512 min, uint16_t *out) {
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                                 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 values[4];
+    for (int j = 0; j < 4; j++) {
+        const __m512i in_place = _mm512_and_si512(c, _mm512_set1_epi32((int)(0xffu << (8 * j))));
+        values[j] = _mm512_fmsub_ps(_mm512_cvtepu32_ps(in_place), scale->byte[j], min);
+    }
     for (int pair = 0; pair < 2; pair++) {
-        const __m512 first = _mm512_fmsub_ps(_mm512_cvtepi32_ps(lane_byte(c, 2 * pair, 0)), scale, min);
-        const __m512 second = _mm512_fmsub_ps(_mm512_cvtepi32_ps(lane_byte(c, 2 * pair + 1, 0)), scale, min);
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(second, first); /* first's 16, then second's */
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(values[2 * pair + 1], values[2 * pair]); /* first's 16, then second's */
         _mm512_storeu_si512(out + 32 * pair, _mm512_permutexvar_epi16(interleave, both));
     }
 }
@@ -1049,7 +1064,8 @@ ALWAYS_INLINE void block_to_pairs(int type, const uint8_t *at, int r, uint16_t *
                     const int s = 8 * half + 2 * p + part;
                     const __m512 scale = _mm512_mul_ps(k.d, _mm512_cvtepi32_ps(lane_byte(k.scales[s / 4], s % 4, 1)));
                     const __m512 min = _mm512_mul_ps(scale, _mm512_set1_ps(32.f));
-                    for (int i = 0; i < 4; i++) quad_to_pairs(c[p][i], scale, min, pairs + 32 * (128 * half + 32 * p + 16 * part + 4 * i) / 2);
+                    const byte_scales bytes = scales_per_byte(scale);
+                    for (int i = 0; i < 4; i++) quad_to_pairs(c[p][i], &bytes, min, pairs + 32 * (128 * half + 32 * p + 16 * part + 4 * i) / 2);
                 }
             }
     } else if (is_k_quant(type)) {
@@ -1060,14 +1076,16 @@ ALWAYS_INLINE void block_to_pairs(int type, const uint8_t *at, int r, uint16_t *
             q4_k_codes(&k, s, fifth_bits, c);
             const __m512 scale = _mm512_mul_ps(k.d, _mm512_cvtepi32_ps(lane_byte(k.scales[s / 4], s % 4, 0)));
             const __m512 min = _mm512_mul_ps(k.dmin, _mm512_cvtepi32_ps(lane_byte(k.mins[s / 4], s % 4, 0)));
-            for (int i = 0; i < 8; i++) quad_to_pairs(c[i], scale, min, pairs + 32 * (32 * s + 4 * i) / 2);
+            const byte_scales bytes = scales_per_byte(scale);
+            for (int i = 0; i < 8; i++) quad_to_pairs(c[i], &bytes, min, pairs + 32 * (32 * s + 4 * i) / 2);
         }
     } else {
         __m512 d, mins;
         __m512i c[8];
         small_codes(type, at, r, &d, &mins, c);
         const __m512 min = _mm512_fmsub_ps(d, _mm512_set1_ps((float)code_offset(type)), mins); /* d offset - min */
-        for (int i = 0; i < 8; i++) quad_to_pairs(c[i], d, min, pairs + 32 * (4 * i) / 2);
+        const byte_scales bytes = scales_per_byte(d);
+        for (int i = 0; i < 8; i++) quad_to_pairs(c[i], &bytes, min, pairs + 32 * (4 * i) / 2);
     }
 }
 
