@@ -62,6 +62,16 @@ ENGINE_ARGS = {
 }
 
 
+# An engine error now: the error chart has a point in the current hour whatever the synthetic data holds (on a
+# weekend its last 24 hours can hold none, and a request refused by validation leaves no usage row).
+RECORD_AN_ENGINE_ERROR = """
+from django.contrib.auth import get_user_model
+from usage.services import record_usage
+user = get_user_model().objects.filter(username__startswith="demo-user-").first()
+record_usage(user=user, source="api", model="tiny-llama", status_code=500, error_code="engine_error", latency_ms=40.0)
+"""
+
+
 @dataclass
 class Server:
     url: str
@@ -160,6 +170,7 @@ def server(tmp_path_factory, tiny_model_dir):
             "--batches",
             "10",
         )
+        _manage(env, "shell", "-c", RECORD_AN_ENGINE_ERROR)
         _manage(env, "createsuperuser", "--noinput", "--username", "staff", "--email", "staff@example.com")
         api_key = _manage(env, "create_api_key", "staff", "--name", "browser-test").strip().splitlines()[-1]
         procs["engine"] = (_spawn(env, tmp / "engine.log", sys.executable, "manage.py", "engine"), tmp / "engine.log")
@@ -231,12 +242,6 @@ def traffic(server):
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
-    # One refused request first: the error chart has a point in the current hour whatever the
-    # synthetic data holds (on a weekend, 30 days of it can leave the last 24 hours without errors).
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(
-            model="tiny-llama", max_tokens=8, temperature=-1.0, messages=[{"role": "user", "content": "hi"}]
-        )
     stop = threading.Event()
 
     def run():
