@@ -129,9 +129,8 @@ def leaves_integer_at(kind: str, in_features: int, library=None) -> int | None:
     """The fewest decode rows for which `linear` leaves the integer kernel for this weight (None: never)."""
     if not fused(kind, in_features, library):
         return DEQUANTIZE_FROM_ROWS
-    if tiles(kind, in_features, library):
-        return TILES_FROM_ROWS
-    return INTERLEAVED_DEQUANTIZE_FROM_ROWS
+    crossovers = (INTERLEAVED_DEQUANTIZE_FROM_ROWS, TILES_FROM_ROWS if tiles(kind, in_features, library) else None)
+    return min((rows for rows in crossovers if rows is not None), default=None)
 
 
 def activation_block(kind: str, in_features: int, library=None) -> int:
