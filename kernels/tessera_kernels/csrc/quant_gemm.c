@@ -698,28 +698,26 @@ ALWAYS_INLINE void q4_k_codes(const q4_k_block *k, int s, int fifth_bits, __m512
 
 ALWAYS_INLINE void k16_q4_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc, int fifth_bits) {
     const q4_k_block k = q4_k_open(at, r, fifth_bits);
-    const __m512 d = k.d, dmin = k.dmin;
-    const __m512i *scales = k.scales, *mins = k.mins;
     __m512i sums[FUSED_ROWS];
     for (int j = 0; j < rows; j++) sums[j] = _mm512_setzero_si512();
     for (int s = 0; s < 8; s++) {
         __m512i c[8];
         q4_k_codes(&k, s, fifth_bits, c);
-        const __m512i scale = lane_byte(scales[s / 4], s % 4, 0);
+        const __m512i scale = lane_byte(k.scales[s / 4], s % 4, 0);
         for (int j = 0; j < rows; j++)
             sums[j] = _mm512_add_epi32(sums[j], _mm512_mullo_epi32(quads_dot(c, 8, a[j].q + b * KBLOCK + 32 * s, _mm512_setzero_si512()), scale));
     }
     /* 16-bit pairs of mins (s, s + 2) against the activation's sums in the same pairs */
     const __m512i low_bytes = _mm512_set1_epi32(0x00ff00ff);
-    const __m512i min_pairs[4] = {_mm512_and_si512(mins[0], low_bytes), _mm512_srli_epi16(mins[0], 8),
-                                  _mm512_and_si512(mins[1], low_bytes), _mm512_srli_epi16(mins[1], 8)};
+    const __m512i min_pairs[4] = {_mm512_and_si512(k.mins[0], low_bytes), _mm512_srli_epi16(k.mins[0], 8),
+                                  _mm512_and_si512(k.mins[1], low_bytes), _mm512_srli_epi16(k.mins[1], 8)};
     for (int j = 0; j < rows; j++) {
         const int16_t *pair_sums = a[j].pair_sums + b * 8;
         __m512i m = _mm512_setzero_si512();
         for (int p = 0; p < 4; p++) m = _mm512_dpwssd_epi32(m, min_pairs[p], load_quad((const int8_t *)(pair_sums + 2 * p)));
         const __m512 activation_d = _mm512_set1_ps(a[j].d[b]);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[j]), _mm512_mul_ps(d, activation_d), acc[j]);
-        acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(dmin, activation_d), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[j]), _mm512_mul_ps(k.d, activation_d), acc[j]);
+        acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), _mm512_mul_ps(k.dmin, activation_d), acc[j]);
     }
 }
 
@@ -763,8 +761,6 @@ ALWAYS_INLINE void q6_k_codes(const q6_k_block *k, int half, int part, __m512i c
 
 ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a, int rows, __m512 *acc) {
     const q6_k_block k = q6_k_open(at, r);
-    const __m512 d = k.d;
-    const __m512i *scales = k.scales;
     __m512i sums[FUSED_ROWS];
     for (int j = 0; j < rows; j++) sums[j] = _mm512_setzero_si512();
     for (int half = 0; half < 2; half++)
@@ -774,7 +770,7 @@ ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a,
             __m512i scale[4];
             for (int p = 0; p < 4; p++) {
                 const int s = 8 * half + 2 * p + part;
-                scale[p] = lane_byte(scales[s / 4], s % 4, 1);
+                scale[p] = lane_byte(k.scales[s / 4], s % 4, 1);
             }
             for (int j = 0; j < rows; j++) {
                 const int8_t *q = a[j].q + b * KBLOCK + 128 * half + 16 * part;
@@ -785,15 +781,15 @@ ALWAYS_INLINE void k16_q6_k(const uint8_t *at, int r, int64_t b, const lanes *a,
     /* 16-bit pairs of scales (s, s + 2) against the activation's sums per 16 in the same pairs */
     __m512i scale_pairs[8];
     for (int t = 0; t < 4; t++) {
-        scale_pairs[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(scales[t], 8), 8);
-        scale_pairs[2 * t + 1] = _mm512_srai_epi16(scales[t], 8);
+        scale_pairs[2 * t] = _mm512_srai_epi16(_mm512_slli_epi16(k.scales[t], 8), 8);
+        scale_pairs[2 * t + 1] = _mm512_srai_epi16(k.scales[t], 8);
     }
     for (int j = 0; j < rows; j++) {
         const int16_t *pair_sums = a[j].pair_sums + b * 16;
         __m512i offset = _mm512_setzero_si512();
         for (int p = 0; p < 8; p++) offset = _mm512_dpwssd_epi32(offset, scale_pairs[p], load_quad((const int8_t *)(pair_sums + 2 * p)));
         const __m512i total = _mm512_sub_epi32(sums[j], _mm512_slli_epi32(offset, 5));
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(a[j].d[b])), acc[j]);
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(k.d, _mm512_set1_ps(a[j].d[b])), acc[j]);
     }
 }
 
@@ -1207,17 +1203,6 @@ static int tile_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const u
     free(activations);
     return status;
 }
-#else
-static int tile_supported(int type, int64_t k) {
-    (void)type, (void)k;
-    return 0;
-}
-static int tile_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
-                       int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
-    (void)x, (void)ldx, (void)m, (void)k, (void)w, (void)row_bytes, (void)rows, (void)type, (void)bias, (void)y;
-    (void)ldy, (void)is_bf16, (void)num_threads;
-    return -1;
-}
 #endif
 #else
 static int fused_supported(int type, int64_t k) {
@@ -1230,6 +1215,9 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
     (void)ldy, (void)is_bf16, (void)num_threads;
     return -1;
 }
+#endif
+
+#ifndef AMX_KERNELS /* no AMX, or no fused kernels: gguf_tiles says no */
 static int tile_supported(int type, int64_t k) {
     (void)type, (void)k;
     return 0;
