@@ -41,6 +41,13 @@ def repetitive_prompts(seed=0):
     return [base + base[:12], base * 3, [rng.randrange(10, 500) for _ in range(50)], base[:7]]
 
 
+def speculate_every_step(monkeypatch) -> None:
+    """k = num_speculative_tokens on every step, whatever the measured costs say: the checks below need
+    proposals, and a busy machine's timings may turn speculation off."""
+    monkeypatch.setattr(speculator, "best_k", lambda max_k, *args: max_k)
+    monkeypatch.setattr(speculator.StepCosts, "needs_plain_timing", lambda self, batch_size: False)
+
+
 def generate(llm, prompts, **params):
     params.setdefault("ignore_eos", True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(**params), use_tqdm=False)
@@ -70,7 +77,8 @@ def test_ngram_proposal_prefers_the_longest_suffix_and_the_latest_match():
     ids=["chunked", "tiny-pool", "prefix-cache"],
 )
 @pytest.mark.parametrize("method", ["ngram", "self-draft"])
-def test_greedy_outputs_equal_plain_decoding_and_hf(tiny_model_dir, engine_args, method):
+def test_greedy_outputs_equal_plain_decoding_and_hf(tiny_model_dir, engine_args, method, monkeypatch):
+    speculate_every_step(monkeypatch)
     engine_args = {"max_model_len": 512, **engine_args}
     prompts = repetitive_prompts()
     config = NGRAM if method == "ngram" else draft_of(tiny_model_dir)
@@ -114,10 +122,11 @@ def test_seeded_sampling_n_and_logprobs_equal_plain_decoding(plain, self_drafted
     assert self_drafted.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > 0
 
 
-def test_greedy_speculation_scores_each_token_with_plain_decodings_bits(plain, tiny_model_dir):
+def test_greedy_speculation_scores_each_token_with_plain_decodings_bits(plain, tiny_model_dir, monkeypatch):
     """Verification lays its 1 + k rows out as one-token decodes, so every token is scored exactly as a
     plain decode step scores it: equal logprobs, not merely the same argmax (a real model's near ties
     would otherwise flip)."""
+    speculate_every_step(monkeypatch)
     speculating = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=NGRAM)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     for prompt in repetitive_prompts(2)[:2]:  # one at a time: a plain step then holds one row
@@ -133,8 +142,7 @@ def assert_packed_speculation_has_plain_bits(tmp_path, monkeypatch) -> LLM:
     """8 greedy sequences on a tiny packed GGUF file (32-value types), plain and then speculating on every
     step with k = 4 (drafted by the file itself): the same tokens, each with the same logprob bits.
     Returns the speculating LLM."""
-    monkeypatch.setattr(speculator, "best_k", lambda max_k, *args: max_k)
-    monkeypatch.setattr(speculator.StepCosts, "needs_plain_timing", lambda self, batch_size: False)
+    speculate_every_step(monkeypatch)
     model = make_tiny_model(tmp_path / "hf", "llama")
     file = str(write_gguf(model, tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0")))
     prompts = repetitive_prompts(0) + repetitive_prompts(1)
@@ -214,7 +222,8 @@ def test_stops_cut_the_accepted_tokens(plain, self_drafted):
     assert_no_leak(self_drafted)
 
 
-def test_no_block_leak_over_thousands_of_steps(tiny_model_dir):
+def test_no_block_leak_over_thousands_of_steps(tiny_model_dir, monkeypatch):
+    speculate_every_step(monkeypatch)
     llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, num_kv_blocks=40, speculative_config=NGRAM)
     engine = llm.llm_engine
     free_before = engine.kv.pool.num_free
