@@ -31,6 +31,7 @@ class RequestState:
     cached_tokens: int = 0
     num_preemptions: int = 0
     ttl_set_at: float = 0.0  # monotonic time of the output stream's last EXPIRE
+    written_at: float = float("-inf")  # monotonic time of the last write to its output stream
     lease_id: str | None = None  # the web process's lease (protocol.lease_key); None: not leased
 
     def __post_init__(self):

@@ -28,6 +28,14 @@ OUTPUT_TTL_S = 3600
 # a worker aborts the requests of a lease that lapsed (the web process died mid-stream).
 LEASE_TTL_S = 3.0
 LEASE_REFRESH_S = 1.0
+# A web process's hub names an output stream in its blocking XREAD while the stream is hot (followed or
+# written to in the last HUB_HOT_S) and the rest only every HUB_COLD_READ_S; a worker that writes to a
+# leased request's stream after RING_AFTER_S without a write rings the lease's doorbell (hub_doorbell),
+# so a stream the hub let cool is named again at once. RING_AFTER_S <= HUB_HOT_S is what makes that hold.
+HUB_HOT_S = 0.5
+HUB_COLD_READ_S = 1.0
+RING_AFTER_S = HUB_HOT_S / 2
+DOORBELL_MAXLEN = 1000
 
 # Priority classes (lower runs first in the engine); a request's own priority orders it inside its class.
 PRIORITY_CLASSES = {"interactive": 0, "api": 1, "batch": 2}
@@ -58,6 +66,11 @@ def aborted_key(request_id: str) -> str:
 
 def lease_key(lease_id: str) -> str:
     return f"{PREFIX}:lease:{lease_id}"
+
+
+def hub_doorbell(lease_id: str) -> str:
+    """A web process's doorbell stream: its hub's XREAD always names it (docs/protocol.md)."""
+    return f"{PREFIX}:hub-wake:{lease_id}"
 
 
 def heartbeat_key(worker_id: str) -> str:
@@ -282,6 +295,17 @@ def output_fields(events: list[Event]) -> dict[str, str]:
 
 def events_of(fields: dict) -> list[Event]:
     return decode(fields[b"events"] if b"events" in fields else fields["events"])
+
+
+def ring_fields(request_ids: list[str]) -> dict[str, str]:
+    """One doorbell entry: the requests whose quiet output streams a worker just wrote to."""
+    return {"ring": encode(request_ids)}
+
+
+def rung_request_ids(fields: dict) -> list[str]:
+    """The request ids of a doorbell entry; none for a hub's own wake-up entry."""
+    raw = fields.get(b"ring", fields.get("ring"))
+    return decode(raw) if raw is not None else []
 
 
 # ---------------------------------------------------------------- heartbeat

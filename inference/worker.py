@@ -122,6 +122,7 @@ class EngineWorker:
         self._step_ms = 0.0
         self._pubsub: redis.client.PubSub | None = None
         self.output = OutputWriter()
+        self._rings: dict[str, list[str]] = {}  # lease id -> requests whose quiet streams the next send writes to
         self.processor = OutputProcessor(engine.tokenizer, stream_interval=self.config.stream_interval)
         self.membership = Membership(
             self.r,
@@ -260,7 +261,7 @@ class EngineWorker:
         out = self.r.pipeline(transaction=False)
         for (stream, entry_id, fields), was_aborted in zip(entries, aborted):
             self.accept(stream, entry_id, fields, bool(was_aborted), out)
-        self.output.send(out)  # ahead of these requests' first deltas; the step need not wait for it
+        self._send(out)  # ahead of these requests' first deltas; the step need not wait for it
 
     def accept(self, stream: str, entry_id: str, fields: dict, was_aborted: bool, pipe) -> None:
         """Hand one request to the engine, or answer it at once (aborted, expired, invalid)."""
@@ -339,12 +340,13 @@ class EngineWorker:
 
     def _end(self, pipe, state: RequestState, event: protocol.Event) -> None:
         """The terminal event of a request the engine held, and its XACK."""
-        self._emit(pipe, state.request_id, [event])
+        self._emit(pipe, state.request_id, [event], state)
         pipe.xack(state.stream, protocol.CONSUMER_GROUP, state.entry_id)
 
     def _emit(self, pipe, request_id: str, events: list[protocol.Event], state: RequestState | None = None) -> None:
         """XADD the events; EXPIRE too, except on a running request's deltas while its TTL is fresh
-        (one command instead of two per request per step)."""
+        (one command instead of two per request per step). A leased stream quiet for RING_AFTER_S gets
+        its lease's doorbell rung when the pipeline is sent (_send)."""
         key = protocol.output_stream(request_id)
         pipe.xadd(key, protocol.output_fields(events), maxlen=self.config.output_maxlen, approximate=True)
         now = time.monotonic()
@@ -352,6 +354,20 @@ class EngineWorker:
             pipe.expire(key, self.config.output_ttl)
             if state is not None:
                 state.ttl_set_at = now
+        if state is not None and state.lease_id and now - state.written_at >= protocol.RING_AFTER_S:
+            self._rings.setdefault(state.lease_id, []).append(request_id)
+        if state is not None:
+            state.written_at = now
+
+    def _send(self, pipe) -> None:
+        """Hand pipe to the output thread, ending with one doorbell entry per lease it rings, so a hub
+        reads the streams it names only after their events are in."""
+        for lease_id, request_ids in self._rings.items():
+            doorbell = protocol.hub_doorbell(lease_id)
+            pipe.xadd(doorbell, protocol.ring_fields(request_ids), maxlen=protocol.DOORBELL_MAXLEN, approximate=True)
+            pipe.expire(doorbell, protocol.OUTPUT_TTL_S)
+        self._rings.clear()
+        self.output.send(pipe)
 
     # ------------------------------------------------------------ aborts
 
@@ -387,7 +403,7 @@ class EngineWorker:
         self.counters["aborts_total"] += 1
         pipe = self.r.pipeline(transaction=False)
         self._end(pipe, state, self.processor.abort_event(state))
-        self.output.send(pipe)
+        self._send(pipe)
         self.output.flush()  # the stream has ended when abort returns
 
     # ------------------------------------------------------------ stepping
@@ -408,7 +424,7 @@ class EngineWorker:
             state = self.states.get(output.request_id)
             if state is not None:
                 self.publish_output(pipe, state, output)
-        self.output.send(pipe)
+        self._send(pipe)
         elapsed = (time.perf_counter() - started) * 1000
         self._step_ms = 0.9 * self._step_ms + 0.1 * elapsed if self._step_ms else elapsed
 
@@ -438,7 +454,7 @@ class EngineWorker:
             self.counters["errors_total"] += 1
         self.states.clear()
         try:
-            self.output.send(pipe)
+            self._send(pipe)
             self.output.flush()
         except redis.RedisError:
             log.exception("could not publish %s errors", code)

@@ -26,6 +26,7 @@ import asyncio
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import cast
@@ -38,11 +39,6 @@ from common import connections
 from inference import protocol
 
 POLL_MS = 1000  # how long one XREAD blocks before liveness is re-checked
-# The async hub names a stream in every XREAD while it is hot: followed or written to this recently. A
-# colder one (a request waiting in an engine's queue) is named at most every COLD_READ_S, so a flood's
-# backlog of quiet streams does not make every read walk all of them.
-HOT_S = 0.5
-COLD_READ_S = 0.05
 NO_WORKER_GRACE_S = 5.0
 
 LiveWorkers = dict[str, list[str]]  # worker id -> the model names it serves
@@ -382,17 +378,23 @@ class StreamHub:
     the reader. A subscription made while the XREAD blocks wakes it through the hub's own wake
     stream, so its first events are not held back until the block times out; a burst of
     subscriptions sends one wake, since the next XREAD names them all. Two subscriptions to one
-    stream (a browser tab that reconnects) each get every entry after their own last id. A stream
-    neither followed nor written to for HOT_S is named only every COLD_READ_S (`query`).
+    stream (a browser tab that reconnects) each get every entry after their own last id.
+
+    The XREAD names the hot streams only (followed or written to in the last protocol.HUB_HOT_S) and
+    the wake stream, which is also this lease's doorbell: a worker that writes to a stream quiet for
+    protocol.RING_AFTER_S rings it with the request ids, and those streams are hot again for the next
+    XREAD. A flood's backlog, a thousand streams waiting in an engine's queue, is then named only in the
+    cold read every protocol.HUB_COLD_READ_S (streams of a worker that does not ring, or of another
+    process's lease), not in every step's read (`query`).
     """
 
     def __init__(self, engine: AsyncEngineClient):
         self.engine = engine
         self.r = engine.r
-        self.wake_key = f"{protocol.PREFIX}:hub-wake:{uuid.uuid4().hex}"
-        self.wake_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
+        self.doorbell = protocol.hub_doorbell(engine.lease_id)
+        self.doorbell_id = "0-0"  # the key is new: its first entry, whenever it comes, wakes the XREAD
         self.by_key: dict[str, dict[asyncio.Queue, RequestSubscription]] = {}
-        self.active_at: dict[str, float] = {}  # stream key -> when it was last followed or written to
+        self.hot: OrderedDict[str, float] = OrderedDict()  # stream key -> when last followed or written to
         self.cold_read_at = 0.0  # when an XREAD last named every followed stream
         self.reader: asyncio.Task | None = None
         self.wake_sent = False  # one wake per blocked XREAD: a burst of subscriptions must not re-read n times
@@ -400,14 +402,14 @@ class StreamHub:
     async def subscribe(self, key: str, last_id: str) -> asyncio.Queue:
         inbox: asyncio.Queue = asyncio.Queue()
         self.by_key.setdefault(key, {})[inbox] = RequestSubscription(_id_tuple(last_id), time.monotonic())
-        self.active_at[key] = time.monotonic()
+        self.touch(key, time.monotonic())
         if self.reader is None or self.reader.done():
             self.reader = asyncio.get_running_loop().create_task(self._read())
         elif not self.wake_sent:
             self.wake_sent = True
             pipe = self.r.pipeline(transaction=False)
-            pipe.xadd(self.wake_key, {"w": "1"}, maxlen=1)
-            pipe.expire(self.wake_key, protocol.OUTPUT_TTL_S)
+            pipe.xadd(self.doorbell, {"w": "1"}, maxlen=protocol.DOORBELL_MAXLEN, approximate=True)
+            pipe.expire(self.doorbell, protocol.OUTPUT_TTL_S)
             await pipe.execute()
         return inbox
 
@@ -416,19 +418,26 @@ class StreamHub:
         subscriptions.pop(inbox, None)
         if not subscriptions:
             self.by_key.pop(key, None)
-            self.active_at.pop(key, None)
+            self.hot.pop(key, None)
+
+    def touch(self, key: str, now: float) -> None:
+        """key was followed or written to now: hot for the next HUB_HOT_S."""
+        self.hot[key] = now
+        self.hot.move_to_end(key)
 
     def query(self, now: float) -> dict[KeyT, StreamIdT]:
-        """The next XREAD's streams: the hot ones, and every one when the last cold read is COLD_READ_S old."""
-        cold_read = now - self.cold_read_at >= COLD_READ_S
+        """The next XREAD's streams: the hot ones, and every one when the last cold read is HUB_COLD_READ_S old."""
+        while self.hot and now - next(iter(self.hot.values())) >= protocol.HUB_HOT_S:
+            self.hot.popitem(last=False)
+        cold_read = now - self.cold_read_at >= protocol.HUB_COLD_READ_S
         if cold_read:
             self.cold_read_at = now
         query: dict[KeyT, StreamIdT] = {}
-        for key, subscriptions in self.by_key.items():
-            if cold_read or now - self.active_at[key] < HOT_S:
-                query[key] = "%d-%d" % min(sub.last_id for sub in subscriptions.values())
-                for sub in subscriptions.values():
-                    sub.in_query = True
+        for key in self.by_key if cold_read else self.hot:
+            subscriptions = self.by_key[key]
+            query[key] = "%d-%d" % min(sub.last_id for sub in subscriptions.values())
+            for sub in subscriptions.values():
+                sub.in_query = True
         return query
 
     async def _read(self) -> None:
@@ -437,9 +446,8 @@ class StreamHub:
                 self.wake_sent = False  # whoever subscribes after this query is built has to wake the XREAD
                 query = self.query(time.monotonic())
                 every_stream = len(query) == len(self.by_key)
-                query[self.wake_key] = self.wake_id
-                block_ms = POLL_MS if every_stream else round(COLD_READ_S * 1000)
-                self._deliver(await self.r.xread(query, block=block_ms, count=256))
+                query[self.doorbell] = self.doorbell_id
+                self._deliver(await self.r.xread(query, block=POLL_MS, count=256))
                 if every_stream:  # the quiet ones are among the cold: look for them when those were read
                     await self._tick_quiet()
         except Exception as exc:  # Redis went away: every subscription hears it
@@ -452,11 +460,12 @@ class StreamHub:
         now = time.monotonic()
         for raw_key, items in reply or []:
             key = _text(raw_key)
-            if key == self.wake_key:
-                self.wake_id = _text(items[-1][0])
+            if key == self.doorbell:
+                self.doorbell_id = _text(items[-1][0])
+                self._answer_rings(items, now)
                 continue
-            if key in self.active_at:
-                self.active_at[key] = now
+            if key in self.by_key:
+                self.touch(key, now)
             for inbox, sub in self.by_key.get(key, {}).items():
                 if not sub.in_query:  # joined during this XREAD, maybe behind its start: the next one reads its gap
                     continue
@@ -464,6 +473,14 @@ class StreamHub:
                 if mine:
                     inbox.put_nowait(_unpack([(raw_key, mine)])[1])
                     sub.last_id, sub.seen = _id_tuple(_text(mine[-1][0])), now
+
+    def _answer_rings(self, items, now: float) -> None:
+        """The doorbell's entries: the streams a worker rang for are hot for the next XREAD."""
+        for _entry_id, fields in items:
+            for request_id in protocol.rung_request_ids(fields):
+                key = protocol.output_stream(request_id)
+                if key in self.by_key:
+                    self.touch(key, now)
 
     async def _tick_quiet(self) -> None:
         now = time.monotonic()

@@ -88,6 +88,43 @@ def test_the_lease_lives_as_long_as_the_submitting_event_loop_and_lapses_after(r
     assert wait_for(lambda: not r.exists(key), timeout=protocol.LEASE_TTL_S + 2)
 
 
+def test_the_worker_rings_a_leases_doorbell_when_it_writes_to_a_quiet_stream_after_the_events(llm, r, monkeypatch):
+    """A web process's hub names only hot streams in each XREAD (engine_client.StreamHub): the worker rings
+    the lease's doorbell for a stream it writes to after RING_AFTER_S without a write, and not for one it
+    writes to every step; the ring comes after the events it announces. Batch requests ring nothing."""
+    monkeypatch.setattr(protocol, "RING_AFTER_S", 3600.0)  # no step of this test takes that long
+    worker = stepped_worker(llm)
+    doorbell = protocol.hub_doorbell("web-1")
+    try:
+        followed = engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)
+        engine.client().submit(model=MODEL, prompt_token_ids=PROMPT, sampling_params=LONG)  # a batch line
+        _set_lease_id(r, followed, "web-1")
+
+        def rings() -> list[tuple[str, list[str]]]:
+            worker.output.flush()
+            return [(entry_id.decode(), protocol.rung_request_ids(f)) for entry_id, f in r.xrange(doorbell)]
+
+        sent = []
+        send = worker.output.send
+        monkeypatch.setattr(worker.output, "send", lambda pipe: sent.append(list(pipe.command_stack)) or send(pipe))
+
+        worker.read_requests(block_ms=1000)  # the accepted events: never written to before
+        assert [ids for _, ids in rings()] == [[followed]]
+        worker.step()
+        worker.step()
+        assert len(rings()) == 1  # written to in every step: hot in its hub, no ring
+        worker.states[followed].written_at -= 3601  # as if it had waited in the queue since
+        worker.step()
+        ids = rings()[-1][1]
+        assert len(rings()) == 2 and ids == [followed]
+        written = [args[1] for args, _ in sent[-1]]  # each command's key, in the order the pipeline sends them
+        assert written.index(protocol.output_stream(followed)) < written.index(doorbell)  # the events first
+        assert 0 < r.ttl(doorbell) <= protocol.OUTPUT_TTL_S
+    finally:
+        llm.llm_engine.abort_request(list(worker.states))
+        worker.shutdown()
+
+
 def _set_lease_id(r, request_id: str, lease_id: str) -> None:
     """Rewrite a queued request's lease id (as a web process with that lease would have submitted it)."""
     stream = protocol.request_stream(MODEL)

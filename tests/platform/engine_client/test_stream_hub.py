@@ -150,29 +150,54 @@ def test_a_follower_that_joins_behind_the_xread_in_flight_still_gets_every_entry
 
 def test_streams_quiet_for_half_a_second_are_named_only_in_the_cold_reads(r):
     """A flood's backlog waits in the engine's queue with nothing to read: naming each of its streams in
-    every XREAD made each read walk them all. They are read every COLD_READ_S instead."""
+    every XREAD made each read walk them all. They are read every HUB_COLD_READ_S instead."""
 
     async def run():
         tasks = [asyncio.create_task(collect(f"backlog-{i}")) for i in range(3)]
         await asyncio.sleep(0.1)  # all three are followed now
         hub = engine.aclient().hub
-        keys = {protocol.output_stream(f"backlog-{i}") for i in range(3)}
+        keys = [protocol.output_stream(f"backlog-{i}") for i in range(3)]
         now = time.monotonic()
-        hub.active_at.update(dict.fromkeys(keys, now))  # explicit clocks: followed just now
+        for key in keys:
+            hub.touch(key, now)  # explicit clocks: followed just now
         hub.cold_read_at = now  # a cold read just happened
-        assert set(hub.query(now)) == keys  # followed within HOT_S: hot
+        assert set(hub.query(now)) == set(keys)  # followed within HUB_HOT_S: hot
         # each step past its threshold by a margin: (m + x) - m rounds below x for some clock values m
-        now += engine.HOT_S + 0.01
+        now += protocol.HUB_HOT_S + 0.01
         hub.cold_read_at = now
-        assert hub.query(now) == {}  # quiet since, and the last cold read is fresh: none
-        now += engine.COLD_READ_S + 0.001
-        assert set(hub.query(now)) == keys  # the cold read names them all
+        assert hub.query(now) == {} and not hub.hot  # quiet since, and the last cold read is fresh: none
+        now += protocol.HUB_COLD_READ_S + 0.001
+        assert set(hub.query(now)) == set(keys)  # the cold read names them all
         assert hub.query(now) == {}  # and then not again until the next
-        hub.active_at[protocol.output_stream("backlog-1")] = now  # written to: hot again
-        assert set(hub.query(now)) == {protocol.output_stream("backlog-1")}
+        hub.touch(keys[1], now)  # written to: hot again
+        assert set(hub.query(now)) == {keys[1]}
         for i in range(3):  # a cold stream's events still arrive, from the next cold read
             write(r, f"backlog-{i}", DELTA, FINISH)
         return await asyncio.gather(*tasks)
 
     for events in asyncio.run(run()):
         assert [e["type"] for e in events] == ["delta", "finish"]
+
+
+def test_a_worker_ringing_the_doorbell_gets_a_cold_stream_read_at_once(r, monkeypatch):
+    """A stream that went quiet (its request waited in an engine's queue) is not named in the step-by-step
+    XREADs; the worker that writes to it again rings its lease's doorbell, and the next XREAD names it. With
+    cold reads turned off, the events arrive through the ring or not at all."""
+    monkeypatch.setattr(protocol, "HUB_COLD_READ_S", 3600.0)
+
+    async def run():
+        task = asyncio.create_task(collect("quiet"))
+        await asyncio.sleep(0.1)  # followed: the reader blocks in an XREAD that names it
+        hub = engine.aclient().hub
+        hub.hot[protocol.output_stream("quiet")] = time.monotonic() - 10  # it went quiet long ago
+        r.xadd(hub.doorbell, {"w": "1"})  # the reader reads again, this time without it
+        await asyncio.sleep(0.1)
+        write(r, "quiet", DELTA, FINISH)
+        await asyncio.sleep(0.3)
+        unread = not task.done()
+        r.xadd(hub.doorbell, protocol.ring_fields(["quiet"]))
+        return unread, await asyncio.wait_for(task, 30)
+
+    unread, events = asyncio.run(run())
+    assert unread  # not named: without the ring it would wait for a cold read
+    assert [e["type"] for e in events] == ["delta", "finish"]
