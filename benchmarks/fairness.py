@@ -8,7 +8,7 @@ whole window and over the stretches where both users had requests waiting (the p
 those). Then four tenants with weights 1:2:3:4. Service is the paper's weighted tokens (prompt x1 when
 the first token comes, output x2 as they come).
 
-Without --stack this runs the bare engine in this process. With --stack it drives `make run`'s stack
+With --engine this runs the bare engine in this process. By default it drives `make run`'s stack
 (the web tier, Redis and --workers engine workers, as tests/platform/live_stack.py starts them) over
 HTTP with two users' API keys, one fresh stack per policy: per-user served tokens over time (each
 request's service spread over [first token, last token] as the paper's artifact does), max |W_A - W_B|
@@ -171,7 +171,7 @@ def ttft_cells(run: dict) -> list:
 
 def main(argv: list[str]) -> str:
     parser = argparse.ArgumentParser(prog="fairness")
-    parser.add_argument("--seconds", type=float, default=None, help="each run's length (180; 60 with --stack)")
+    parser.add_argument("--seconds", type=float, default=None, help="each run's length (60; 180 with --engine)")
     parser.add_argument("--rate", type=float, default=None, help="A's requests/s (B sends twice as many)")
     parser.add_argument(
         "--load",
@@ -179,21 +179,28 @@ def main(argv: list[str]) -> str:
         default=2.1,
         help="without --rate: the total offered load as a multiple of the measured capacity (A a third of it)",
     )
-    parser.add_argument("--calibrate-seconds", type=float, default=15.0, help="--stack: the capacity measurement")
+    parser.add_argument("--calibrate-seconds", type=float, default=15.0, help="the stack's capacity measurement")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--stack", action="store_true", help="through the served stack over HTTP, two API keys")
-    parser.add_argument("--rounds", type=int, default=1, help="--stack: FCFS and fair stacks, alternating")
-    parser.add_argument("--max-inflight", type=int, default=512, help="--stack: requests the worker may hold")
-    parser.add_argument("--workers", type=int, default=1, help="--stack: engine workers reading one request stream")
-    parser.add_argument("--model", choices=STACK_MODELS, default="bench", help="--stack: the model served")
-    parser.add_argument("--vllm", action="store_true", help="--stack: the two users against vllm serve too")
+    parser.add_argument("--engine", action="store_true", help="the bare engine in this process, not the stack")
+    parser.add_argument("--rounds", type=int, default=1, help="FCFS and fair stacks, alternating")
+    parser.add_argument(
+        "--max-inflight", type=int, default=4096, help="requests a worker may hold (past it they wait in Redis, FCFS)"
+    )
+    parser.add_argument("--workers", type=int, default=1, help="engine workers reading one request stream")
+    parser.add_argument("--model", choices=STACK_MODELS, default="bench", help="the model served")
+    parser.add_argument(
+        "--vllm",
+        action=argparse.BooleanOptionalAction,
+        default=bool(os.environ.get("VLLM_PYTHON")),
+        help="the two users against vllm serve too (default: when VLLM_PYTHON names its venv's python)",
+    )
     parser.add_argument("--interactive-interval", type=float, default=2.0)
-    parser.add_argument("--interactive-seconds", type=float, default=30.0)
+    parser.add_argument("--interactive-seconds", type=float, default=180.0, help="each phase (p99 of ~60 requests)")
     args = parser.parse_args(argv)
-    args.seconds = args.seconds or (60.0 if args.stack else 180.0)
-    if args.stack:
+    args.seconds = args.seconds or (180.0 if args.engine else 60.0)
+    if not args.engine:
         return main_stack(args)
     if args.rate is None:
         args.capacity = engine_capacity(args.prompt, args.output, args.max_num_seqs)
@@ -250,7 +257,7 @@ def rates_line(args) -> str:
     return f"{rates}: {args.load}x the measured capacity of {args.capacity:.2f} requests/s in all"
 
 
-# ---------------------------------------------------------------- through the served stack (--stack)
+# ---------------------------------------------------------------- through the served stack (the default)
 
 
 @dataclass

@@ -27,15 +27,15 @@ def test_a_missing_peer_is_skipped_with_how_to_get_it(monkeypatch, capsys):
 
 
 def test_make_bench_gives_each_section_the_options_after_its_name():
-    argv = ["fairness", "--stack", "--rounds", "3", "spec", "gguf", "--weights", "packed"]
+    argv = ["fairness", "--engine", "--rounds", "3", "spec", "gguf", "--weights", "packed"]
     assert run_all.parse_sections(argv) == {
-        "fairness": ["--stack", "--rounds", "3"],
+        "fairness": ["--engine", "--rounds", "3"],
         "spec": [],
         "gguf": ["--weights", "packed"],
     }
     assert list(run_all.parse_sections([])) == run_all.SECTIONS
-    with pytest.raises(ValueError, match="unknown section '--stack'"):
-        run_all.parse_sections(["--stack", "fairness"])
+    with pytest.raises(ValueError, match="unknown section '--engine'"):
+        run_all.parse_sections(["--engine", "fairness"])
     assert run_all.main(["nonsense"]) == 2
 
 

@@ -48,7 +48,7 @@ def test_the_backlogged_difference_is_the_spread_of_w_a_minus_w_b_inside_each_st
 
 @pytest.mark.slow
 def test_a_brief_stack_run_prints_both_policies_the_weighted_users_and_the_interactive_user(capsys):
-    argv = ["--stack", "--seconds", "4", "--rate", "1", "--interactive-seconds", "3", "--interactive-interval", "1"]
+    argv = ["--seconds", "4", "--rate", "1", "--interactive-seconds", "3", "--interactive-interval", "1", "--no-vllm"]
     report = fairness.main(argv)
     rows = [line for line in report.splitlines() if line.startswith("| fcfs |") or line.startswith("| fair |")]
     assert {row.split("|")[1].strip() for row in rows} == {"fcfs", "fair"}
