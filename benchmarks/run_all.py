@@ -2,7 +2,7 @@
 
 Sections run one after another in this process (the serving one starts its own stack).
 Select with `make bench ARGS="throughput scheduling"`; the options after a section's name are its own
-(`make bench ARGS="fairness --stack --rounds 3"`). Kernels print a notice without CUDA.
+(`make bench ARGS="fairness --rounds 3"`). Kernels print a notice without CUDA.
 """
 
 from __future__ import annotations

@@ -354,9 +354,9 @@ class EngineWorker:
             pipe.expire(key, self.config.output_ttl)
             if state is not None:
                 state.ttl_set_at = now
-        if state is not None and state.lease_id and now - state.written_at >= protocol.RING_AFTER_S:
-            self._rings.setdefault(state.lease_id, []).append(request_id)
         if state is not None:
+            if state.lease_id and now - state.written_at >= protocol.RING_AFTER_S:
+                self._rings.setdefault(state.lease_id, []).append(request_id)
             state.written_at = now
 
     def _send(self, pipe) -> None:
