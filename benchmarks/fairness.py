@@ -37,6 +37,7 @@ from inference import LLM, SamplingParams
 from inference.fairness import service_bound
 
 FLOOD_NICE = 10  # the interactive phase's flood client (interactive())
+FLOOD_LEAD_S = 3.0  # how long the flood runs before the interactive user's first request under it
 
 
 def engine_capacity(prompt_len: int, output_len: int, max_num_seqs: int) -> float:
@@ -554,12 +555,21 @@ def interactive(stack, keys: dict, args) -> dict:
     spawn = multiprocessing.get_context("spawn")
     with spawn.Pool(1) as probe, spawn.Pool(1, initializer=os.nice, initargs=(FLOOD_NICE,)) as flooder:
         for pool in (probe, flooder):
-            pool.apply(time.sleep, (0,))  # both processes are up before either phase starts
+            pool.apply(client_ready)  # both processes are up, this module imported, before either phase starts
         alone = probe.apply(probe_ttfts, (stack.base_url, keys["A"], args, 2))
-        loaded = probe.apply_async(probe_ttfts, (stack.base_url, keys["A"], args, 3))
-        flood = {"B": flood_rate(args)}  # a second longer than the probe, so each of A's requests meets it
-        flooder.apply(flood_for, (stack.base_url, keys, flood, args.interactive_seconds + 1, args))
-        return {"alone": alone, "flood": loaded.get()}
+        # the flood is under way before A's first request and lasts a second past A's last
+        seconds = FLOOD_LEAD_S + args.interactive_seconds + 1
+        flood = flooder.apply_async(flood_for, (stack.base_url, keys, {"B": flood_rate(args)}, seconds, args))
+        time.sleep(FLOOD_LEAD_S)
+        loaded = probe.apply(probe_ttfts, (stack.base_url, keys["A"], args, 3))
+        flood.get()
+        return {"alone": alone, "flood": loaded}
+
+
+def client_ready() -> None:
+    """Run in each client process before the phases: unpickling it imports this module (and torch with it),
+    which would otherwise happen as the flood starts, in the middle of the phase it measures."""
+    import aiohttp  # noqa: F401
 
 
 def flood_for(base_url: str, keys: dict, rates: dict, seconds: float, args) -> None:
