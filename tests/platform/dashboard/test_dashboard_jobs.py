@@ -19,7 +19,7 @@ def test_generate_usage_makes_realistic_rows_and_rolls_them_up():
         "generate_usage", days=2, users=4, requests_per_day=300, seed=1, batches=5, stdout=open("/dev/null", "w")
     )
     rows = UsageRecord.objects.all()
-    assert rows.count() > 300
+    assert rows.count() > 150  # 2 days of 300, weekends at 40%: about 240 when both days are a weekend's
     assert set(rows.values_list("source", flat=True)) == {"api", "playground", "batch"}
     assert rows.values("model").distinct().count() >= 2
     assert rows.filter(source="api", api_key__isnull=False).exists()
