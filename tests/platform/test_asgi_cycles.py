@@ -13,22 +13,11 @@ import pytest
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIRequest
 
+from tests.platform.security.asgi_calls import BASE_SCOPE
+
 pytestmark = pytest.mark.django_db(transaction=True)
 
-SCOPE = {
-    "type": "http",
-    "asgi": {"version": "3.0"},
-    "http_version": "1.1",
-    "method": "GET",
-    "scheme": "http",
-    "path": "/metrics",
-    "raw_path": b"/metrics",
-    "query_string": b"",
-    "root_path": "",
-    "headers": [],
-    "client": ("127.0.0.1", 50000),
-    "server": ("127.0.0.1", 8000),
-}
+SCOPE = {**BASE_SCOPE, "path": "/metrics", "raw_path": b"/metrics"}
 
 
 async def as_uvicorn_calls() -> int:

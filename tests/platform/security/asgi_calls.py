@@ -8,6 +8,21 @@ import httpx
 import redis
 from django.conf import settings
 
+BASE_SCOPE = {  # a GET of / as the web server hands it over; callers override what they need
+    "type": "http",
+    "asgi": {"version": "3.0"},
+    "http_version": "1.1",
+    "method": "GET",
+    "scheme": "http",
+    "path": "/",
+    "raw_path": b"/",
+    "query_string": b"",
+    "root_path": "",
+    "headers": [],
+    "client": ("127.0.0.1", 50000),
+    "server": ("127.0.0.1", 8000),
+}
+
 
 def call(method: str, path: str, **kwargs) -> httpx.Response:
     """One request through tessera.asgi.application, as the web server hands it over."""
@@ -32,21 +47,7 @@ def raw_call(scope_overrides: dict, body_chunks: list[bytes], unread: list | Non
 async def _raw_call(scope_overrides, body_chunks, unread):
     from tessera.asgi import application
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/",
-        "raw_path": b"/",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 8000),
-        **scope_overrides,
-    }
+    scope = {**BASE_SCOPE, **scope_overrides}
     messages = [
         {"type": "http.request", "body": chunk, "more_body": i < len(body_chunks) - 1}
         for i, chunk in enumerate(body_chunks or [b""])
