@@ -46,7 +46,6 @@ def test_the_backlogged_difference_is_the_spread_of_w_a_minus_w_b_inside_each_st
     assert math.isnan(never["max_diff"]) and fairness.backlog_cell(never) == "never"
 
 
-@pytest.mark.slow
 def test_a_percentile_of_few_values_is_numpys_and_never_past_the_largest():
     ttfts = [float(v) for v in range(1, 63)] + [200.0]  # 63 first tokens, one stall
     assert fairness.pct(ttfts, 99) == pytest.approx(62.0 + 0.38 * (200.0 - 62.0))  # numpy.percentile(ttfts, 99)
@@ -55,6 +54,7 @@ def test_a_percentile_of_few_values_is_numpys_and_never_past_the_largest():
     assert math.isnan(fairness.pct([5.0], 99))
 
 
+@pytest.mark.slow
 def test_a_brief_stack_run_prints_both_policies_the_weighted_users_and_the_interactive_user(capsys):
     argv = ["--seconds", "4", "--rate", "1", "--interactive-seconds", "3", "--interactive-interval", "1", "--no-vllm"]
     report = fairness.main(argv)
