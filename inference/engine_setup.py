@@ -49,7 +49,9 @@ def keep_freed_memory(device: torch.device) -> None:
     pages in again, and freed heap memory past 128 KiB was trimmed the same way. From here on large blocks
     come from the heap and freed memory stays there for the next step (docs/kernels.md has the cost).
     Process-wide; nothing where the C library has no mallopt (not glibc)."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library: no lookup
+    libc = ctypes.CDLL(None)  # the process's own C library: no lookup
+    mallopt = getattr(libc, "mallopt", None)
     if device.type == "cpu" and mallopt is not None:
+        libc.malloc_trim(0)  # first hand back what loading freed (parsed tables, construction copies)
         mallopt(M_MMAP_MAX, 0)
         mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES)

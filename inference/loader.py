@@ -195,10 +195,24 @@ def init_dummy_weights(model: Any, seed: int) -> None:
 def load_tokenizer(path: str):
     """The one way every process (engine, web tier, Celery) gets the model's tokenizer."""
     if is_gguf(path):
-        return gguf_loader.load_tokenizer(path)
-    from transformers import AutoTokenizer
+        tokenizer = gguf_loader.load_tokenizer(path)
+    else:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return without_construction_tables(tokenizer)
+
+
+# transformers' per-model tokenizer classes (Qwen2, Llama, GPT-2) keep the Python vocabulary and merge
+# list they built the Rust tokenizer from; nothing reads them after __init__, and for a large vocabulary
+# they are most of the tokenizer's memory in every process that loads it (docs/benchmarks.md)
+CONSTRUCTION_TABLES = ("_vocab", "_merges")
+
+
+def without_construction_tables(tokenizer):
+    for name in CONSTRUCTION_TABLES:
+        tokenizer.__dict__.pop(name, None)
+    return tokenizer
 
 
 def tokenize_prompt(tokenizer, prompt) -> tuple[str | None, list[int]]:

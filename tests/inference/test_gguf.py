@@ -254,6 +254,32 @@ def test_tokenizer_and_chat_template_from_metadata_are_cached_per_file(tmp_path)
         assert tok.eos_token_id == reference.eos_token_id
 
 
+def python_tables(tokenizer, at_least: int) -> list[str]:
+    """The tokenizer's attributes holding a Python dict or list of at least `at_least` entries."""
+    tables = {name: value for name, value in vars(tokenizer).items() if isinstance(value, dict | list)}
+    return [name for name, value in tables.items() if len(value) >= at_least]
+
+
+def test_the_tokenizer_keeps_no_python_copy_of_its_vocabulary(tmp_path):
+    """transformers' Qwen2 class (Qwen files' tokenizer) keeps the vocabulary and merges it built the Rust
+    tokenizer from; in every process that loads a large vocabulary that copy is most of its memory."""
+    from transformers import AutoTokenizer
+
+    hf_dir = make_tiny_model(tmp_path / "hf", "qwen2")
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",))
+    from_file = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    from_folder = AutoTokenizer.from_pretrained(hf_dir)
+    text = "The assert statement, café and 你好 🎉"
+    built, cached = load_tokenizer(str(file)), load_tokenizer(str(file))
+    kept = AutoTokenizer.from_pretrained(tokenizer_cache_dir(str(file)))  # what transformers alone keeps
+    assert python_tables(kept, at_least=len(kept) // 4) != []
+    for tokenizer, reference in ((built, from_file), (cached, from_file), (load_tokenizer(str(hf_dir)), from_folder)):
+        assert python_tables(tokenizer, at_least=len(reference) // 4) == []
+        assert tokenizer.encode(text) == reference.encode(text)
+        assert tokenizer.decode(reference.encode(text)) == reference.decode(reference.encode(text))
+        assert tokenizer.get_vocab() == reference.get_vocab()
+
+
 def test_an_unwritable_cache_only_costs_time(tmp_path, monkeypatch):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama")
     file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",))
