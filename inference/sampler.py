@@ -9,15 +9,34 @@ request whatever else is in the batch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from inference.outputs import Logprob
 from inference.request import Request
+from inference.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from inference.structured_output import TokenMasker
+
+
+class SampledRow(Protocol):
+    """What a row's processing reads: a Request, or one verification row of it (spec_decode's DraftedRow)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    matcher: Any
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 class Sampler:
@@ -33,7 +52,7 @@ class Sampler:
         token_list = tokens.tolist()
         return token_list, self.logprob_entries(raw_logprobs, token_list, seqs)
 
-    def process(self, logits: torch.Tensor, seqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def process(self, logits: torch.Tensor, seqs: Sequence[SampledRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every row's logits after masks and penalties, and the raw logprobs (if a row asks): all but the pick."""
         # min_tokens masking and penalties write in place: into a private copy, never the caller's
         # logits (a row-by-row retry after a failure must see them unchanged); else no copy at all.

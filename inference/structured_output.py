@@ -7,7 +7,10 @@ is scheduled once its grammar is ready) and cached by spec, so repeated schemas 
 Each sequence gets its own matcher; before sampling, the rows that have one are masked to the
 tokens the grammar allows, and EOS is allowed only where the grammar may end. Recompute
 preemption keeps the output tokens, so a matcher needs no rollback; an n > 1 fork gets a fresh
-matcher of the same grammar (forks happen before the first output token).
+matcher of the same grammar (forks happen before the first output token). Speculative decoding reads a
+matcher ahead and rolls it back: proposals are cut to the prefix the grammar accepts, and each
+verification row is masked as the grammar stands after the proposals before it; only the tokens the
+scheduler appends advance it.
 
 Backend: xgrammar (vLLM's default): its mask costs less per step than llguidance's at batch 1 and
 the same at batch 64 (docs/kernels.md has the measurement).
@@ -210,3 +213,47 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._compiler is not None:
             self._compiler.shutdown()
+
+
+# ---- speculative decoding: proposals read against the grammar ------------------------------------
+
+
+def grammar_prefix(matcher, tokens: list[int]) -> list[int]:
+    """The longest prefix of tokens the grammar accepts from the matcher's state; the state is unchanged."""
+    accepted = 0
+    for token in tokens:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return tokens[:accepted]
+
+
+class MatcherAfter:
+    """A sequence's matcher read as it will be after `tokens` (a verification row's proposals before it):
+    advanced through them for each read, then rolled back, so the sequence's own state never moves."""
+
+    def __init__(self, matcher, tokens: list[int]):
+        self.matcher, self.tokens = matcher, tokens
+
+    def is_terminated(self) -> bool:
+        with self._advanced():
+            return self.matcher.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+        with self._advanced():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    @contextmanager
+    def _advanced(self):
+        accepted = 0
+        try:
+            for token in self.tokens:
+                if not self.matcher.accept_token(token):
+                    raise ValueError(f"proposal {token} breaks the grammar (proposals are cut to its prefix)")
+                accepted += 1
+            yield
+        finally:
+            if accepted:
+                self.matcher.rollback(accepted)

@@ -1,8 +1,10 @@
 """Verification: which proposed tokens a sequence keeps, so its outputs are what the target gives alone.
 
 The target scored the sequence's last token and its k proposals in one forward: row j holds its
-logits after the last token and proposals 0..j-1. Rows go through the same processing as a plain
-step (logit_bias, allowed_token_ids, temperature, top-k/top-p/min-p); then, row by row:
+logits after the last token and proposals 0..j-1. Row j goes through the processing a plain step
+would give that position once proposals 0..j-1 were appended (min_tokens, penalties, logit_bias,
+allowed_token_ids, bad_words, the grammar's mask, temperature, top-k/top-p/min-p: a DraftedRow);
+then, row by row:
 
 - greedy: the target's argmax; a proposal is kept while it equals that argmax;
 - sampled: the token a plain step would draw from that row (its probabilities over the row's own
@@ -25,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from inference.request import Request
-from inference.sampler import Sampler, first_max_index
+from inference.sampler import SampledRow, Sampler, first_max_index
+from inference.structured_output import MatcherAfter
 
 
 class RejectionSampler:
@@ -35,7 +38,7 @@ class RejectionSampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seq: Request, drafts: list[int]) -> tuple[list[int], list]:
         """logits [len(drafts) + 1, vocab] -> (the emitted tokens, 1 to len(drafts) + 1; their logprob entries)."""
-        rows = [seq] * (len(drafts) + 1)
+        rows: list[SampledRow] = [seq, *(DraftedRow(seq, drafts[:j]) for j in range(1, len(drafts) + 1))]
         processed, raw_logprobs = self.sampler.process(logits, rows)
         if seq.params.greedy:
             targets = first_max_index(processed).tolist()
@@ -48,6 +51,28 @@ class RejectionSampler:
                 if tokens[-1] != draft:
                     break
         return tokens, self.sampler.logprob_entries(raw_logprobs, tokens, rows[: len(tokens)])
+
+
+class DraftedRow:
+    """A sequence as a plain step would see it once `drafts` were appended: what the sampler's per-row
+    processing reads (the output so far, the grammar's state) for one verification row."""
+
+    def __init__(self, seq: Request, drafts: list[int]):
+        self.seq, self.drafts = seq, drafts
+        self.params, self.generator = seq.params, seq.generator
+        self.matcher = None if seq.matcher is None else MatcherAfter(seq.matcher, drafts)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts)
 
 
 def num_accepted(targets: list[int], drafts: list[int]) -> int:

@@ -1,8 +1,9 @@
 """Speculative decoding's policy: which running sequences speculate this step, and how far.
 
-A step's proposals (Request.spec_token_ids) are made before the scheduler runs; it schedules a
-speculating decode as a query of 1 + k tokens, the target verifies them (RejectionSampler) and
-the scheduler keeps the accepted ones.
+A step's proposals (Request.spec_token_ids, cut to what a structured-output request's grammar accepts)
+are made before the scheduler runs; it schedules a speculating decode as a query of 1 + k tokens, the
+target verifies them (RejectionSampler, each row processed as a plain step would process its position)
+and the scheduler keeps the accepted ones. Every request speculates unless it opted out.
 
 k adapts per sequence and step. With an acceptance probability a per proposal, k proposals yield
 E(k) = 1 + a + ... + a^k tokens for a step of B * (1 + k) tokens plus k proposed tokens, where plain
@@ -32,6 +33,7 @@ from inference.request import Request
 from inference.sampler import Sampler
 from inference.spec_decode.config import SpeculativeConfig
 from inference.spec_decode.rejection_sampler import RejectionSampler
+from inference.structured_output import grammar_prefix
 
 PRIOR_ACCEPTANCE = 0.5  # before a sequence's first verification
 PRIOR_WEIGHT = 2.0  # how many verified proposals the prior is worth
@@ -75,20 +77,6 @@ class Acceptance:
     def decay(self) -> None:
         self.accepted *= DECAY
         self.rejected *= DECAY
-
-
-def may_speculate(seq: Request) -> bool:
-    """Requests whose per-position processing depends on the tokens before it are never speculated:
-    penalties and bad_words (they read the output so far), structured outputs (the grammar's state),
-    min_tokens not yet reached (masking that changes per position), and an opt-out."""
-    params = seq.params
-    return (
-        params.speculative
-        and not params.uses_penalties
-        and not params.bad_words_token_ids
-        and seq.grammar is None
-        and seq.num_output_tokens >= params.min_tokens
-    )
 
 
 def expected_speedup(k: int, acceptance: float, batch_size: int, costs: StepCosts) -> float:
@@ -257,7 +245,7 @@ class Speculator:
             return []
         seqs, ks, backlog = [], [], 0
         for seq in running:
-            if not (self._is_decode(seq) and may_speculate(seq)):
+            if not (self._is_decode(seq) and seq.params.speculative):  # a request may opt out
                 continue
             catch_up = self.proposer.catch_up_tokens(seq)
             k = self._k_for(seq, len(running), catch_up)
@@ -281,6 +269,10 @@ class Speculator:
         for seq, drafts in zip(seqs, proposals):
             if isinstance(drafts, BaseException):
                 failed.append((seq, drafts))
+            elif seq.matcher is not None:
+                seq.spec_token_ids = grammar_prefix(seq.matcher, list(drafts))
+                if len(seq.spec_token_ids) < len(drafts):  # a proposal the grammar refused is a rejection to k
+                    self.acceptance.setdefault(seq, Acceptance()).observe(1, 0)
             else:
                 seq.spec_token_ids = list(drafts)
         return failed

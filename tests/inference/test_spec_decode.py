@@ -1,6 +1,7 @@
 """Speculative decoding: outputs equal to plain decoding (and HF) whatever is proposed, blocks returned,
 start-up errors that name the field, the opt-out, and the rejection rule's output distribution."""
 
+import json
 import random
 import time
 
@@ -11,11 +12,12 @@ from tiny_models import chosen_logprobs, hf_greedy, make_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.engine_setup import weight_bytes
+from inference.loader import load_tokenizer
 from inference.request import Request
 from inference.sampler import Sampler
 from inference.spec_decode import speculator
 from inference.spec_decode.ngram import ngram_proposal
-from inference.spec_decode.rejection_sampler import RejectionSampler
+from inference.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
 from inference.spec_decode.speculator import (
     MEASURED_WEIGHT,
     MIN_SPEEDUP,
@@ -24,6 +26,7 @@ from inference.spec_decode.speculator import (
     best_k,
     step_cost,
 )
+from inference.structured_output import GrammarCompiler, StructuredOutputs, grammar_prefix
 from tessera_kernels import quant_cpu
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -488,3 +491,97 @@ def test_rejection_rule_keeps_the_target_distribution():
     probs = torch.softmax(logits, dim=-1)
     assert chisquare(counts.numpy(), (probs * trials).numpy()).pvalue > 1e-3
     assert kept / trials == pytest.approx(probs[draft[0]].item(), abs=0.015)
+
+
+def test_penalties_bad_words_and_min_tokens_speculate_with_plain_decodings_tokens(tiny_model_dir, plain, monkeypatch):
+    """Each verification row is processed as a plain step processes its position: penalties count the
+    proposals before it, bad_words and min_tokens see them (a row that shared its sequence's state would
+    ban EOS past min_tokens, or miss a penalty, and part from plain decoding)."""
+    speculate_every_step(monkeypatch)
+    prompts = repetitive_prompts(2)
+    eos = plain.llm_engine.eos_token_ids[0]
+    unpenalised = generate(plain, prompts, temperature=0, max_tokens=40)
+    tokenizer = plain.llm_engine.tokenizer
+    bad_word = tokenizer.decode(unpenalised[1][10:12]).strip()
+    cases = [
+        dict(temperature=0, repetition_penalty=1.5),
+        dict(temperature=0, presence_penalty=1.0, frequency_penalty=1.0),
+        dict(temperature=0.8, seed=3, frequency_penalty=1.5),
+        dict(temperature=0, bad_words=[bad_word]),
+        dict(temperature=0, min_tokens=13, ignore_eos=False, logit_bias={eos: 20.0}),
+    ]
+    # the target drafting for itself proposes every step (n-gram matches are rare under a penalty); its
+    # proposals are its unprocessed argmax, so the penalised rows reject some of them
+    llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=draft_of(tiny_model_dir))
+    for params in cases:
+        expected = generate(plain, prompts, max_tokens=40, **params)
+        assert expected != unpenalised  # the parameter changes what plain decoding gives
+        drafts = llm.llm_engine.get_stats()["spec_decode_num_drafts_total"]
+        assert generate(llm, prompts, max_tokens=40, **params) == expected, params
+        assert llm.llm_engine.get_stats()["spec_decode_num_drafts_total"] > drafts  # and it speculated
+    assert [len(tokens) for tokens in expected] == [14] * len(prompts)  # min_tokens, then EOS
+    assert_no_leak(llm)
+
+
+def test_each_verification_row_is_masked_as_the_grammar_stands_after_the_proposals_before_it(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    vocab = len(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id])
+    grammar = compiler.compile(StructuredOutputs(regex="(ab|cd)x{1,3}"))
+    a, b, c, x = (tokenizer.convert_tokens_to_ids(char) for char in "abcx")
+    seq = Request("r", None, [5, 6, 7], SamplingParams(temperature=0, repetition_penalty=1.2))
+    seq.matcher = compiler.matcher(grammar)
+    assert grammar_prefix(seq.matcher, [a, b, x, c, x]) == [a, b, x]  # cut where the grammar refuses
+    drafts = [a, b, x]
+    logits = torch.randn(len(drafts) + 1, vocab, generator=torch.Generator().manual_seed(0))
+    rows = [seq, *(DraftedRow(seq, drafts[:j]) for j in range(1, len(drafts) + 1))]
+    processed, _ = Sampler(vocab, [tokenizer.eos_token_id]).process(logits, rows)
+    for j in range(len(drafts) + 1):  # what a plain step gives the sequence with drafts[:j] appended
+        alone = Request("r", None, [5, 6, 7], seq.params)
+        alone.token_ids += drafts[:j]
+        alone.matcher = compiler.matcher(grammar)
+        assert all(alone.matcher.accept_token(token) for token in drafts[:j])
+        expected, _ = Sampler(vocab, [tokenizer.eos_token_id]).process(logits[j : j + 1], [alone])
+        assert torch.equal(processed[j], expected[0]), j
+    assert torch.isfinite(processed[1]).nonzero().flatten().tolist() == [b]  # after "a" only "b"
+    assert seq.matcher.accept_token(c)  # the sequence's own matcher never moved
+    compiler.shutdown()
+
+
+def test_a_proposal_the_grammar_refuses_counts_against_the_sequences_k(tiny_model_dir, monkeypatch):
+    """A draft that keeps proposing what the grammar refuses pays its forwards for nothing: each cut is a
+    rejection, so the sequence's acceptance falls and k with it."""
+    speculate_every_step(monkeypatch)
+    engine = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=NGRAM).llm_engine
+    tokenizer = engine.tokenizer
+    a, b, x = (tokenizer.convert_tokens_to_ids(char) for char in "abx")
+    seq = Request("r", None, [5, 6, 7], SamplingParams(temperature=0))
+    seq.num_computed_tokens = seq.num_tokens - 1  # a decode
+    compiler = engine.structured.compiler
+    seq.matcher = compiler.matcher(compiler.compile(StructuredOutputs(regex="ab+")))
+    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda seqs, ks: [[a, x, x, x]])
+    assert engine.speculator.propose([seq]) == [] and seq.spec_token_ids == [a]
+    once = engine.speculator.acceptance[seq].rate
+    monkeypatch.setattr(engine.speculator.proposer, "propose", lambda seqs, ks: [[x, b, b, b]])
+    engine.speculator.propose([seq])
+    assert seq.spec_token_ids == [] and engine.speculator.acceptance[seq].rate < once < speculator.PRIOR_ACCEPTANCE
+
+
+def test_structured_outputs_speculate_with_plain_decodings_tokens(tiny_model_dir, plain, monkeypatch):
+    speculate_every_step(monkeypatch)
+    prompts = repetitive_prompts(3)[:2]
+    llm = LLM(model=tiny_model_dir, dtype="float32", max_model_len=512, speculative_config=draft_of(tiny_model_dir))
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    specs = [{"regex": "(.|\n){1,30}"}, {"json": schema}, {"choice": ["yes", "no", "maybe so"]}]
+    for spec in specs:
+        accepted = llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"]
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+        expected = plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        got = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+        assert all(o.outputs[0].finish_reason == "stop" for o in got)
+        if "regex" in spec:  # a grammar its proposals stay inside: they are verified and kept
+            assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens_total"] > accepted + 10
+        if "json" in spec:
+            assert all(json.loads(o.outputs[0].text).keys() == {"ok"} for o in got)
+    assert_no_leak(llm)
