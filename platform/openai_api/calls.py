@@ -373,6 +373,7 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "allowed_token_ids",
     "bad_words",
+    "speculative",
 )
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default on /v1/completions
 

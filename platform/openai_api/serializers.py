@@ -250,6 +250,11 @@ class SamplingSerializer(RequestSerializer):
     )
     skip_special_tokens = serializers.BooleanField(required=False, default=True)
     include_stop_str_in_output = serializers.BooleanField(required=False, default=False)
+    speculative = serializers.BooleanField(
+        required=False,
+        allow_null=True,
+        help_text="false: decode this request without the engine's speculative decoding",
+    )
     priority = serializers.IntegerField(
         required=False,
         default=0,

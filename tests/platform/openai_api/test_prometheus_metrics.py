@@ -195,6 +195,23 @@ def test_speculation_counters_and_acceptance_per_position(raw_key, self_drafted_
     assert rate.value == 1.0
 
 
+def test_a_request_that_opts_out_is_decoded_without_speculation(raw_key, self_drafted_worker):
+    def complete(**extra) -> None:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        headers = {"HTTP_AUTHORIZATION": f"Bearer {raw_key}"}
+        response = Client().post("/v1/completions", {**body, **extra}, content_type="application/json", **headers)
+        assert response.status_code == 200, response.content
+
+    def drafts(families) -> float:
+        name = "vllm:spec_decode_num_drafts"
+        return total(families[name], name + "_total", worker=self_drafted_worker)
+
+    complete(speculative=False)
+    assert drafts(wait_for(lambda: scrape_once_generated(10), timeout=30)) == 0
+    complete()  # the same request, not opting out
+    assert drafts(wait_for(lambda: scrape_once_generated(20), timeout=30)) > 0
+
+
 def test_http_counters_are_labelled_by_web_replica(raw_key):
     def models_200s() -> float:
         family = scrape()["tessera_http_requests"]
