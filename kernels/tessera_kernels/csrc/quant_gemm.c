@@ -545,6 +545,9 @@ static inline float min_dot(const float *min, const float *gsum, int64_t groups)
  * beside it, so a row's output does not depend on the batch (speculative verification relies on it). */
 #if FUSED_KERNELS
 #define FUSED_ROWS 8 /* activation rows that share each vector of codes */
+/* How far ahead of its reads a group's first pass asks for the weight's bytes, into L2: the hardware's own
+ * prefetchers leave a one-row decode waiting on memory (docs/kernels.md, GGUF linear layers). */
+#define PREFETCH_BYTES 4096
 
 typedef struct {
     const int8_t *q;           /* in the values' order */
@@ -863,11 +866,14 @@ ALWAYS_INLINE void k16_small(int type, const uint8_t *at, int r, int64_t b, cons
 
 /* A group of r interleaved rows against `rows` activation rows, into out[j * 16 + l] (the group's row l). */
 ALWAYS_INLINE void k16_group(int type, const fused_job *job, const uint8_t *group, int r, const lanes *a, int rows,
-                             float *out) {
+                             float *out, int prefetch) {
     const int64_t blocks = job->k / (is_k_quant(type) ? KBLOCK : ABLOCK), block_bytes = job->row_bytes / blocks;
     __m512 acc[FUSED_ROWS];
     for (int j = 0; j < rows; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, group += r * block_bytes) {
+        if (prefetch) /* a block's worth of lines PREFETCH_BYTES on (a prefetch never faults past the end) */
+            for (int64_t line = 0; line < r * block_bytes; line += 64)
+                _mm_prefetch((const char *)(group + PREFETCH_BYTES + line), _MM_HINT_T1);
         if (type == Q6_K) k16_q6_k(group, r, b, a, rows, acc);
         else if (is_k_quant(type)) k16_q4_k(group, r, b, a, rows, acc, type == Q5_K);
         else k16_small(type, group, r, b, a, rows, acc);
@@ -887,18 +893,19 @@ ALWAYS_INLINE void k16_range(int type, const fused_job *job, int64_t first, int6
             const lanes *a = job->a + start;
             const int count = job->m - start < FUSED_ROWS ? (int)(job->m - start) : FUSED_ROWS;
             float out[FUSED_ROWS * K16_ROWS];
+            const int first = start == 0; /* later passes find the group in cache */
             if (r < K16_ROWS) {
-                for (int j = 0; j < count; j++) k16_group(type, job, group, r, a + j, 1, out + K16_ROWS * j);
+                for (int j = 0; j < count; j++) k16_group(type, job, group, r, a + j, 1, out + K16_ROWS * j, first && j == 0);
             } else {
                 switch (count) {
-                case 1: k16_group(type, job, group, K16_ROWS, a, 1, out); break;
-                case 2: k16_group(type, job, group, K16_ROWS, a, 2, out); break;
-                case 3: k16_group(type, job, group, K16_ROWS, a, 3, out); break;
-                case 4: k16_group(type, job, group, K16_ROWS, a, 4, out); break;
-                case 5: k16_group(type, job, group, K16_ROWS, a, 5, out); break;
-                case 6: k16_group(type, job, group, K16_ROWS, a, 6, out); break;
-                case 7: k16_group(type, job, group, K16_ROWS, a, 7, out); break;
-                default: k16_group(type, job, group, K16_ROWS, a, FUSED_ROWS, out); break;
+                case 1: k16_group(type, job, group, K16_ROWS, a, 1, out, first); break;
+                case 2: k16_group(type, job, group, K16_ROWS, a, 2, out, first); break;
+                case 3: k16_group(type, job, group, K16_ROWS, a, 3, out, first); break;
+                case 4: k16_group(type, job, group, K16_ROWS, a, 4, out, first); break;
+                case 5: k16_group(type, job, group, K16_ROWS, a, 5, out, first); break;
+                case 6: k16_group(type, job, group, K16_ROWS, a, 6, out, first); break;
+                case 7: k16_group(type, job, group, K16_ROWS, a, 7, out, first); break;
+                default: k16_group(type, job, group, K16_ROWS, a, FUSED_ROWS, out, first); break;
                 }
             }
             for (int j = 0; j < count; j++)
