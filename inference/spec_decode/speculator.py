@@ -12,8 +12,10 @@ the engine runs (StepCosts); until a size is measured a model stands in (a step 
 1 + COST_PER_TOKEN * (T - 1) of a one-token step: on CPU a decode step reads every weight once, so extra
 rows are cheap at small B). k is the one with the best speed-up, and 0 (plain decoding) when no k
 beats 1: a busy engine, or a proposer that costs more than it saves, runs at plain-decoding speed. The
-acceptance rate is measured per sequence (decayed, so it follows the text); a sequence at k = 0
-drifts back to the prior and tries again later.
+acceptance rate is measured per sequence (decayed, so it follows the text), from a prior: 0.5 where
+proposals are free; where they cost (a draft model), what the engine's recent verifications measured,
+and 1.0 before the first, so that the draft is tried and measured at all. A sequence at k = 0 drifts back
+to its prior and tries again later.
 
 A draft model must first catch up on what it has not seen of a sequence (its prompt, or the steps it ran
 plain): C plain steps, paid once. Over the R tokens the sequence may still produce, speculating at speed-up
@@ -35,7 +37,10 @@ from inference.spec_decode.config import SpeculativeConfig
 from inference.spec_decode.rejection_sampler import RejectionSampler
 from inference.structured_output import grammar_prefix
 
-PRIOR_ACCEPTANCE = 0.5  # before a sequence's first verification
+PRIOR_ACCEPTANCE = 0.5  # a sequence's before its first verification, where proposals are free (n-gram)
+# Where proposals cost (a draft model) a sequence starts from what the engine's recent verifications
+# measured, and before the first from this: optimistic, or a draft that never proposed is never found to pay
+UNMEASURED_ACCEPTANCE = 1.0
 PRIOR_WEIGHT = 2.0  # how many verified proposals the prior is worth
 DECAY = 0.8  # weight of older verifications at each new one (and at each step without proposals)
 COST_PER_TOKEN = 0.02  # extra cost of one more token in a step, relative to a one-token step (CPU; docs/benchmarks.md)
@@ -64,10 +69,11 @@ class Proposer(Protocol):
 class Acceptance:
     accepted: float = 0.0
     rejected: float = 0.0
+    prior: float = PRIOR_ACCEPTANCE
 
     @property
     def rate(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+        return (self.accepted + self.prior * PRIOR_WEIGHT) / (self.accepted + self.rejected + PRIOR_WEIGHT)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
         self.decay()
@@ -226,6 +232,8 @@ class Speculator:
         self.verify_rows = RejectionSampler(sampler)
         self.max_model_len = max_model_len
         self.acceptance: weakref.WeakKeyDictionary[Request, Acceptance] = weakref.WeakKeyDictionary()
+        # every sequence's verifications, a new sequence's prior where proposing costs (None: it is free)
+        self.measured = Acceptance(prior=UNMEASURED_ACCEPTANCE) if proposer.cost_per_token > 0 else None
         self.costs = StepCosts(
             proposer.cost_per_token, measure_proposals=config.draft_cost is None, max_k=config.num_speculative_tokens
         )
@@ -257,6 +265,8 @@ class Speculator:
                 ks.append(k)
                 backlog += catch_up
         if not seqs:
+            if self.measured is not None:  # back towards optimism, or a draft once found poor is never retried
+                self.measured.decay()
             return []
         start = time.perf_counter()
         proposals = self.proposer.propose(seqs, ks)
@@ -272,7 +282,7 @@ class Speculator:
             elif seq.matcher is not None:
                 seq.spec_token_ids = grammar_prefix(seq.matcher, list(drafts))
                 if len(seq.spec_token_ids) < len(drafts):  # a proposal the grammar refused is a rejection to k
-                    self.acceptance.setdefault(seq, Acceptance()).observe(1, 0)
+                    self._observe(seq, 1, 0)
             else:
                 seq.spec_token_ids = list(drafts)
         return failed
@@ -289,7 +299,7 @@ class Speculator:
         max_k = min(self.config.num_speculative_tokens, room)
         if max_k <= 0:
             return 0
-        acceptance = self.acceptance.setdefault(seq, Acceptance())
+        acceptance = self._acceptance(seq)
         needed = self.costs.required_speedup(catch_up_tokens, room + 1, batch_size)
         k = best_k(max_k, acceptance.rate, batch_size, self.costs, needed)
         if k == 0:
@@ -302,5 +312,17 @@ class Speculator:
         tokens, entries = self.verify_rows(logits, seq, drafts)
         num_accepted = len(tokens) - 1
         self.metrics.observe_spec_decode(len(drafts), num_accepted)
-        self.acceptance.setdefault(seq, Acceptance()).observe(len(drafts), num_accepted)
+        self._observe(seq, len(drafts), num_accepted)
         return tokens, entries
+
+    def _acceptance(self, seq: Request) -> Acceptance:
+        found = self.acceptance.get(seq)
+        if found is None:
+            prior = PRIOR_ACCEPTANCE if self.measured is None else self.measured.rate
+            found = self.acceptance[seq] = Acceptance(prior=prior)
+        return found
+
+    def _observe(self, seq: Request, num_drafts: int, num_accepted: int) -> None:
+        self._acceptance(seq).observe(num_drafts, num_accepted)
+        if self.measured is not None:
+            self.measured.observe(num_drafts, num_accepted)

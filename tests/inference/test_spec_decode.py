@@ -13,10 +13,12 @@ from tiny_models import chosen_logprobs, hf_greedy, make_tiny_model
 from inference import LLM, SamplingParams
 from inference.engine_setup import weight_bytes
 from inference.loader import load_tokenizer
+from inference.metrics import EngineMetrics
 from inference.request import Request
 from inference.sampler import Sampler
 from inference.spec_decode import speculator
-from inference.spec_decode.ngram import ngram_proposal
+from inference.spec_decode.config import SpeculativeConfig
+from inference.spec_decode.ngram import NgramProposer, ngram_proposal
 from inference.spec_decode.rejection_sampler import DraftedRow, RejectionSampler
 from inference.spec_decode.speculator import (
     MEASURED_WEIGHT,
@@ -585,3 +587,52 @@ def test_structured_outputs_speculate_with_plain_decodings_tokens(tiny_model_dir
         if "json" in spec:
             assert all(json.loads(o.outputs[0].text).keys() == {"ok"} for o in got)
     assert_no_leak(llm)
+
+
+class SevensProposer:
+    """Proposes 7, 7, ...; at 0.6 of a target step a token, as dear as a draft model."""
+
+    cost_per_token = 0.6
+
+    def propose(self, seqs, ks):
+        return [[7] * k for k in ks]
+
+    def catch_up_tokens(self, seq):
+        return 0
+
+
+def a_decode(request_id: str) -> Request:
+    seq = Request(request_id, None, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100))
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+def test_a_costly_proposer_is_tried_before_it_is_measured_and_then_follows_the_measure():
+    """At a free proposer's prior (0.5) no k pays for a proposer this dear, so it would never be tried and its
+    acceptance never measured. Before the engine's first verification a sequence starts at 1.0; later ones
+    start from the engine's recent measure, which drifts back up while nothing is proposed."""
+    config = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4})
+    spec = speculator.Speculator(config, SevensProposer(), Sampler(16, [0]), EngineMetrics(), max_model_len=256)
+    spec.costs = StepCosts(SevensProposer.cost_per_token, measure_proposals=False, max_k=4)  # priced, not timed
+    spec.costs.observe_step(1, 0.010)  # a plain step timed: speculation may start
+    assert best_k(4, speculator.PRIOR_ACCEPTANCE, 1, spec.costs) == 0
+    first = a_decode("first")
+    spec.propose([first])
+    assert first.spec_token_ids == [7, 7, 7, 7]  # tried
+    rejecting = torch.zeros(5, 16)
+    rejecting[:, 5] = 1.0  # the target wants 5 where 7 was proposed
+    for _ in range(3):
+        assert spec.verify(rejecting, first, [7, 7, 7, 7])[0] == [5]
+    measured = spec.measured.rate
+    assert measured < speculator.PRIOR_ACCEPTANCE
+    later = a_decode("later")
+    spec.propose([later])
+    assert later.spec_token_ids == [] and spec.acceptance[later].prior == pytest.approx(measured)
+    for step in range(20):  # steps with nothing proposed raise the measure until a new sequence tries again
+        retried = a_decode(f"retried-{step}")
+        spec.propose([retried])
+        if retried.spec_token_ids:
+            break
+    assert retried.spec_token_ids and 0 < step < 20 and spec.measured.rate > measured
+    free = speculator.Speculator(config, NgramProposer(1, 3), Sampler(16, [0]), EngineMetrics(), max_model_len=256)
+    assert free.measured is None  # a free proposer's sequences start at PRIOR_ACCEPTANCE
