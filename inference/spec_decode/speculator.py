@@ -37,7 +37,7 @@ from inference.spec_decode.config import SpeculativeConfig
 from inference.spec_decode.rejection_sampler import RejectionSampler
 from inference.structured_output import grammar_prefix
 
-PRIOR_ACCEPTANCE = 0.5  # a sequence's before its first verification, where proposals are free (n-gram)
+PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance before its first verification where proposals are free (n-gram)
 # Where proposals cost (a draft model) a sequence starts from what the engine's recent verifications
 # measured, and before the first from this: optimistic, or a draft that never proposed is never found to pay
 UNMEASURED_ACCEPTANCE = 1.0
