@@ -128,7 +128,6 @@ def open_library(path: Path):
         "gguf_to_x16": [i32, ptr, ptr, i64, i64, i32],
         "gguf_linear": [ptr, i64, i64, i64, ptr, i64, i64, i32, ptr, ptr, i64, i32, i32],
         "gguf_tiles": [i32, i64],
-        "gguf_int8_tiles": [i32, i64, i64],
         "gguf_tile_linear": [ptr, i64, i64, i64, ptr, i64, i64, i32, ptr, ptr, i64, i32, i32],
         "gguf_dequantize_rows": [ptr, i64, i64, i32, ptr, i64, i64, ptr, i32, i32],
     }
@@ -142,7 +141,6 @@ def open_library(path: Path):
         "gguf_to_x16": ctypes.c_int,
         "gguf_linear": ctypes.c_int,
         "gguf_tiles": ctypes.c_int,
-        "gguf_int8_tiles": ctypes.c_int,
         "gguf_tile_linear": ctypes.c_int,
         "gguf_dequantize_rows": ctypes.c_int,
     }

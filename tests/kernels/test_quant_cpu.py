@@ -171,29 +171,6 @@ def test_each_activation_row_comes_out_as_it_does_alone(lib, layout, kind, dtype
         assert torch.equal(together[row], alone[0])
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_int8_tiles_give_each_row_the_vector_kernels_bits(lib, kind, dtype):
-    # from 16 activation rows a 32-value type's integer sums run on AMX-INT8 tiles where the CPU has them,
-    # then the vector kernel's float steps: 37 rows (two tiles of 16 and one of 5) must each come out as a
-    # one-row call (the vector kernel) gives them, within the int8 bound
-    cols, rows_in = 896, 37
-    packed = gguf_blocks(kind, 37, cols, seed=41)
-    held, held_kind = laid_out("kernel layout", kind, packed, cols, lib)
-    if not lib.gguf_int8_tiles(quant_cpu.type_number(held_kind), cols, rows_in):
-        cpu_has_them = any("amx_int8" in line.split() for line in native_cpu._cpuinfo())
-        assert not (cpu_has_them and lib is native_cpu.load()), "the engine build lost its AMX-INT8 tiles"
-        pytest.skip("no AMX-INT8 tiles in this build (the CPU has none, or the build has no fused kernels)")
-    assert not lib.gguf_int8_tiles(quant_cpu.type_number(held_kind), cols, 1)
-    x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(42)).to(dtype)
-    bias = torch.randn(37, generator=torch.Generator().manual_seed(43))
-    together = quant_cpu.integer_linear(x, held, held_kind, cols, bias, library=lib)
-    assert_within_bound(together, quant_cpu.reference_linear(x, packed, kind, bias), packed, kind, x, lib)
-    for row in range(rows_in):
-        alone = quant_cpu.integer_linear(x[row : row + 1], held, held_kind, cols, bias, library=lib)
-        assert torch.equal(together[row], alone[0])
-
-
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 def test_linear_keeps_the_integer_kernel_up_to_its_crossover(lib, kind):
     # interleaved rows leave the integer kernel for AMX's tiles where the library has them, else for the

@@ -936,172 +936,6 @@ static int fused_supported(int type, int64_t k) {
     return is_k16(type) && find_format(type, &f) == 0 && k % f.block_values == 0;
 }
 
-#if defined(__AMX_TILE__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-/* Linux hands a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
-static int amx_permitted(void) {
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return permitted;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} tile_config;
-#endif
-
-/* ---- AMX int8 tiles: the 32-value types' integer sums, 16 x 16 an instruction -----------------------
- *
- * Where the CPU has AMX-INT8, a call of INT8_TILES_FROM_ROWS or more activation rows of a 32-value type
- * runs each block's integer dot products on tdpbsud: 16 activation rows' int8 values (A, 32 bytes a row,
- * straight from the quantized rows) against the block's 8 code vectors of a group (B: the interleaved
- * layout already holds quad i of the 16 rows side by side, a tile row each), 256 sums an instruction. The
- * float steps per block are k16_small's, in its order, so every output is bit-equal to the vector
- * kernel's: which of the two runs never shows, and a row still comes out as it does alone. */
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#define INT8_TILE_KERNELS 1
-#define INT8_TILES_FROM_ROWS 16
-
-static int int8_tiles_take(int type, int64_t m) {
-    return m >= INT8_TILES_FROM_ROWS && !is_k_quant(type) && amx_permitted();
-}
-
-/* Tile 0: the sums (16 activation rows x 16 weight rows, int32); 1: A (16 rows x 32 int8); 2: B (8 quads x
- * 16 rows). Per thread (tile configuration is thread state). */
-static void configure_int8_tiles(void) {
-    tile_config config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    config.rows[0] = 16, config.bytes_per_row[0] = 64;
-    config.rows[1] = 16, config.bytes_per_row[1] = ABLOCK;
-    config.rows[2] = ABLOCK / 4, config.bytes_per_row[2] = 64;
-    for (int t = 3; t < 6; t++) config.rows[t] = config.rows[t - 3], config.bytes_per_row[t] = config.bytes_per_row[t - 3];
-    _tile_loadconfig(&config);
-}
-
-/* A group's blocks as B tiles (512 bytes a block) and each block's d and mins (16 lanes). */
-ALWAYS_INLINE void small_group_tiles(int type, const fused_job *job, const uint8_t *group, int r, uint8_t *codes, float *d,
-                                     float *mins) {
-    const int64_t blocks = job->k / ABLOCK, block_bytes = job->row_bytes / blocks;
-    for (int64_t b = 0; b < blocks; b++, group += r * block_bytes) {
-        for (int64_t line = 0; line < r * block_bytes; line += 64) /* as k16_group's first pass */
-            _mm_prefetch((const char *)(group + PREFETCH_BYTES + line), _MM_HINT_T1);
-        __m512 block_d, block_mins;
-        __m512i c[8];
-        small_codes(type, group, r, &block_d, &block_mins, c);
-        for (int i = 0; i < 8; i++) _mm512_store_si512(codes + 512 * b + 64 * i, c[i]);
-        _mm512_store_ps(d + 16 * b, block_d);
-        _mm512_store_ps(mins + 16 * b, block_mins);
-    }
-}
-
-/* `rows` (<= 16) activation rows a[0..] against one group's tiles, into out[j * 16 + l] (the group's row l):
- * per block one tdpbsud, then k16_small's steps. q: a[0]'s int8 values; q_stride: the next row's distance. */
-ALWAYS_INLINE void small_tile_rows(int type, const fused_job *job, const uint8_t *codes, const float *d, const float *mins,
-                                   const lanes *a, int64_t q_stride, int rows, float *out) {
-    const int has_min = type == Q4_1 || type == Q5_1;
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    int32_t sums[2][16 * 16] __attribute__((aligned(64)));
-    const int64_t blocks = job->k / ABLOCK;
-    for (int64_t b = 0; b < blocks; b += 2) { /* two blocks' tiles in flight before their float steps */
-        const int pair = b + 1 < blocks;
-        _tile_zero(0);
-        _tile_loadd(1, a[0].q + ABLOCK * b, q_stride);
-        _tile_loadd(2, codes + 512 * b, 64);
-        _tile_dpbsud(0, 1, 2);
-        if (pair) {
-            _tile_zero(3);
-            _tile_loadd(4, a[0].q + ABLOCK * (b + 1), q_stride);
-            _tile_loadd(5, codes + 512 * (b + 1), 64);
-            _tile_dpbsud(3, 4, 5);
-        }
-        _tile_stored(0, sums[0], 64);
-        if (pair) _tile_stored(3, sums[1], 64);
-        for (int u = 0; u <= pair; u++) {
-            const int64_t at = b + u;
-            const __m512 block_d = _mm512_load_ps(d + 16 * at), block_mins = _mm512_load_ps(mins + 16 * at);
-            for (int j = 0; j < rows; j++) {
-                __m512i dots = _mm512_load_si512(sums[u] + 16 * j);
-                if (!has_min) dots = _mm512_add_epi32(_mm512_set1_epi32(a[j].offset_sum[at]), dots);
-                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(block_d, _mm512_set1_ps(a[j].d[at])), acc[j]);
-                if (has_min) acc[j] = _mm512_fmadd_ps(block_mins, _mm512_set1_ps(a[j].block_sum[at]), acc[j]);
-            }
-        }
-    }
-    for (int j = 0; j < rows; j++) _mm512_storeu_ps(out + 16 * j, acc[j]);
-}
-
-/* Groups [first, last) of one call on int8 tiles; a[m .. m rounded up to 16) hold readable q. */
-ALWAYS_INLINE void small_tile_range(int type, const fused_job *job, int64_t q_stride, int64_t first, int64_t last,
-                                    uint8_t *codes, float *d, float *mins) {
-    for (int64_t g = first; g < last; g++) {
-        const int64_t row0 = g * K16_ROWS;
-        const int r = k16_group_rows(job->rows, row0);
-        small_group_tiles(type, job, job->w + row0 * job->row_bytes, r, codes, d, mins);
-        for (int64_t start = 0; start < job->m; start += 16) {
-            const int count = job->m - start < 16 ? (int)(job->m - start) : 16;
-            float out[16 * K16_ROWS];
-            if (count == 16) small_tile_rows(type, job, codes, d, mins, job->a + start, q_stride, 16, out);
-            else small_tile_rows(type, job, codes, d, mins, job->a + start, q_stride, count, out);
-            for (int j = 0; j < count; j++)
-                for (int l = 0; l < r; l++) {
-                    const float bias = job->bias ? load_float(job->bias, row0 + l, job->is_bf16) : 0.f;
-                    store_float(job->y, (start + j) * job->ldy + row0 + l, out[K16_ROWS * j + l] + bias, job->is_bf16);
-                }
-        }
-    }
-}
-
-static void int8_tile_rows(int type, const fused_job *job, int64_t q_stride, int64_t first, int64_t last, uint8_t *codes,
-                           float *d, float *mins) {
-    switch (type) { /* each type's its own copy */
-    case Q4_0: small_tile_range(Q4_0, job, q_stride, first, last, codes, d, mins); break;
-    case Q4_1: small_tile_range(Q4_1, job, q_stride, first, last, codes, d, mins); break;
-    case Q5_0: small_tile_range(Q5_0, job, q_stride, first, last, codes, d, mins); break;
-    case Q5_1: small_tile_range(Q5_1, job, q_stride, first, last, codes, d, mins); break;
-    case Q8_0: small_tile_range(Q8_0, job, q_stride, first, last, codes, d, mins); break;
-    }
-}
-
-/* The groups of one fused_linear call (job) on int8 tiles, split over the threads. */
-static int int8_tile_linear(int type, const fused_job *job, int64_t q_stride, int num_threads) {
-    const int64_t units = (job->rows + K16_ROWS - 1) / K16_ROWS, blocks = job->k / ABLOCK;
-    const int threads = units < num_threads ? (int)units : num_threads;
-    int status = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        uint8_t *codes = aligned_alloc(64, (size_t)blocks * (512 + 2 * 64));
-        if (!codes) {
-#pragma omp atomic write
-            status = -2;
-        } else {
-            float *d = (float *)(codes + 512 * blocks), *mins = d + 16 * blocks;
-            configure_int8_tiles();
-            const int64_t share = (units + omp_get_num_threads() - 1) / omp_get_num_threads();
-            const int64_t first = share * omp_get_thread_num(), last = first + share < units ? first + share : units;
-            if (first < last) int8_tile_rows(type, job, q_stride, first, last, codes, d, mins);
-            _tile_release();
-        }
-        free(codes);
-    }
-    return status;
-}
-#else
-static int int8_tiles_take(int type, int64_t m) {
-    (void)type, (void)m;
-    return 0;
-}
-static int int8_tile_linear(int type, const fused_job *job, int64_t q_stride, int num_threads) {
-    (void)type, (void)job, (void)q_stride, (void)num_threads;
-    return -1;
-}
-#endif
-
 /* gguf_linear for fused_supported types. */
 static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const uint8_t *w, int64_t row_bytes,
                         int64_t rows, int type, const void *bias, void *y, int64_t ldy, int is_bf16, int num_threads) {
@@ -1111,17 +945,13 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
      * 32-value types' d, per-16 sums (quantize_activation_row's), block sums, offset sums and q. */
     const size_t row_size = k_quant ? sizeof(float) * (size_t)(k / KBLOCK) + sizeof(int16_t) * (size_t)(k / GROUP) + (size_t)k
                                     : sizeof(float) * (size_t)(2 * blocks + k / GROUP) + sizeof(int32_t) * (size_t)blocks + (size_t)k;
-    /* int8 tiles read activation rows 16 at a time: rows past m (zeros) fill the last tile */
-    const int tiles = int8_tiles_take(file_type, m);
-    const int64_t held_rows = tiles ? (m + 15) / 16 * 16 : m;
-    char *scratch = malloc(row_size * (size_t)held_rows);
+    char *scratch = malloc(row_size * (size_t)m);
     lanes *a = malloc(sizeof(lanes) * (size_t)m);
     int status = 0;
     if (!scratch || !a) {
         status = -2;
         goto done;
     }
-    memset(scratch + row_size * (size_t)m, 0, row_size * (size_t)(held_rows - m));
     const int quantize_threads = m >= 4 ? num_threads : 1;
 #pragma omp parallel for num_threads(quantize_threads) schedule(static)
     for (int64_t r = 0; r < m; r++) {
@@ -1143,10 +973,6 @@ static int fused_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const 
         }
     }
     const fused_job job = {a, m, k, row_bytes, ldy, rows, w, bias, y, is_bf16};
-    if (tiles) {
-        status = int8_tile_linear(file_type, &job, (int64_t)row_size, num_threads);
-        goto done;
-    }
     const int64_t units = (rows + K16_ROWS - 1) / K16_ROWS; /* groups of 16 rows: what fused_rows takes */
     const int threads = units < num_threads ? (int)units : num_threads;
 #pragma omp parallel num_threads(threads)
@@ -1172,10 +998,25 @@ done:
  * whatever the batch, so a row's result does not depend on the rows beside it (as the integer kernels'). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define AMX_KERNELS 1
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define TILE_VALUES 32 /* bfloat16 values of a row per tile: 64 bytes */
 #define TILE_PAIR_ROWS 16 /* a weight tile's rows: one per pair of the 32 values */
 #define TILE_BATCH 4 /* activation tiles (16 rows each) that share each weight tile */
+
+/* Linux hands a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int amx_permitted(void) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return permitted;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
 
 /* Every tile 16 rows of 64 bytes; per thread (tile configuration is thread state). */
 static void configure_tiles(void) {
@@ -1405,9 +1246,6 @@ int gguf_supported(int type) {
 
 /* 1 when gguf_linear makes the type's codes in registers for rows of k values (the fused path). */
 int gguf_fused(int type, int64_t k) { return fused_supported(type, k); }
-
-/* 1 when gguf_linear runs m activation rows of this (interleaved) type's rows of k values on AMX's int8 tiles. */
-int gguf_int8_tiles(int type, int64_t k, int64_t m) { return fused_supported(type, k) && int8_tiles_take(type & ~X16, m); }
 
 /* 1 when gguf_tile_linear runs this (interleaved) type on AMX tiles for rows of k values. */
 int gguf_tiles(int type, int64_t k) { return tile_supported(type, k); }
