@@ -42,7 +42,7 @@ X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gem
 DEQUANTIZE_FROM_ROWS = 32
 TILES_FROM_ROWS = 64
 INTERLEAVED_DEQUANTIZE_FROM_ROWS = 192 if native_cpu.has_amx() else None
-SCRATCH_VALUES = 1 << 22  # weight values dequantized at once (8 MiB of bfloat16): an LM head goes in slices
+SCRATCH_VALUES = 1 << 23  # weight values dequantized at once (16 MiB of bfloat16): larger weights go in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
 
@@ -239,12 +239,16 @@ def dequantized_linear(
     rows = packed.shape[0]
     out = x.new_empty(x.shape[0], rows) if out is None else out
     activations = x.to(torch.bfloat16)
-    step = max(1, SCRATCH_VALUES // in_features)
-    buffer = scratch(min(step, rows) * in_features)
+    slices = -(-rows * in_features // SCRATCH_VALUES)
+    step = -(-rows // slices)  # slices of one size: a GEMM of a few rows left over costs as much as a full one
+    buffer = scratch(step * in_features)
     for start in range(0, rows, step):
         end = min(start + step, rows)
         weight = buffer[: (end - start) * in_features].view(end - start, in_features)
         dequantize_rows(packed, kind, torch.arange(start, end), in_features, torch.bfloat16, library, out=weight)
+        if bias is None and slices == 1 and out.dtype == torch.bfloat16 and out.is_contiguous():
+            torch.mm(activations, weight.t(), out=out)  # straight into the output: no copy
+            continue
         part = torch.nn.functional.linear(activations, weight)
         if bias is None:
             out[:, start:end].copy_(part)

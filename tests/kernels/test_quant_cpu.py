@@ -226,12 +226,14 @@ def assert_within_bfloat16_bound(out, packed, kind, x, bias=None):
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_run_in_bfloat16_within_its_bound(lib, layout, kind, dtype):
-    # the bfloat16 path itself, at a row count `linear` sends there on the decoded path
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_many_rows_run_in_bfloat16_within_its_bound(lib, layout, kind, dtype, with_bias):
+    # the bfloat16 path itself, at a row count `linear` sends there on the decoded path (bfloat16 without a
+    # bias: the GEMM writes the output itself)
     cols, rows_in = 512, quant_cpu.DEQUANTIZE_FROM_ROWS + 5
     packed = gguf_blocks(kind, 37, cols, seed=13)
     x = torch.randn(rows_in, cols, generator=torch.Generator().manual_seed(14)).to(dtype)
-    bias = torch.randn(37, generator=torch.Generator().manual_seed(15))
+    bias = torch.randn(37, generator=torch.Generator().manual_seed(15)) if with_bias else None
     out = quant_cpu.dequantized_linear(x, *laid_out(layout, kind, packed, cols, lib), cols, bias, library=lib)
     assert out.shape == (rows_in, 37) and out.dtype == dtype
     assert_within_bfloat16_bound(out, packed, kind, x, bias)
