@@ -89,7 +89,7 @@ class LLMEngine:
         )
 
     # enough rows for the packed linears' dequantized path to load too
-    WARM_UP_PROMPT_TOKENS = max(quant_cpu.DEQUANTIZE_FROM_ROWS, quant_cpu.INTERLEAVED_DEQUANTIZE_FROM_ROWS or 0)
+    WARM_UP_PROMPT_TOKENS = max(quant_cpu.DEQUANTIZE_FROM_ROWS, quant_cpu.TILES_FROM_ROWS)
 
     def warm_up(self) -> None:
         """One short prefill and one decode through the model and the LM head, before a worker says it

@@ -81,11 +81,6 @@ def _cpu_id() -> str:
     return platform.machine() + "".join(_cpuinfo())
 
 
-def has_amx() -> bool:
-    """Whether this CPU has AMX's bfloat16 tiles, which oneDNN's bfloat16 GEMM runs on."""
-    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in _cpuinfo())
-
-
 def _compile(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     compile_flags = [*COMPILE_FLAGS, *extra_flags]
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)

@@ -34,14 +34,13 @@ KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", 
 X16 = "x16"  # a kind's suffix when its rows are interleaved 16 to a group (kernel_layout)
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
 # Activation rows from which another path is faster, measured (docs/kernels.md). The decoded path's kernel:
-# oneDNN on the dequantized weight from 32 rows. Interleaved rows: a step's decodes on AMX's tiles from 32
-# rows where the library has them; other rows (prefill chunks) on oneDNN from 192 rows where the CPU has
-# AMX, and never (None) without: there the interleaved rows' kernels beat oneDNN up to 2048 rows
-# (max_num_batched_tokens' default). Prefill rows stay off the tiles: a prompt is chunked differently by a
-# speculating engine and a plain one, and its rows must get the same bits from both (`path`).
+# oneDNN on the dequantized weight from 32 rows. Interleaved rows: AMX's tiles from 64 rows where the library
+# has them, decode and prefill rows alike, and the integer kernel at every count without (there it beats
+# oneDNN up to 2048 rows, max_num_batched_tokens' default). Both give a row the same bits at any count, so
+# a prompt chunked otherwise by a speculating engine than by a plain one changes path only where a chunk
+# crosses TILES_FROM_ROWS.
 DEQUANTIZE_FROM_ROWS = 32
 TILES_FROM_ROWS = 64
-INTERLEAVED_DEQUANTIZE_FROM_ROWS = 192 if native_cpu.has_amx() else None
 SCRATCH_VALUES = 1 << 23  # weight values dequantized at once (16 MiB of bfloat16): larger weights go in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 
@@ -112,25 +111,18 @@ def tiles(kind: str, in_features: int, library=None) -> bool:
     return bool((library or native_cpu.load()).gguf_tiles(type_number(kind), in_features))
 
 
-def path(kind: str, in_features: int, rows: int, library=None, decoding: bool = False) -> str:
-    """Which kernel `linear` runs for `rows` activation rows ("integer", "tiles" or "dequantized"); decoding:
-    they are a step's decode rows. The tiles take only those: a row comes out of them as it does alone at
-    any count, but not as out of oneDNN, which a prefill chunk of another size would take."""
+def path(kind: str, in_features: int, rows: int, library=None) -> str:
+    """Which kernel `linear` runs for `rows` activation rows ("integer", "tiles" or "dequantized")."""
     if not fused(kind, in_features, library):
         return "integer" if rows < DEQUANTIZE_FROM_ROWS else "dequantized"
-    if decoding and rows >= TILES_FROM_ROWS and tiles(kind, in_features, library):
-        return "tiles"
-    if INTERLEAVED_DEQUANTIZE_FROM_ROWS is not None and rows >= INTERLEAVED_DEQUANTIZE_FROM_ROWS:
-        return "dequantized"
-    return "integer"
+    return "tiles" if rows >= TILES_FROM_ROWS and tiles(kind, in_features, library) else "integer"
 
 
 def leaves_integer_at(kind: str, in_features: int, library=None) -> int | None:
-    """The fewest decode rows for which `linear` leaves the integer kernel for this weight (None: never)."""
+    """The fewest rows for which `linear` leaves the integer kernel for this weight (None: never)."""
     if not fused(kind, in_features, library):
         return DEQUANTIZE_FROM_ROWS
-    crossovers = (INTERLEAVED_DEQUANTIZE_FROM_ROWS, TILES_FROM_ROWS if tiles(kind, in_features, library) else None)
-    return min((rows for rows in crossovers if rows is not None), default=None)
+    return TILES_FROM_ROWS if tiles(kind, in_features, library) else None
 
 
 def activation_block(kind: str, in_features: int, library=None) -> int:
@@ -159,7 +151,7 @@ def linear(
     so a decode row's bits never depend on a chunk that shares its step."""
     rows = x.shape[0]
     decode_rows = min(decode_rows, rows)
-    decode = path(kind, in_features, decode_rows, library, decoding=True) if decode_rows else "integer"
+    decode = path(kind, in_features, decode_rows, library) if decode_rows else "integer"
     rest = path(kind, in_features, rows - decode_rows, library) if rows > decode_rows else "integer"
     if decode == rest == "integer":
         return integer_linear(x, packed, kind, in_features, bias, out, library)

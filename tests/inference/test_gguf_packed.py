@@ -174,7 +174,6 @@ def test_a_decode_keeps_its_bits_beside_a_prefill_chunk(tmp_path, monkeypatch):
     in the LM head (1 + 13 rows of logits); the runner marks the decode rows of both, and the packed linears
     compute them apart, so a request's tokens and logprobs are the same with or without neighbours."""
     monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
-    monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
     monkeypatch.setattr(quant_cpu, "TILES_FROM_ROWS", 12)
     file = write_gguf(make_tiny_model(tmp_path / "hf", "llama"), tmp_path / "tiny.gguf", ("Q8_0", "Q4_1", "Q5_0"))
     engine = LLM(model=str(file), device="cpu", max_model_len=256).llm_engine

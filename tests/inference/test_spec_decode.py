@@ -166,7 +166,7 @@ def assert_packed_speculation_has_plain_bits(tmp_path, monkeypatch) -> LLM:
 def test_a_packed_batch_speculates_with_plain_decodings_bits(tmp_path, monkeypatch):
     """8 sequences verifying 4 proposals each are 40 rows a step, past the 32 from which the 32-value GGUF
     types once changed to the bfloat16 path while plain decoding's 8 rows did not, so near ties flipped at
-    batch 32 (docs/benchmarks.md). Interleaved rows keep the integer kernel (below 192 rows on every host),
+    batch 32 (docs/benchmarks.md). Interleaved rows keep the integer kernel (below 64 rows on every host),
     whose rows are row-invariant: every token scored with plain decoding's bits."""
     if not quant_cpu.kernel_kind("Q8_0").endswith(quant_cpu.X16):
         pytest.skip("no fused GGUF kernels on this CPU: its decoded path changes to bfloat16 at 32 rows")
@@ -180,7 +180,6 @@ def test_verification_steps_stay_below_the_packed_linears_crossover(tmp_path, mo
     their tokens on it while plain decoding's 8 rows stay on the integer kernel; the speculator keeps every
     step below 12 rows instead, so tokens and logprobs keep plain decoding's bits."""
     monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
-    monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
     monkeypatch.setattr(quant_cpu, "TILES_FROM_ROWS", 12)
     step_rows = []
     propose = speculator.Speculator.propose

@@ -70,13 +70,13 @@ def engine_cached_blocks(llm) -> list[int]:
 
 def test_warm_up_runs_the_packed_linears_dequantized_path_too(tmp_path):
     """A chat prompt is longer than the rows from which a packed linear dequantizes to bfloat16 (32 on the
-    decoded path, as Q3_K's rows always run; 512 for interleaved rows where the CPU has AMX): the warm-up's
-    prefill reaches them, so that path's first use (its scratch buffer, oneDNN's kernels) is not the first
+    decoded path, as Q3_K's rows always run; AMX's tiles from 64 for interleaved rows where the CPU has AMX):
+    the warm-up's prefill reaches them, so that path's first use (its scratch buffer, oneDNN's kernels) is not the first
     request's."""
     hf_dir = make_tiny_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=256)
     file = str(write_gguf(hf_dir, tmp_path / "tiny.gguf", ("Q4_K", "Q3_K")))
     engine = LLM(model=file, device="cpu", max_model_len=256, num_kv_blocks=64).llm_engine
-    crossovers = (quant_cpu.DEQUANTIZE_FROM_ROWS, quant_cpu.INTERLEAVED_DEQUANTIZE_FROM_ROWS or 0)
+    crossovers = (quant_cpu.DEQUANTIZE_FROM_ROWS, quant_cpu.TILES_FROM_ROWS)
     assert engine.WARM_UP_PROMPT_TOKENS >= max(crossovers)
     scratch = []
     warm = threading.Thread(target=lambda: (engine.warm_up(), scratch.append(hasattr(quant_cpu._scratch, "buffer"))))

@@ -173,16 +173,16 @@ def test_each_activation_row_comes_out_as_it_does_alone(lib, layout, kind, dtype
 
 @pytest.mark.parametrize("kind", quant_cpu.KERNEL_TYPES)
 def test_linear_keeps_the_integer_kernel_up_to_its_crossover(lib, kind):
-    # interleaved rows leave the integer kernel for AMX's tiles where the library has them, else for the
-    # bfloat16 path later than the decoded path's rows do, or never (docs/kernels.md); below the crossover
-    # every row comes out as it does alone, and as it does on the integer kernel
+    # interleaved rows leave the integer kernel for AMX's tiles where the library has them, else never; the
+    # decoded path's rows for the bfloat16 path (docs/kernels.md); below the crossover every row comes out
+    # as it does alone, and as it does on the integer kernel
     cols = 512
     packed, kind = laid_out("kernel layout", kind, gguf_blocks(kind, 37, cols, seed=23), cols, lib)
     crossover = quant_cpu.leaves_integer_at(kind, cols, lib)
     if quant_cpu.tiles(kind, cols, lib):
         expected = quant_cpu.TILES_FROM_ROWS
     elif kind.endswith(quant_cpu.X16):
-        expected = quant_cpu.INTERLEAVED_DEQUANTIZE_FROM_ROWS
+        expected = None
     else:
         expected = quant_cpu.DEQUANTIZE_FROM_ROWS
     assert crossover == expected
@@ -197,15 +197,19 @@ def test_a_steps_decode_rows_go_apart_from_its_prefill_rows(lib, kind, monkeypat
     # past the crossover, the first decode_rows rows come out as a call of their own gives them (the
     # integer kernel here), the rest as theirs would: a decode row's bits never depend on a chunk beside it
     monkeypatch.setattr(quant_cpu, "DEQUANTIZE_FROM_ROWS", 12)
-    monkeypatch.setattr(quant_cpu, "INTERLEAVED_DEQUANTIZE_FROM_ROWS", 12)
+    monkeypatch.setattr(quant_cpu, "TILES_FROM_ROWS", 12)
     cols = 512
     packed, kind = laid_out("kernel layout", kind, gguf_blocks(kind, 37, cols, seed=25), cols, lib)
+    if quant_cpu.path(kind, cols, 40, lib) == "integer":
+        pytest.skip("interleaved rows keep the integer kernel at every count where the library has no AMX tiles")
+    kernels = {"tiles": quant_cpu.tile_linear, "dequantized": quant_cpu.dequantized_linear}
+    past = kernels[quant_cpu.path(kind, cols, 35, lib)]
     x = torch.randn(40, cols, generator=torch.Generator().manual_seed(26))
     split = quant_cpu.linear(x, packed, kind, cols, library=lib, decode_rows=5)
     assert torch.equal(split[:5], quant_cpu.integer_linear(x[:5], packed, kind, cols, library=lib))
-    assert torch.equal(split[5:], quant_cpu.dequantized_linear(x[5:], packed, kind, cols, library=lib))
+    assert torch.equal(split[5:], past(x[5:], packed, kind, cols, library=lib))
     together = quant_cpu.linear(x, packed, kind, cols, library=lib)
-    assert torch.equal(together, quant_cpu.dequantized_linear(x, packed, kind, cols, library=lib))
+    assert torch.equal(together, past(x, packed, kind, cols, library=lib))
     assert not torch.equal(together[:5], split[:5])  # what going apart changes
 
 
@@ -251,10 +255,11 @@ def amx_tiles(kind: str, cols: int, lib) -> tuple[torch.Tensor, torch.Tensor, st
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_tiles_run_in_bfloat16_within_its_bound_each_row_as_alone(lib, kind, dtype):
+@pytest.mark.parametrize("cols", [768, 16384])
+def test_amx_tiles_run_in_bfloat16_within_its_bound_each_row_as_alone(lib, kind, dtype, cols):
     # 70 activation rows: four tiles of 16 share each weight tile, then two more rows; every output within
-    # the bfloat16 bound, each row's bits as a one-row call gives them (what speculation relies on)
-    cols = 768
+    # the bfloat16 bound, each row's bits as a one-row call gives them (what speculation relies on). At
+    # 16384 values a row a thread dequantizes 2 groups at a time: the 3 groups go as 2 chunks
     packed, held, held_kind = amx_tiles(kind, cols, lib)
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(32)).to(dtype)
     bias = torch.randn(37, generator=torch.Generator().manual_seed(33))
@@ -266,15 +271,14 @@ def test_amx_tiles_run_in_bfloat16_within_its_bound_each_row_as_alone(lib, kind,
         assert torch.equal(out[row], alone[0])
 
 
-def test_a_steps_decode_rows_run_on_amx_tiles_and_its_prefill_rows_do_not(lib):
-    # decode rows from TILES_FROM_ROWS on go to the tiles (into a column slice of a wider output here); the
-    # same count of prefill rows stays off them (a prompt's rows must get the same bits however it is
-    # chunked), and a mixed call runs each part on its own count's kernel
+def test_decode_and_prefill_rows_run_on_amx_tiles_from_the_crossover(lib):
+    # from TILES_FROM_ROWS rows, a step's decodes and its prefill chunks alike go to the tiles (here into a
+    # column slice of a wider output); fewer decode rows beside a chunk stay on the integer kernel, apart
     cols = 512
     packed, held, held_kind = amx_tiles("Q4_K", cols, lib)
     rows_in = quant_cpu.TILES_FROM_ROWS + 3
-    assert quant_cpu.path(held_kind, cols, rows_in, lib, decoding=True) == "tiles"
-    assert quant_cpu.path(held_kind, cols, rows_in, lib) != "tiles"
+    assert quant_cpu.path(held_kind, cols, rows_in, lib) == "tiles"
+    assert quant_cpu.path(held_kind, cols, rows_in - 4, lib) == "integer"
     x = torch.randn(2 * rows_in, cols, generator=torch.Generator().manual_seed(34))
     wide = torch.full((rows_in, 45), 7.0)
     quant_cpu.linear(x[:rows_in], held, held_kind, cols, out=wide[:, 4:41], library=lib, decode_rows=rows_in)
@@ -283,10 +287,10 @@ def test_a_steps_decode_rows_run_on_amx_tiles_and_its_prefill_rows_do_not(lib):
     assert torch.equal(wide[:, :4], torch.full((rows_in, 4), 7.0))
     assert torch.equal(wide[:, 41:], torch.full((rows_in, 4), 7.0))
     as_prefill = quant_cpu.linear(x[:rows_in], held, held_kind, cols, library=lib)
-    assert torch.equal(as_prefill, quant_cpu.integer_linear(x[:rows_in], held, held_kind, cols, library=lib))
-    mixed = quant_cpu.linear(x, held, held_kind, cols, library=lib, decode_rows=rows_in)
-    assert torch.equal(mixed[:rows_in], wide[:, 4:41])
-    assert torch.equal(mixed[rows_in:], quant_cpu.linear(x[rows_in:], held, held_kind, cols, library=lib))
+    assert torch.equal(as_prefill, wide[:, 4:41])
+    mixed = quant_cpu.linear(x, held, held_kind, cols, library=lib, decode_rows=5)
+    assert torch.equal(mixed[:5], quant_cpu.integer_linear(x[:5], held, held_kind, cols, library=lib))
+    assert torch.equal(mixed[5:], quant_cpu.tile_linear(x[5:], held, held_kind, cols, library=lib))
 
 
 def test_bfloat16_path_in_slices_of_the_weight_into_an_output_slice(lib, monkeypatch):

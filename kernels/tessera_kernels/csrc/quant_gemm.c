@@ -1004,6 +1004,7 @@ done:
 #define TILE_VALUES 32 /* bfloat16 values of a row per tile: 64 bytes */
 #define TILE_PAIR_ROWS 16 /* a weight tile's rows: one per pair of the 32 values */
 #define TILE_BATCH 4 /* activation tiles (16 rows each) that share each weight tile */
+#define TILE_CHUNK_BYTES (1024 * 1024) /* dequantized weight a thread holds at once (tile_groups) */
 
 /* Linux hands a process AMX's tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA). */
 static int amx_permitted(void) {
@@ -1098,6 +1099,10 @@ ALWAYS_INLINE void group_to_pairs(int type, const uint8_t *group, int r, int64_t
     for (int64_t b = 0; b < blocks; b++) block_to_pairs(type, group + b * r * block_bytes, r, pairs + 16 * values * b);
 }
 
+/* Groups dequantized together: their pair rows (32 bytes per input value a group) fill up to
+ * TILE_CHUNK_BYTES, half of a Sapphire Rapids core's L2. */
+static int64_t tile_groups(int64_t k) { return k >= TILE_CHUNK_BYTES / 32 ? 1 : TILE_CHUNK_BYTES / (32 * k); }
+
 /* What every thread of one tile_linear call shares. */
 typedef struct {
     const uint16_t *x; /* bfloat16 activations, m_tiles x 16 rows of k, zero past m */
@@ -1138,34 +1143,51 @@ static void tile_products(const tile_job *job, const uint16_t *pairs, int64_t ro
     if (count > 1) _tile_stored(1, out[1], 64);
     if (count > 2) _tile_stored(2, out[2], 64);
     if (count > 3) _tile_stored(3, out[3], 64);
+    const __mmask16 lanes = (__mmask16)((1u << r) - 1); /* the group's rows: an output row's r columns */
+    __m512 bias = _mm512_setzero_ps();
+    if (job->bias && job->is_bf16) {
+        const __m256i halves = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)job->bias + row0);
+        bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)); /* bfloat16 -> float32 */
+    } else if (job->bias) {
+        bias = _mm512_maskz_loadu_ps(lanes, (const float *)job->bias + row0);
+    }
     for (int t = 0; t < count; t++)
         for (int i = 0; i < 16 && (first + t) * 16 + i < job->m; i++) {
-            const int64_t row = (first + t) * 16 + i;
-            for (int l = 0; l < r; l++) {
-                const float bias = job->bias ? load_float(job->bias, row0 + l, job->is_bf16) : 0.f;
-                store_float(job->y, row * job->ldy + row0 + l, out[t][16 * i + l] + bias, job->is_bf16);
-            }
+            const int64_t at = ((first + t) * 16 + i) * job->ldy + row0;
+            const __m512 sums = _mm512_add_ps(_mm512_loadu_ps(out[t] + 16 * i), bias);
+            if (job->is_bf16) _mm256_mask_storeu_epi16((uint16_t *)job->y + at, lanes, (__m256i)_mm512_cvtneps_pbh(sums));
+            else _mm512_mask_storeu_ps((float *)job->y + at, lanes, sums);
         }
 }
 
-/* Groups [first, last) of one tile_linear call. */
+/* A group of r interleaved rows, dequantized to pair rows (each type's dequantization its own copy). */
+static void group_pairs(int type, const tile_job *job, int64_t row0, int r, uint16_t *pairs) {
+    const uint8_t *group = job->w + row0 * job->row_bytes;
+    switch (type) {
+    case Q4_0: group_to_pairs(Q4_0, group, r, job->k, job->row_bytes, pairs); break;
+    case Q4_1: group_to_pairs(Q4_1, group, r, job->k, job->row_bytes, pairs); break;
+    case Q5_0: group_to_pairs(Q5_0, group, r, job->k, job->row_bytes, pairs); break;
+    case Q5_1: group_to_pairs(Q5_1, group, r, job->k, job->row_bytes, pairs); break;
+    case Q8_0: group_to_pairs(Q8_0, group, r, job->k, job->row_bytes, pairs); break;
+    case Q4_K: group_to_pairs(Q4_K, group, r, job->k, job->row_bytes, pairs); break;
+    case Q5_K: group_to_pairs(Q5_K, group, r, job->k, job->row_bytes, pairs); break;
+    case Q6_K: group_to_pairs(Q6_K, group, r, job->k, job->row_bytes, pairs); break;
+    }
+}
+
+/* Groups [first, last) of one tile_linear call, tile_groups(k) at a time: a chunk of groups is dequantized
+ * once, then every batch of activation tiles meets each of its groups while the batch is still in cache
+ * (one group at a time made every group reread all the activations). */
 static void tile_rows(int type, const tile_job *job, int64_t first, int64_t last, uint16_t *pairs) {
-    for (int64_t g = first; g < last; g++) {
-        const int64_t row0 = g * K16_ROWS;
-        const int r = k16_group_rows(job->rows, row0);
-        switch (type) { /* each type's dequantization its own copy */
-        case Q4_0: group_to_pairs(Q4_0, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        case Q4_1: group_to_pairs(Q4_1, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        case Q5_0: group_to_pairs(Q5_0, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        case Q5_1: group_to_pairs(Q5_1, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        case Q8_0: group_to_pairs(Q8_0, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        case Q4_K: group_to_pairs(Q4_K, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        case Q5_K: group_to_pairs(Q5_K, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        case Q6_K: group_to_pairs(Q6_K, job->w + row0 * job->row_bytes, r, job->k, job->row_bytes, pairs); break;
-        }
+    const int64_t chunk = tile_groups(job->k), group_pairs_size = 16 * job->k;
+    for (int64_t g0 = first; g0 < last; g0 += chunk) {
+        const int64_t g1 = g0 + chunk < last ? g0 + chunk : last;
+        for (int64_t g = g0; g < g1; g++)
+            group_pairs(type, job, g * K16_ROWS, k16_group_rows(job->rows, g * K16_ROWS), pairs + (g - g0) * group_pairs_size);
         for (int64_t t = 0; t < job->m_tiles; t += TILE_BATCH) {
             const int count = job->m_tiles - t < TILE_BATCH ? (int)(job->m_tiles - t) : TILE_BATCH;
-            tile_products(job, pairs, row0, r, t, count);
+            for (int64_t g = g0; g < g1; g++)
+                tile_products(job, pairs + (g - g0) * group_pairs_size, g * K16_ROWS, k16_group_rows(job->rows, g * K16_ROWS), t, count);
         }
     }
 }
@@ -1194,7 +1216,7 @@ static int tile_linear(const void *x, int64_t ldx, int64_t m, int64_t k, const u
     int status = 0;
 #pragma omp parallel num_threads(threads)
     {
-        uint16_t *pairs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k));
+        uint16_t *pairs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * k * tile_groups(k)));
         if (!pairs) {
 #pragma omp atomic write
             status = -2;
