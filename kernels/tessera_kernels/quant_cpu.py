@@ -34,13 +34,13 @@ KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", 
 X16 = "x16"  # a kind's suffix when its rows are interleaved 16 to a group (kernel_layout)
 X16_FLAG = 0x100  # added to the ggml type number of such a kind (csrc/quant_gemm.c)
 # Activation rows from which another path is faster, measured (docs/kernels.md). The decoded path's kernel:
-# oneDNN on the dequantized weight from 32 rows. Interleaved rows: AMX's tiles from 64 rows where the library
+# oneDNN on the dequantized weight from 32 rows. Interleaved rows: AMX's tiles from 32 rows where the library
 # has them, decode and prefill rows alike, and the integer kernel at every count without (there it beats
 # oneDNN up to 2048 rows, max_num_batched_tokens' default). Both give a row the same bits at any count, so
 # a prompt chunked otherwise by a speculating engine than by a plain one changes path only where a chunk
 # crosses TILES_FROM_ROWS.
 DEQUANTIZE_FROM_ROWS = 32
-TILES_FROM_ROWS = 64
+TILES_FROM_ROWS = 32
 SCRATCH_VALUES = 1 << 23  # weight values dequantized at once (16 MiB of bfloat16): larger weights go in slices
 _scratch = threading.local()  # one buffer per thread: engines in threads of one process never share it
 

@@ -164,10 +164,11 @@ def assert_packed_speculation_has_plain_bits(tmp_path, monkeypatch) -> LLM:
 
 
 def test_a_packed_batch_speculates_with_plain_decodings_bits(tmp_path, monkeypatch):
-    """8 sequences verifying 4 proposals each are 40 rows a step, past the 32 from which the 32-value GGUF
+    """8 sequences verifying 4 proposals each would be 40 rows a step, past the 32 from which the 32-value GGUF
     types once changed to the bfloat16 path while plain decoding's 8 rows did not, so near ties flipped at
-    batch 32 (docs/benchmarks.md). Interleaved rows keep the integer kernel (below 64 rows on every host),
-    whose rows are row-invariant: every token scored with plain decoding's bits."""
+    batch 32 (docs/benchmarks.md). Interleaved rows keep the row-invariant integer kernel below AMX's tiles
+    (at every count without them), and the speculator keeps a step below that crossover: every token scored
+    with plain decoding's bits."""
     if not quant_cpu.kernel_kind("Q8_0").endswith(quant_cpu.X16):
         pytest.skip("no fused GGUF kernels on this CPU: its decoded path changes to bfloat16 at 32 rows")
     speculating = assert_packed_speculation_has_plain_bits(tmp_path, monkeypatch)
