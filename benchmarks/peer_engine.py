@@ -8,7 +8,7 @@ ignore_eos, every request submitted at once), then batch 1: TTFT (median time of
 request) and TPOT (the extra time of 1 + SINGLE_TOKENS tokens, per token), and the KV figures the
 engine reports (Tessera's with its KV pool's size). Tessera and vLLM share the offline API, so the
 same lines drive both; under vLLM's venv nothing of Tessera is imported. dtype `packed` (Tessera only)
-loads a GGUF file's blocks as they are.
+loads a GGUF file's blocks as they are, `packed-bfloat16` the same with bfloat16 activations and KV cache.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import statistics
 import threading
 import time
 
+PACKED = {"packed": {"weights": "packed"}, "packed-bfloat16": {"weights": "packed", "dtype": "bfloat16"}}
 SINGLE_TOKENS = 128  # batch-1 probe: decode length and repeats
 SINGLE_REPEATS = 3
 
@@ -31,8 +32,9 @@ def load_engine(engine: str, model: str, dtype: str):
     else:
         from inference import LLM, SamplingParams  # noqa: F401
 
-        # "packed": a GGUF file's blocks as they are (the engine's weights option, not a float dtype)
-        weights = {"weights": "packed"} if dtype == "packed" else {"dtype": dtype}
+        # "packed": a GGUF file's blocks as they are (the engine's weights option, not a float dtype);
+        # "packed-bfloat16": the same with bfloat16 activations and KV cache
+        weights = PACKED.get(dtype, {"dtype": dtype})
         llm = LLM(model=model, max_model_len=1024, seed=0, **weights)
     return llm, SamplingParams
 
@@ -95,6 +97,7 @@ def main() -> None:
             "kv_blocks_used_at_peak": llm.llm_engine.metrics.peak_allocated_slots
             / (llm.llm_engine.kv.pool.num_blocks * llm.llm_engine.kv.block_size),
             "kv_pool_bytes": llm.llm_engine.memory["kv_pool_bytes"],
+            "dtype": str(llm.llm_engine.dtype).removeprefix("torch."),  # activations and KV cache
         }
     result.update(kv)
     result.update(run_single(llm, SamplingParams, work["single_prompt"]))

@@ -11,9 +11,11 @@ llama-server -t), and each run records the peak resident set of the engine's who
 dtype `packed` compares engines on one GGUF file: Tessera loads the file itself (its packed weights,
 the default for GGUF on CPU), llama-server runs the same file, and vLLM, which has no CPU GGUF path,
 runs bfloat16 on the file's weights dequantized by transformers into an HF folder (built once under
-BENCH_DIR). llama-server runs once per model, on the packed row when --dtypes has `packed`, else on
-the float32 row, so no row repeats it. Models `qwen0.5b` and `qwen1.5b` are the Qwen2.5-Coder Q4_K_M
-files ../shared/models/qwen-coder.sh assembles (64 streams, as many as llama-server's slots):
+BENCH_DIR). `packed-bfloat16` is the packed row with Tessera computing in bfloat16 (activations and KV
+cache), as vLLM does beside it. llama-server runs once per model, on the first packed row when --dtypes
+has one, else on the float32 row, so no row repeats it. Models `qwen0.5b` and `qwen1.5b` are the
+Qwen2.5-Coder Q4_K_M files ../shared/models/qwen-coder.sh assembles (64 streams, as many as llama-server's
+slots):
 
     python -m benchmarks.peers --models smollm2,qwen0.5b,qwen1.5b --dtypes packed --repeats 1
 
@@ -307,15 +309,20 @@ def available_engines(wanted: list[str]) -> list[str]:
     return [engine for engine in wanted if not peer_missing(engine)]
 
 
+def is_packed(dtype: str) -> bool:
+    """Rows on a GGUF file: Tessera's packed weights, in float32 (`packed`) or bfloat16 (`packed-bfloat16`)."""
+    return dtype.startswith("packed")
+
+
 def engine_models(dtype: str, engines: list[str], folder, gguf) -> dict[str, tuple[str, str]]:
     """engine -> (what it loads, its dtype). Packed rows: Tessera loads the GGUF file itself, vLLM runs
     bfloat16 on the dequantized folder (built only if vLLM runs). llama.cpp always loads the GGUF."""
     models = {}
     for engine in engines:
-        if engine == "tessera" and dtype == "packed":
-            models[engine] = (gguf(), "packed")
+        if engine == "tessera" and is_packed(dtype):
+            models[engine] = (gguf(), dtype)
         elif engine != "llama.cpp":
-            models[engine] = (folder(), "bfloat16" if dtype == "packed" else dtype)
+            models[engine] = (folder(), "bfloat16" if is_packed(dtype) else dtype)
     return models
 
 
@@ -407,7 +414,8 @@ def memory_row(model: str, dtype: str, runs: dict[str, list[dict]]) -> list:
 
 
 def dtype_label(dtype: str) -> str:
-    return "packed (vLLM bfloat16)" if dtype == "packed" else dtype
+    labels = {"packed": "packed (vLLM bfloat16)", "packed-bfloat16": "packed, bfloat16 activations (vLLM bfloat16)"}
+    return labels.get(dtype, dtype)
 
 
 def percent(value) -> str:
@@ -424,13 +432,13 @@ def main(argv=None) -> str:
     args = parser.parse_args(argv)
     engines = available_engines(args.engines.split(","))
     dtypes = args.dtypes.split(",")
-    llama_dtype = "packed" if "packed" in dtypes else "float32"  # one llama.cpp row per model
+    llama_dtype = next((d for d in dtypes if is_packed(d)), "float32")  # one llama.cpp row per model
     rows, memory_rows = [], []
     for model in args.models.split(","):
         if model_missing(model):
             continue
         for dtype in dtypes:
-            if dtype == "packed" and MODELS[model][1] is None:
+            if is_packed(dtype) and MODELS[model][1] is None:
                 print(f"skipping {model} packed: it has no GGUF file", flush=True)
                 continue
             runs = measure(model, dtype, engines, args.repeats, args.quick, llama_dtype)

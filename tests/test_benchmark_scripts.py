@@ -141,17 +141,18 @@ def test_the_peak_rss_sampler_sums_the_whole_process_tree_of_an_engine():
     assert 300 <= rss.peak_mib < 400  # both processes, and nothing outside the session (this one holds torch)
 
 
-def test_a_packed_run_loads_the_gguf_file_itself_and_reports_its_kv_pool(tmp_path):
+@pytest.mark.parametrize("dtype,computes_in", [("packed", "float32"), ("packed-bfloat16", "bfloat16")])
+def test_a_packed_run_loads_the_gguf_file_itself_and_reports_its_kv_pool(tmp_path, dtype, computes_in):
     from benchmarks.common import real_model_path
 
-    models = peers.engine_models("packed", ["tessera", "llama.cpp"], lambda: pytest.fail("no folder"), real_model_path)
-    assert models == {"tessera": (real_model_path(), "packed")}  # vLLM alone needs the dequantized folder
+    models = peers.engine_models(dtype, ["tessera", "llama.cpp"], lambda: pytest.fail("no folder"), real_model_path)
+    assert models == {"tessera": (real_model_path(), dtype)}  # vLLM alone needs the dequantized folder
     work = {"requests": [[[500, 501, 502, 503], 5], [[600] * 30, 3]], "single_prompt": list(range(700, 720))}
     workload = tmp_path / "work.json"
     workload.write_text(json.dumps(work))
     result = peers.run_offline("tessera", *models["tessera"], str(workload))
     assert result["tokens"] == 5 + 3 and result["tpot_ms"] > 0
-    assert result["kv_pool_bytes"] > 0 and result["peak_rss_mib"] > 0
-    row = peers.memory_row("smollm2", peers.dtype_label("packed"), {"tessera": [result]})
-    assert row[1] == "packed (vLLM bfloat16)" and row[6] == result["peak_rss_mib"]
+    assert result["kv_pool_bytes"] > 0 and result["peak_rss_mib"] > 0 and result["dtype"] == computes_in
+    row = peers.memory_row("smollm2", peers.dtype_label(dtype), {"tessera": [result]})
+    assert row[1].endswith("(vLLM bfloat16)") and row[6] == result["peak_rss_mib"]
     assert row[9] == result["kv_pool_bytes"] / 2**20 and row[2] == row[-1] == "-"  # no llama.cpp run
