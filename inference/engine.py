@@ -88,7 +88,7 @@ class LLMEngine:
             self.executor.parallel,
         )
 
-    # enough rows for the packed linears' dequantized path to load too
+    # enough rows for the packed linears' dequantized path and AMX tiles to load too
     WARM_UP_PROMPT_TOKENS = max(quant_cpu.DEQUANTIZE_FROM_ROWS, quant_cpu.TILES_FROM_ROWS)
 
     def warm_up(self) -> None:

@@ -70,7 +70,7 @@ def engine_cached_blocks(llm) -> list[int]:
 
 def test_warm_up_runs_the_packed_linears_dequantized_path_too(tmp_path):
     """A chat prompt is longer than the rows from which a packed linear dequantizes to bfloat16 (32 on the
-    decoded path, as Q3_K's rows always run; AMX's tiles from 64 for interleaved rows where the CPU has AMX):
+    decoded path, as Q3_K's rows always run; AMX's tiles from 32 for interleaved rows where the CPU has AMX):
     the warm-up's prefill reaches them, so that path's first use (its scratch buffer, oneDNN's kernels) is not the first
     request's."""
     hf_dir = make_tiny_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=256)
