@@ -147,20 +147,21 @@ def linear(
     """x [m, in] @ W.T (+ bias) with W the [out, row_bytes] uint8 blocks of type `kind`; the result in
     x's dtype, written into `out` ([m, out] with unit column stride; a column slice is fine) when given.
     The first `decode_rows` rows are a step's decodes (laid out ahead of its prefill chunks): each part
-    runs `path`'s kernel for its own count, apart from the other where either leaves the integer kernel,
-    so a decode row's bits never depend on a chunk that shares its step."""
+    runs `path`'s kernel for its own count, apart from the other unless both take the same kernel and it
+    gives a row the same bits at any count (the integer kernel, the tiles), so a decode row's bits never
+    depend on a chunk that shares its step."""
     rows = x.shape[0]
     decode_rows = min(decode_rows, rows)
     decode = path(kind, in_features, decode_rows, library) if decode_rows else "integer"
     rest = path(kind, in_features, rows - decode_rows, library) if rows > decode_rows else "integer"
-    if decode == rest == "integer":
-        return integer_linear(x, packed, kind, in_features, bias, out, library)
+    kernels = {"integer": integer_linear, "tiles": tile_linear, "dequantized": dequantized_linear}
+    if decode == rest != "dequantized":  # one call: the weight dequantized once for tiles, read once
+        return kernels[decode](x, packed, kind, in_features, bias, out, library)
     if 0 < decode_rows < rows:
         out = x.new_empty(rows, packed.shape[0]) if out is None else out
         for part, count in ((slice(0, decode_rows), decode_rows), (slice(decode_rows, None), 0)):
             linear(x[part], packed, kind, in_features, bias, out[part], library, count)
         return out
-    kernels = {"integer": integer_linear, "tiles": tile_linear, "dequantized": dequantized_linear}
     return kernels[decode if decode_rows else rest](x, packed, kind, in_features, bias, out, library)
 
 

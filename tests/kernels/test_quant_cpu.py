@@ -288,6 +288,9 @@ def test_decode_and_prefill_rows_run_on_amx_tiles_from_the_crossover(lib):
     assert torch.equal(wide[:, 41:], torch.full((rows_in, 4), 7.0))
     as_prefill = quant_cpu.linear(x[:rows_in], held, held_kind, cols, library=lib)
     assert torch.equal(as_prefill, wide[:, 4:41])
+    both_on_tiles = quant_cpu.tile_linear(x, held, held_kind, cols, library=lib)  # decodes beside a chunk: one call
+    assert torch.equal(both_on_tiles[:rows_in], as_prefill)
+    assert torch.equal(quant_cpu.linear(x, held, held_kind, cols, library=lib, decode_rows=rows_in), both_on_tiles)
     mixed = quant_cpu.linear(x, held, held_kind, cols, library=lib, decode_rows=5)
     assert torch.equal(mixed[:5], quant_cpu.integer_linear(x[:5], held, held_kind, cols, library=lib))
     assert torch.equal(mixed[5:], quant_cpu.tile_linear(x[5:], held, held_kind, cols, library=lib))

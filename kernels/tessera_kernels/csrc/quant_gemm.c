@@ -1143,20 +1143,20 @@ static void tile_products(const tile_job *job, const uint16_t *pairs, int64_t ro
     if (count > 1) _tile_stored(1, out[1], 64);
     if (count > 2) _tile_stored(2, out[2], 64);
     if (count > 3) _tile_stored(3, out[3], 64);
-    const __mmask16 lanes = (__mmask16)((1u << r) - 1); /* the group's rows: an output row's r columns */
+    const __mmask16 columns = (__mmask16)((1u << r) - 1); /* the group's rows: an output row's r columns */
     __m512 bias = _mm512_setzero_ps();
     if (job->bias && job->is_bf16) {
-        const __m256i halves = _mm256_maskz_loadu_epi16(lanes, (const uint16_t *)job->bias + row0);
+        const __m256i halves = _mm256_maskz_loadu_epi16(columns, (const uint16_t *)job->bias + row0);
         bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16)); /* bfloat16 -> float32 */
     } else if (job->bias) {
-        bias = _mm512_maskz_loadu_ps(lanes, (const float *)job->bias + row0);
+        bias = _mm512_maskz_loadu_ps(columns, (const float *)job->bias + row0);
     }
     for (int t = 0; t < count; t++)
         for (int i = 0; i < 16 && (first + t) * 16 + i < job->m; i++) {
             const int64_t at = ((first + t) * 16 + i) * job->ldy + row0;
             const __m512 sums = _mm512_add_ps(_mm512_loadu_ps(out[t] + 16 * i), bias);
-            if (job->is_bf16) _mm256_mask_storeu_epi16((uint16_t *)job->y + at, lanes, (__m256i)_mm512_cvtneps_pbh(sums));
-            else _mm512_mask_storeu_ps((float *)job->y + at, lanes, sums);
+            if (job->is_bf16) _mm256_mask_storeu_epi16((uint16_t *)job->y + at, columns, (__m256i)_mm512_cvtneps_pbh(sums));
+            else _mm512_mask_storeu_ps((float *)job->y + at, columns, sums);
         }
 }
 
