@@ -14,7 +14,10 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Phi3ForCausalLM": "phi3",
 }
+# Families whose sliding_window applies unless the config says use_sliding_window: false.
+SLIDING_BY_DEFAULT = ("mistral", "phi3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -61,6 +64,18 @@ class EngineArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_layer_options(path: str, family: str, raw: dict) -> None:
+    """Config options the layer code does not implement fail at start-up, by name."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {raw['hidden_act']!r} in {path}: the {family} layers take silu")
+    rope = raw.get("rope_parameters") or {}
+    partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor {partial} in {path}: rotary embeddings over part of a head are not supported"
+        )
 
 
 @dataclass
@@ -133,10 +148,11 @@ class ModelConfig:
         hidden = raw["hidden_size"]
         rope = raw.get("rope_scaling") or raw.get("rope_parameters")
         theta = raw.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        check_layer_options(path, family, raw)
         if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = None
         eos = raw.get("eos_token_id")
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", family == "mistral") else None
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", family in SLIDING_BY_DEFAULT) else None
         return cls(
             path=path,
             architecture=arch,

@@ -25,7 +25,7 @@ from inference.gguf_header import Header, read_header
 logger = logging.getLogger("inference")
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF general.sampling.* -> SamplingParams field (the file's own generation defaults).
 SAMPLING_KEYS = {
@@ -44,6 +44,7 @@ BLOCK_TENSORS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # q, k and v fused (Phi-3)
     "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -51,6 +52,8 @@ BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Names an architecture uses for another tensor: Phi-3's ffn_up holds gate and up, fused.
+ARCHITECTURE_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -100,6 +103,7 @@ def config_dict(path: str) -> dict:
     names = {t.name for t in open_gguf(path).tensors}
     heads = get("attention.head_count")
     hidden = get("embedding_length")
+    head_dim = get("attention.key_length") or hidden // heads
     eos = end_of_turn_token_ids(path)
     return {
         "architectures": [hf_arch],
@@ -109,12 +113,13 @@ def config_dict(path: str) -> dict:
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv") or heads,
-        "head_dim": get("attention.key_length") or hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": get("rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(get),
+        "rope_scaling": _rope_scaling(get, names),
         "max_position_embeddings": get("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
+        "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "sliding_window": get("attention.sliding_window"),
         "use_sliding_window": get("attention.sliding_window") is not None,
@@ -123,7 +128,9 @@ def config_dict(path: str) -> dict:
     }
 
 
-def _rope_scaling(get) -> dict | None:
+def _rope_scaling(get, names: set[str]) -> dict | None:
+    if "rope_factors_long.weight" in names:  # Phi-3's 128k files: per-frequency factors, as tensors
+        return {"rope_type": "longrope"}
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -164,14 +171,15 @@ def check_tensor_types(path: str) -> None:
         raise ValueError(f"unsupported GGUF tensor types in {path}: {found}; supported: {', '.join(supported_types())}")
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[gguf_name]
+    parts = {**BLOCK_TENSORS, **ARCHITECTURE_BLOCK_TENSORS.get(arch, {})}
     match = _BLOCK_NAME.match(gguf_name)
-    if match is None or match.group(2) not in BLOCK_TENSORS:
+    if match is None or match.group(2) not in parts:
         raise ValueError(f"unsupported GGUF tensor {gguf_name!r} (not part of the Llama layout)")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{BLOCK_TENSORS[part]}.{kind}"
+    return f"model.layers.{layer}.{parts[part]}.{kind}"
 
 
 def iter_weights(path: str, cfg, packed: bool = False) -> Iterator[tuple[str, object]]:
@@ -181,14 +189,14 @@ def iter_weights(path: str, cfg, packed: bool = False) -> Iterator[tuple[str, ob
     import torch  # here, not at the top: the web tier reads metadata (sampling defaults) without torch
     from gguf.quants import dequantize
 
-    permuted = metadata(path, "general.architecture") == "llama"
+    arch = metadata(path, "general.architecture")
     header = open_gguf(path)
     for tensor in header.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         kind = tensor.tensor_type.name
         keep_blocks = packed and kind not in FLOAT_TYPES and len(tensor.data.shape) == 2
         values = tensor.data if keep_blocks else dequantize(tensor.data, tensor.tensor_type)
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             values = unpermute_rows(values, heads)
         loaded: object

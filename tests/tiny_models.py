@@ -22,7 +22,7 @@ def shared_tokenizer():
 
 
 def family_config(family: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     tok = shared_tokenizer()
     common = dict(
@@ -61,6 +61,9 @@ def family_config(family: str, **overrides):
     elif family == "qwen2":
         common.update(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False)
         cls = Qwen2Config
+    elif family == "phi3":  # q, k, v and gate, up stored fused
+        common.update(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None)
+        cls = Phi3Config
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -68,7 +71,7 @@ def family_config(family: str, **overrides):
 
 
 def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a random-weight model of family (llama / llama3 / mistral / qwen2) with its tokenizer."""
+    """Save a random-weight model of family (llama / llama3 / mistral / qwen2 / phi3) with its tokenizer."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)

@@ -106,6 +106,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if dim is None:
             copy_checked(param.data, loaded)
             return
+        if shard_id is None:  # a checkpoint that stores the outputs fused (Phi-3's gate_up_proj)
+            load_fused(self.weight_loader, param, loaded, dim, dict(enumerate(self.out_sizes)))
+            return
         per_rank = [stored_size(param, divide(s, self.parallel.size)) for s in self.out_sizes]
         offset = sum(per_rank[:shard_id])
         size = per_rank[shard_id]
@@ -134,6 +137,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_heads = divide(num_heads, size)
         self.num_kv_heads = max(1, num_kv_heads // size)
         self.kv_replicas = max(1, size // num_kv_heads)
+        self.checkpoint_sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
         super().__init__(hidden, out, bias, dtype, method, parallel)
 
@@ -145,6 +149,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         dim = output_dim(param)
         if dim is None:
             copy_checked(param.data, loaded)
+            return
+        if shard_id is None:  # a checkpoint that stores q, k and v fused (Phi-3's qkv_proj)
+            load_fused(self.weight_loader, param, loaded, dim, dict(zip("qkv", self.checkpoint_sizes)))
             return
         q_size, kv_size = (stored_size(param, n) for n in self.output_sizes[:2])
         if shard_id == "q":
@@ -174,6 +181,18 @@ class RowParallelLinear(LinearBase):
     def forward(self, x):
         out = all_reduce(self.method.apply(self, x, None), self.parallel)
         return out if self.bias is None else out + self.bias
+
+
+def load_fused(weight_loader, param, loaded, dim: int, sizes: dict) -> None:
+    """Cut a checkpoint tensor that holds several shards one after another (whole-model output
+    features per shard id, in order) and load each shard as if it had come on its own."""
+    stored = {shard_id: stored_size(param, features) for shard_id, features in sizes.items()}
+    if sum(stored.values()) != loaded.shape[dim]:
+        raise ValueError(f"a fused checkpoint tensor of {loaded.shape[dim]} outputs does not split into {sizes}")
+    start = 0
+    for shard_id, size in stored.items():
+        weight_loader(param, loaded.narrow(dim, start, size), shard_id)
+        start += size
 
 
 # Where a parameter keeps its output and input features. A plain weight is [out, in]; quantized

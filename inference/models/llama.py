@@ -1,7 +1,8 @@
-"""The Llama family (Llama, Mistral, Qwen2) written against our paged-attention layers.
+"""The Llama family (Llama, Mistral, Qwen2, Phi-3) written against our paged-attention layers.
 
 Differences between the families are config facts (attention bias for Qwen2, tied embeddings,
-RoPE theta and scaling), not separate code paths.
+RoPE theta and scaling), not separate code paths; Phi-3 checkpoints store q/k/v and gate/up fused,
+which the merged layers' weight loaders cut (shard id None).
 """
 
 from __future__ import annotations

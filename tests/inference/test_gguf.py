@@ -14,7 +14,7 @@ from tiny_models import make_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.gguf_files import served_model_name
-from inference.gguf_loader import BLOCK_TENSORS, GLOBAL_TENSORS, tokenizer_cache_dir
+from inference.gguf_loader import ARCHITECTURE_BLOCK_TENSORS, BLOCK_TENSORS, GLOBAL_TENSORS, tokenizer_cache_dir
 from inference.loader import load_tokenizer
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [8, 8, 9, 120, 33, 61, 2 + 40, 77]]
@@ -33,12 +33,13 @@ def private_cache(tmp_path, monkeypatch):
 # ---- writing GGUF files the way llama.cpp's convert_hf_to_gguf.py lays them out -----------------
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str) -> str:
     if hf_name in TO_GGUF:
         return TO_GGUF[hf_name]
     _, _, layer, *rest = hf_name.split(".")  # model.layers.N.self_attn.q_proj.weight
     module, kind = ".".join(rest[:-1]), rest[-1]
-    part = next(g for g, h in BLOCK_TENSORS.items() if h == module)
+    parts = {**BLOCK_TENSORS, **ARCHITECTURE_BLOCK_TENSORS.get(arch, {})}
+    part = next(g for g, h in parts.items() if h == module)
     return f"blk.{layer}.{part}.{kind}"
 
 
@@ -71,14 +72,20 @@ def add_tokenizer(writer, hf_dir: Path) -> None:
 
 
 def write_gguf(
-    hf_dir: Path, out: Path, types=MIXED, arch: str | None = None, name: str | None = None, sampling: dict | None = None
+    hf_dir: Path,
+    out: Path,
+    types=MIXED,
+    arch: str | None = None,
+    name: str | None = None,
+    sampling: dict | None = None,
+    extra: dict | None = None,
 ) -> Path:
-    """hf_dir's model as a GGUF file; matrices cycle through `types`."""
+    """hf_dir's model as a GGUF file; matrices cycle through `types`; `extra` tensors (GGUF name: array) after them."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     config = json.loads((hf_dir / "config.json").read_text())
     family = config["model_type"]
-    arch = arch or ("qwen2" if family == "qwen2" else "llama")  # llama.cpp writes Mistral as llama
+    arch = arch or (family if family in ("qwen2", "phi3") else "llama")  # llama.cpp writes Mistral as llama
     writer = GGUFWriter(str(out), arch)
     writer.add_name(name or f"tiny-{family}")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -107,14 +114,16 @@ def write_gguf(
         matrices += data.ndim == 2
         if kind in K_QUANT_SCALES:
             qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name(hf_name), random_k_quant(data.shape, kind, matrices), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(hf_name, arch), random_k_quant(data.shape, kind, matrices), raw_dtype=qtype)
         elif kind == "F32":
-            writer.add_tensor(gguf_name(hf_name), data)
+            writer.add_tensor(gguf_name(hf_name, arch), data)
         elif kind == "F16":
-            writer.add_tensor(gguf_name(hf_name), data.astype(np.float16))
+            writer.add_tensor(gguf_name(hf_name, arch), data.astype(np.float16))
         else:
             qtype = GGMLQuantizationType[kind]
-            writer.add_tensor(gguf_name(hf_name), quants.quantize(data, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(hf_name, arch), quants.quantize(data, qtype), raw_dtype=qtype)
+    for gguf_tensor, data in (extra or {}).items():
+        writer.add_tensor(gguf_tensor, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -184,6 +193,8 @@ def engine_greedy(file: Path, prompts, max_tokens, **engine) -> list[list[int]]:
         ("llama", ("F32",)),  # lossless: parity with the unquantized HF folder as well
         ("mistral", ("Q8_0", "F16")),  # written as "llama", told apart by general.name
         ("qwen2", ("Q4_1", "BF16")),  # Q/K/V biases, tied embeddings, no permutation
+        ("phi3", ("Q8_0", "Q4_0", "F16")),  # Q/K/V and gate/up fused, one tensor each
+        ("phi3", ("F32",)),
     ],
 )
 def test_greedy_output_equals_hf_transformers_on_the_same_gguf(tmp_path, family, types):
@@ -349,8 +360,18 @@ def test_an_unsupported_tensor_type_fails_at_start_naming_it(tmp_path):
 
 def test_an_unsupported_architecture_fails_at_start_naming_it(tmp_path):
     hf_dir = make_tiny_model(tmp_path / "hf", "llama")
-    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",), arch="phi3")
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'"):
+    file = write_gguf(hf_dir, tmp_path / "tiny.gguf", ("F16",), arch="falcon")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
+        LLM(model=str(file), **ENGINE)
+
+
+def test_phi3_files_with_long_context_factors_are_refused_naming_them(tmp_path):
+    # Phi-3's 128k files carry per-frequency rotary factors as tensors (LongRoPE); the layers have none
+    hf_dir = make_tiny_model(tmp_path / "hf", "phi3")
+    factors = np.ones(8, dtype=np.float32)  # head_dim 16: 8 frequencies
+    extra = {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
+    file = write_gguf(hf_dir, tmp_path / "tiny-phi3-128k.gguf", ("F16",), extra=extra)
+    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
         LLM(model=str(file), **ENGINE)
 
 

@@ -199,12 +199,31 @@ def test_a_decode_keeps_its_bits_beside_a_prefill_chunk(tmp_path, monkeypatch):
 
 def test_qwen2_tied_table_biases_and_mixed_qkv_types(tmp_path):
     # The 0.5B Qwen file's mix: Q8_0 and Q5_0 beside Q4_K / Q6_K; the tied table serves both ends.
-    hf_dir = make_tiny_model(tmp_path / "hf", "qwen2", hidden_size=256, intermediate_size=256)
-    file = write_gguf(hf_dir, tmp_path / "tiny-qwen2.gguf", ("Q8_0", "Q5_0", "Q4_K", "Q6_K"))
-    packed = LLM(model=str(file), **PACKED).llm_engine.model
-    dense = LLM(model=str(file), **ENGINE).llm_engine.model
+    packed, dense = packed_and_dense(tmp_path, "qwen2", ("Q8_0", "Q5_0", "Q4_K", "Q6_K"))
     assert packed.lm_head.weight is packed.embed_tokens.weight
-    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj", "layers.1.mlp.down_proj"):
+    assert_within_bounds(packed, dense, ("layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj"))
+
+
+def test_phi3_fused_tensors_stay_one_packed_weight(tmp_path):
+    packed, dense = packed_and_dense(tmp_path, "phi3", ("Q4_K", "Q8_0", "Q6_K"))
+    kinds = {t.name: t.tensor_type.name for t in open_gguf(str(tmp_path / "tiny-phi3.gguf")).tensors}
+    fused = {"layers.0.self_attn.qkv_proj": "blk.0.attn_qkv", "layers.1.mlp.gate_up_proj": "blk.1.ffn_up"}
+    for name, tensor in fused.items():
+        segments = [seg.kind for seg in packed.get_submodule(name).segments]
+        assert segments == [quant_cpu.kernel_kind(kinds[f"{tensor}.weight"])], name
+    assert len({kinds[f"{tensor}.weight"] for tensor in fused.values()}) == 2
+    assert_within_bounds(packed, dense, fused)
+
+
+def packed_and_dense(tmp_path, family: str, types: tuple[str, ...]):
+    """One file of `family`'s tiny model, 256 wide (a K-quant block), loaded packed and in float32."""
+    hf_dir = make_tiny_model(tmp_path / "hf", family, hidden_size=256, intermediate_size=256)
+    file = write_gguf(hf_dir, tmp_path / f"tiny-{family}.gguf", types)
+    return LLM(model=str(file), **PACKED).llm_engine.model, LLM(model=str(file), **ENGINE).llm_engine.model
+
+
+def assert_within_bounds(packed, dense, names) -> None:
+    for name in names:
         layer, reference_layer = packed.get_submodule(name), dense.get_submodule(name)
         x = torch.randn(4, layer.in_features, generator=torch.Generator().manual_seed(3))
         reference = reference_layer(x)

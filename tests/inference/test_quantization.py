@@ -181,6 +181,17 @@ def test_merged_qkv_and_gate_up_shards_with_packed_outputs(fmt):
         gate, up = finish(gate_up).method.apply(gate_up, x, None).chunk(2, dim=-1)
         torch.testing.assert_close(gate, full["q"].chunk(tp, dim=1)[rank], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(up, gate)
+        # a checkpoint with q, k and v in one tensor (Phi-3's qkv_proj) loads as the three do
+        method = method_for(fmt, 32)
+        fused = QKVParallelLinear(hidden, head_dim, heads, kv_heads, False, torch.float32, method, parallel)
+        load_layer(fused, fused_outputs([packed[sid] for sid in "qkv"]))
+        assert torch.equal(finish(fused).method.apply(fused, x, None), out)
+
+
+def fused_outputs(shards: list[dict]) -> dict:
+    """Packed tensors of several projections as one checkpoint tensor each: joined along the outputs
+    (dim 1 of every 2-D GPTQ/AWQ tensor); g_idx, indexed by input, is the same for all."""
+    return {name: torch.cat([s[name] for s in shards], dim=1) if t.dim() == 2 else t for name, t in shards[0].items()}
 
 
 # ---- checkpoints end to end -------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from inference import LLM, SamplingParams
 from inference.distributed import TensorParallelError
 from inference.multiproc_executor import MultiprocExecutor
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2"]  # mistral: one KV head, replicated on both ranks
+# mistral: one KV head, replicated on both ranks; phi3: q/k/v and gate/up fused in the checkpoint, cut per rank
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "phi3"]
 
 
 def prompts_of_lengths(lengths, seed=0, vocab=500):
