@@ -15,7 +15,11 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Phi3ForCausalLM": "phi3",
+    "GemmaForCausalLM": "gemma",
 }
+# The gated MLP's activations; a family's default where its config names none.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+DEFAULT_ACTIVATION = {"gemma": "gelu_pytorch_tanh"}
 # Families whose sliding_window applies unless the config says use_sliding_window: false.
 SLIDING_BY_DEFAULT = ("mistral", "phi3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,10 +70,20 @@ class EngineArgs:
         return asdict(self)
 
 
-def check_layer_options(path: str, family: str, raw: dict) -> None:
+def activation(path: str, family: str, raw: dict) -> str:
+    """The gated MLP's activation; one the layer code lacks fails at start-up, by name."""
+    name = raw.get("hidden_activation") or raw.get("hidden_act") or DEFAULT_ACTIVATION.get(family, "silu")
+    if family == "gemma" and name == "gelu":  # early Gemma configs; transformers reads it as the tanh form too
+        name = "gelu_pytorch_tanh"
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act {name!r} in {path}: the gated MLP takes {' or '.join(ACTIVATIONS)}")
+    return name
+
+
+def check_layer_options(path: str, raw: dict) -> None:
     """Config options the layer code does not implement fail at start-up, by name."""
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {raw['hidden_act']!r} in {path}: the {family} layers take silu")
+    if raw.get("use_bidirectional_attention"):  # EmbeddingGemma's encoder
+        raise ValueError(f"use_bidirectional_attention in {path}: the layers are causal")
     rope = raw.get("rope_parameters") or {}
     partial = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -105,6 +119,10 @@ class ModelConfig:
     raw: dict
     # The model's own sampling defaults (generation_config.json / GGUF general.sampling.*).
     generation_defaults: dict = field(default_factory=dict)
+    hidden_act: str = "silu"
+    # Gemma: embeddings scaled by sqrt(hidden_size); each RMSNorm multiplies by 1 + its stored weight.
+    embedding_scale: float | None = None
+    norm_weight_offset: float = 0.0
 
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
@@ -148,7 +166,7 @@ class ModelConfig:
         hidden = raw["hidden_size"]
         rope = raw.get("rope_scaling") or raw.get("rope_parameters")
         theta = raw.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        check_layer_options(path, family, raw)
+        check_layer_options(path, raw)
         if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = None
         eos = raw.get("eos_token_id")
@@ -175,6 +193,9 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             raw=raw,
+            hidden_act=activation(path, family, raw),
+            embedding_scale=hidden**0.5 if family == "gemma" else None,
+            norm_weight_offset=1.0 if family == "gemma" else 0.0,
         )
 
     def resolve_dtype(self, dtype: str) -> torch.dtype:

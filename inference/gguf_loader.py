@@ -25,7 +25,12 @@ from inference.gguf_header import Header, read_header
 logger = logging.getLogger("inference")
 
 # GGUF general.architecture -> HF architecture. llama.cpp writes Mistral models as "llama".
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+}
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF general.sampling.* -> SamplingParams field (the file's own generation defaults).
 SAMPLING_KEYS = {
@@ -56,6 +61,9 @@ BLOCK_TENSORS = {
 ARCHITECTURE_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
+
+# Files whose tokenizer transformers builds but whose config it cannot read (AutoTokenizer reads both).
+TOKENIZER_ONLY_ARCHITECTURES = ("gemma",)
 
 VOCABULARY_ARRAYS = (
     "tokenizer.ggml.tokens",
@@ -199,6 +207,8 @@ def iter_weights(path: str, cfg, packed: bool = False) -> Iterator[tuple[str, ob
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             values = unpermute_rows(values, heads)
+        if arch == "gemma" and name.endswith("norm.weight"):
+            values = values - 1  # llama.cpp's converter stores Gemma's 1 + w; the HF layout holds w
         loaded: object
         if keep_blocks:
             from inference.quantization.gguf import from_gguf_array
@@ -248,7 +258,12 @@ def load_tokenizer(path: str):
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
     file = Path(path)
-    tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
+    if metadata(path, "general.architecture") in TOKENIZER_ONLY_ARCHITECTURES:
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(file.parent), gguf_file=file.name)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     try:
         _save_atomically(tokenizer, cached)
     except OSError as exc:  # a read-only home: correct, only slower at the next start

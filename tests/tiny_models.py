@@ -22,7 +22,7 @@ def shared_tokenizer():
 
 
 def family_config(family: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 
     tok = shared_tokenizer()
     common = dict(
@@ -64,6 +64,11 @@ def family_config(family: str, **overrides):
     elif family == "phi3":  # q, k, v and gate, up stored fused
         common.update(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=None)
         cls = Phi3Config
+    elif family == "gemma":
+        # gelu (tanh form), scaled embeddings, norms of 1 + weight, one KV head, head_dim > hidden / heads;
+        # untied here: with the table tied, the scaled input embedding decides every greedy token
+        common.update(tie_word_embeddings=False, rope_theta=10000.0, num_key_value_heads=1, head_dim=32)
+        cls = GemmaConfig
     else:
         raise ValueError(family)
     common.update(overrides)
@@ -71,16 +76,16 @@ def family_config(family: str, **overrides):
 
 
 def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a random-weight model of family (llama / llama3 / mistral / qwen2 / phi3) with its tokenizer."""
+    """Save a random-weight model of family (llama / llama3 / mistral / qwen2 / phi3 / gemma) with its tokenizer."""
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
     config = family_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # qwen2's attention bias starts at zero; give it real values
+    with torch.no_grad():  # qwen2's attention bias and gemma's norms start at zero; give them real values
         for name, param in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or (family == "gemma" and name.endswith("norm.weight")):
                 param.normal_(0, 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     shared_tokenizer().save_pretrained(out_dir)

@@ -70,6 +70,9 @@ class Ops:
     def silu_and_mul(self, x):
         return self.p.silu_and_mul(x)
 
+    def gelu_tanh_and_mul(self, x):
+        return self.p.gelu_tanh_and_mul(x)
+
 
 PRIMITIVES = (
     "store_kv_cache",
@@ -78,6 +81,7 @@ PRIMITIVES = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",  # no C kernel: torch's on CPU
 )
 
 
@@ -143,7 +147,7 @@ def torch_primitives():
 def triton_primitives():
     # _triton_utils first: on a CUDA-less machine it selects the interpreter before triton loads.
     from tessera_kernels import _triton_utils  # noqa: F401
-    from tessera_kernels.activation import silu_and_mul
+    from tessera_kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from tessera_kernels.cache import store_kv_cache
     from tessera_kernels.decode_attention import paged_decode_attention
     from tessera_kernels.norm import fused_add_rms_norm
@@ -157,6 +161,7 @@ def triton_primitives():
         fused_add_rms_norm=fused_add_rms_norm,
         rotary_embedding=rotary_embedding,
         silu_and_mul=silu_and_mul,
+        gelu_tanh_and_mul=gelu_tanh_and_mul,
     )
 
 

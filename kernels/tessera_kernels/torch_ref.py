@@ -182,3 +182,9 @@ def silu_and_mul(x):
     """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [T, I] temporary instead of two
+
+
+def gelu_tanh_and_mul(x):
+    """x [T, 2I] = [gate | up] -> gelu(gate) * up with gelu's tanh form (Gemma's MLP), [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)

@@ -11,7 +11,7 @@ from tiny_models import hf_greedy
 
 from inference import LLM, SamplingParams
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "phi3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "phi3", "gemma"]
 
 
 def prompts_of_lengths(lengths, seed=0, vocab=500):

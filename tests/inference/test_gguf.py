@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import make_tiny_model
+from tiny_models import hf_greedy, make_tiny_model
 
 from inference import LLM, SamplingParams
 from inference.gguf_files import served_model_name
@@ -85,7 +85,7 @@ def write_gguf(
 
     config = json.loads((hf_dir / "config.json").read_text())
     family = config["model_type"]
-    arch = arch or (family if family in ("qwen2", "phi3") else "llama")  # llama.cpp writes Mistral as llama
+    arch = arch or (family if family in ("qwen2", "phi3", "gemma") else "llama")  # llama.cpp writes Mistral as llama
     writer = GGUFWriter(str(out), arch)
     writer.add_name(name or f"tiny-{family}")
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -98,7 +98,10 @@ def write_gguf(
     writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     for key, value in (sampling or {}).items():
         getattr(writer, f"add_sampling_{key}")(value)
     add_tokenizer(writer, hf_dir)
@@ -110,6 +113,8 @@ def write_gguf(
         data = tensor.float().numpy()
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             data = permute(data, heads if "q_proj" in hf_name else kv_heads)
+        if arch == "gemma" and hf_name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norms as the multiplier 1 + w
         kind = "F32" if data.ndim == 1 else types[matrices % len(types)]
         matrices += data.ndim == 2
         if kind in K_QUANT_SCALES:
@@ -204,8 +209,6 @@ def test_greedy_output_equals_hf_transformers_on_the_same_gguf(tmp_path, family,
     assert ours == hf_greedy_gguf(file, PROMPTS, MAX_TOKENS)
     assert all(len(o) == n for o, n in zip(ours, MAX_TOKENS))
     if types == ("F32",):
-        from tiny_models import hf_greedy
-
         assert ours == hf_greedy(hf_dir, PROMPTS, MAX_TOKENS)
 
 
@@ -346,6 +349,15 @@ def test_generation_config_json_gives_the_defaults_and_more_stop_tokens(tmp_path
         .token_ids
     )
     assert by_default == engine_greedy(hf_dir, PROMPTS[:1], [8])[0]
+
+
+def test_gemma_files_equal_hf_transformers_on_the_folder_they_came_from(tmp_path):
+    # transformers reads no Gemma (1) GGUF model, so the reference is the folder, written without loss (F32)
+    hf_dir = make_tiny_model(tmp_path / "hf", "gemma")
+    file = write_gguf(hf_dir, tmp_path / "tiny-gemma.gguf", ("F32",))
+    assert engine_greedy(file, PROMPTS, MAX_TOKENS) == hf_greedy(hf_dir, PROMPTS, MAX_TOKENS)
+    text = "The quick brown fox jumps over the lazy dog."
+    assert load_tokenizer(str(file)).encode(text) == load_tokenizer(str(hf_dir)).encode(text)
 
 
 # ---- what is refused, at start-up, by name ----------------------------------------------------------

@@ -18,7 +18,7 @@ from inference.distributed import TensorParallelError
 from inference.multiproc_executor import MultiprocExecutor
 
 # mistral: one KV head, replicated on both ranks; phi3: q/k/v and gate/up fused in the checkpoint, cut per rank
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "phi3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "phi3", "gemma"]
 
 
 def prompts_of_lengths(lengths, seed=0, vocab=500):

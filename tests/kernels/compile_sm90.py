@@ -113,8 +113,10 @@ def main() -> int:
                 ("eps",),
                 meta=norm.norm_meta(4096) | {"HAS_RESIDUAL": has_res},
             )
-        compile_kernel(activation._silu_and_mul_kernel, {"x_ptr": dt, "out_ptr": dt}, meta=activation.silu_meta(14336))
-        count += 6
+        for act in (activation.SILU, activation.GELU_TANH):
+            meta = activation.act_meta(14336) | {"ACTIVATION": act}
+            compile_kernel(activation._act_and_mul_kernel, {"x_ptr": dt, "out_ptr": dt}, meta=meta)
+        count += 7
     print(f"compiled {count} kernel configurations for sm_90")
     return 0
 

@@ -89,9 +89,9 @@ def test_triton_backend_matches_torch_backend(dtype):
     ):
         assert_close(a, b, "elementwise", dtype)
     gate_up = randn(3, 96, dtype=dtype, seed=4)
-    assert_close(
-        backends["triton"].silu_and_mul(gate_up), backends["torch"].silu_and_mul(gate_up), "elementwise", dtype
-    )
+    for act in ("silu_and_mul", "gelu_tanh_and_mul"):
+        triton_out, torch_out = (getattr(backends[name], act)(gate_up) for name in ("triton", "torch"))
+        assert_close(triton_out, torch_out, "elementwise", dtype)
 
 
 def test_triton_primitives_cover_every_reference_primitive():
@@ -106,6 +106,7 @@ def test_triton_primitives_cover_every_reference_primitive():
         "fused_add_rms_norm",
         "rotary_embedding",
         "silu_and_mul",
+        "gelu_tanh_and_mul",
     ):
         ref_params = list(inspect.signature(getattr(torch_ref, name)).parameters)
         triton_params = [
