@@ -7,7 +7,8 @@
   default for GGUF files on CPU), multiplied by the C kernels of kernels/tessera_kernels/quant_cpu.py.
 
 Only the decoder's linear layers are quantized; embeddings, the LM head and norms stay in the
-model dtype (as GPTQ and AWQ checkpoints store them).
+model dtype (as GPTQ and AWQ checkpoints store them). On CPU, int8, GPTQ and AWQ layers are repacked
+after loading into ggml blocks and run the same C kernels as a GGUF file's (packed_int4.pack_for_cpu).
 """
 
 from __future__ import annotations

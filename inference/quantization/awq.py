@@ -9,8 +9,19 @@ from typing import Any
 
 import torch
 
-from inference.quantization.packed_int4 import PACK, bind_loaders, group_layout, local_g_idx, packed_param, use_triton
-from tessera_kernels.quant_ref import awq_linear
+from inference.quantization.packed_int4 import (
+    PACK,
+    bind_loaders,
+    cpu_kernels_take,
+    group_layout,
+    int4_blocks,
+    local_g_idx,
+    pack_for_cpu,
+    packed_linear,
+    packed_param,
+    use_triton,
+)
+from tessera_kernels.quant_ref import AWQ_UNPACK_ORDER, awq_linear, unpack_int4_cols
 
 
 class AWQLinearMethod:
@@ -42,6 +53,8 @@ class AWQLinearMethod:
         layer.register_buffer("g_idx", local_g_idx(in_features, group, None), persistent=False)
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (out := packed_linear(layer, x, bias)) is not None:
+            return out
         if use_triton(x):
             from tessera_kernels.dequant_gemm import dequant_gemm
 
@@ -49,4 +62,7 @@ class AWQLinearMethod:
         return awq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.quant_group_size, bias)
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        pass
+        if cpu_kernels_take(layer.qweight, layer.scales.dtype):
+            q = unpack_int4_cols(layer.qweight, AWQ_UNPACK_ORDER)
+            zeros = unpack_int4_cols(layer.qzeros, AWQ_UNPACK_ORDER)
+            pack_for_cpu(layer, int4_blocks(q, zeros, layer.scales, layer.g_idx), ("qweight", "qzeros", "scales"))

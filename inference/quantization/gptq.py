@@ -1,7 +1,8 @@
 """GPTQ 4-bit checkpoints (AutoGPTQ / GPTQModel "gptq" format): qweight, qzeros, scales, g_idx.
 
 Layouts in kernels/tessera_kernels/quant_ref.py. Act-order (desc_act) checkpoints give every input row a group
-through g_idx; the kernels look groups up through g_idx, so no reordering is needed. Row-parallel
+through g_idx; the Triton kernel looks groups up through g_idx, so no reordering is needed there (the CPU's
+block layout sorts the inputs by group: packed_int4.int4_blocks). Row-parallel
 shards of an act-order layer keep all the groups' scales and zeros (a rank's inputs may belong to
 any group); otherwise scales and zeros are split with the inputs.
 """
@@ -13,8 +14,19 @@ from typing import Any
 
 import torch
 
-from inference.quantization.packed_int4 import PACK, bind_loaders, group_layout, local_g_idx, packed_param, use_triton
-from tessera_kernels.quant_ref import gptq_linear
+from inference.quantization.packed_int4 import (
+    PACK,
+    bind_loaders,
+    cpu_kernels_take,
+    group_layout,
+    int4_blocks,
+    local_g_idx,
+    pack_for_cpu,
+    packed_linear,
+    packed_param,
+    use_triton,
+)
+from tessera_kernels.quant_ref import gptq_linear, unpack_int4_cols, unpack_int4_rows
 
 
 class GPTQLinearMethod:
@@ -59,6 +71,8 @@ class GPTQLinearMethod:
         layer.g_idx_loaded = True
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (out := packed_linear(layer, x, bias)) is not None:
+            return out
         if use_triton(x):
             from tessera_kernels.dequant_gemm import dequant_gemm
 
@@ -70,3 +84,6 @@ class GPTQLinearMethod:
     def process_weights_after_loading(self, layer: Any) -> None:
         if not self.desc_act:  # groups in input order: recompute for this rank's inputs
             layer.g_idx.data = local_g_idx(layer.g_idx.shape[0], layer.quant_group_size, layer.g_idx.device)
+        if cpu_kernels_take(layer.qweight, layer.scales.dtype):
+            q, zeros = unpack_int4_rows(layer.qweight), unpack_int4_cols(layer.qzeros) + self.zero_offset
+            pack_for_cpu(layer, int4_blocks(q, zeros, layer.scales, layer.g_idx), ("qweight", "qzeros", "scales"))

@@ -3,7 +3,9 @@
 Parameter shapes are this rank's; every parameter says where its output and input features are
 (`output_dim`, `input_dim`, `output_pack`) so the layer's weight_loader can cut tensor-parallel
 shards of packed tensors exactly as it cuts float ones. The product runs the Triton
-dequantize-GEMM on CUDA and the torch reference (dequantize, then matmul) elsewhere.
+dequantize-GEMM on CUDA and, on CPU, the C kernels of a GGUF file's layers on the weight repacked
+into ggml blocks after loading (pack_for_cpu); the torch reference (dequantize, then matmul) where
+no block layout fits or the model computes in float16.
 """
 
 from __future__ import annotations
@@ -60,3 +62,69 @@ def local_g_idx(in_features: int, group: int, device) -> torch.Tensor:
 
 def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
+
+
+def int4_blocks(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor):
+    """An int4 weight (codes q [K, N] in 0..15, per-group zeros and scales [G, N], each input's group [K]) as
+    ggml blocks of 32 inputs: Q4_0, d (q - 8), where every zero is 8 (GPTQ's symmetric checkpoints: exact),
+    else Q4_1, d q + m with m = -zero d rounded to float16. Act-order inputs are sorted by group first.
+    (kind, blocks [N, K / 32 * block bytes] uint8, the input order or None), or None where a block of 32
+    inputs would still span two groups (an act-order layer's inputs split across ranks)."""
+    order = None
+    if not bool((groups[1:] >= groups[:-1]).all()):
+        order = torch.argsort(groups, stable=True)
+        q, groups = q[order], groups[order]
+    if q.shape[0] % 32:
+        return None
+    by_block = groups.reshape(-1, 32)
+    if not bool((by_block == by_block[:, :1]).all()):
+        return None
+    g = by_block[:, 0].long()
+    d = scales[g].t().to(torch.float16)  # [N, K / 32]
+    if bool((zeros == 8).all()):
+        kind, header = "Q4_0", d.unsqueeze(-1)
+    else:
+        m = -(zeros[g].t().float() * scales[g].t().float())
+        kind, header = "Q4_1", torch.stack([d, m.to(torch.float16)], dim=-1)
+    codes = q.t().reshape(q.shape[1], -1, 32).to(torch.uint8)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # ggml: value j in the low nibble of byte j, j + 16 high
+    blocks = torch.cat([header.contiguous().view(torch.uint8), nibbles], dim=-1)
+    return kind, blocks.reshape(q.shape[1], -1).contiguous(), order
+
+
+def cpu_kernels_take(param: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a layer whose weight lives where `param` does, computing in `dtype`, runs on the C kernels
+    (pack_for_cpu): on CPU, in float32 or bfloat16 (float16 keeps the reference path)."""
+    from tessera_kernels import native_cpu
+
+    return param.device.type == "cpu" and dtype in native_cpu.SUPPORTED_DTYPES and native_cpu.load() is not None
+
+
+def pack_for_cpu(layer: Any, found, drop: tuple[str, ...]) -> None:
+    """After loading, on CPU: the layer's weight as one packed segment (inference/quantization/gguf.py), which
+    the C kernels of tessera_kernels.quant_cpu multiply as they do a GGUF file's; `drop` names the
+    checkpoint's own tensors, freed. `found`: (kind, blocks, input order or None) as int4_blocks gives it;
+    None keeps the reference path (dequantize, then matmul)."""
+    from inference.quantization.gguf import Segment
+    from tessera_kernels import quant_cpu
+
+    if found is None:
+        return
+    kind, blocks, order = found
+    kind, blocks = quant_cpu.kernel_layout(kind, blocks, layer.in_features, in_place=True)
+    for name in drop:
+        delattr(layer, name)
+    layer.weight_0 = nn.Parameter(blocks, requires_grad=False)
+    layer.segments = [Segment(0, blocks.shape[0], kind, "weight_0")]
+    layer.register_buffer("input_order", order, persistent=False)
+
+
+def packed_linear(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The product on the layer's packed segment (pack_for_cpu), or None where it has none."""
+    from inference.quantization.gguf import segment_linear
+
+    if not getattr(layer, "segments", None):
+        return None
+    if layer.input_order is not None:
+        x = x.index_select(1, layer.input_order)
+    return segment_linear(layer, layer.segments[0], x, bias)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packed_bounds import activation_bound, layer_activation_bound
 from test_gguf import ENGINE, PROMPTS, write_gguf
 from tiny_models import chosen_logprobs, make_tiny_model
 
@@ -82,21 +83,6 @@ def conversion_bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Q8_0 of a weight moves each value by at most half a step, max|w| of its block / 254."""
     step = weight.reshape(weight.shape[0], -1, 32).abs().amax(-1).repeat_interleave(32, -1) / 254
     return x.abs().float() @ step.T
-
-
-def activation_bound(weight: torch.Tensor, x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    step = x.float().reshape(x.shape[0], -1, block).abs().amax(-1).repeat_interleave(block, -1) / 254
-    return step @ weight.abs().T
-
-
-def layer_activation_bound(layer, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """activation_bound per segment of a packed layer, each with its kernel's activation block."""
-    bound = torch.zeros(x.shape[0], weight.shape[0])
-    for seg in layer.segments:
-        block = 32 if seg.kind == "dense" else quant_cpu.activation_block(seg.kind, layer.in_features)
-        columns = slice(seg.start, seg.start + seg.rows)
-        bound[:, columns] = activation_bound(weight[columns], x, block)
-    return bound
 
 
 def test_the_packed_engine_keeps_blocks_and_says_so(both_engines, every_type_file):

@@ -23,6 +23,7 @@ import platform
 import numpy as np
 import pytest
 import torch
+from packed_bounds import activation_bound
 from test_native_cpu import compiler
 
 from tessera_kernels import native_cpu, quant_cpu
@@ -82,12 +83,6 @@ def dequantized(packed: torch.Tensor, kind: str) -> torch.Tensor:
     from gguf.quants import dequantize
 
     return torch.from_numpy(np.ascontiguousarray(dequantize(packed.numpy(), GGMLQuantizationType[kind])))
-
-
-def activation_bound(weight: torch.Tensor, x: torch.Tensor, block: int) -> torch.Tensor:
-    """[m, rows]: the most the int8 activations can move each output (see the module docstring)."""
-    step = x.float().reshape(x.shape[0], -1, block).abs().amax(-1).repeat_interleave(block, -1) / 254
-    return step @ weight.abs().float().T
 
 
 def assert_within_bound(out, reference, packed, kind, x, lib):
