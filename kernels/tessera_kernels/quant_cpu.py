@@ -10,12 +10,12 @@ int8 activations make the result differ from the reference by at most sum_i |w_i
 254 (half a step of the activation's quantization), which the tests check per output.
 
 With more activation rows `linear` leaves the integer kernel where another path measured faster
-(docs/kernels.md, `path`): on CPUs with AMX, a step's decode rows (a large decode batch) go to its
-bfloat16 tiles (`tile_linear`: each group of 16 weight rows dequantized in registers, in the C kernel);
-prefill rows, and the decoded path's rows, go to oneDNN's bfloat16 GEMM on the weight dequantized a
-slice of rows at a time into a reused per-thread buffer (`dequantized_linear`). The weight stays packed
-in memory either way. Their error against the reference is bfloat16 rounding: at most 2^-7 of
-sum_i |w_i x_i| (weight and activation rounded) plus 2^-8 of the output.
+(docs/kernels.md, `path`): on CPUs with AMX, interleaved rows go to bfloat16 tiles from TILES_FROM_ROWS
+(`tile_linear`: a chunk of weight groups dequantized in the C kernel, then met by every activation row);
+rows in the file's order go to oneDNN's bfloat16 GEMM on the weight dequantized a slice of rows at a
+time into a reused per-thread buffer (`dequantized_linear`). The weight stays packed in memory either
+way. Their error against the reference is bfloat16 rounding: at most 2^-7 of sum_i |w_i x_i| (weight and
+activation rounded) plus 2^-8 of the output.
 
 KERNEL_TYPES have kernels; other ggml types are converted at load (inference/quantization/gguf.py).
 """
