@@ -15,4 +15,4 @@ def test_kernels_compile_for_sm90():
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "compiled 30 kernel configurations for sm_90" in result.stdout
+    assert "compiled 32 kernel configurations for sm_90" in result.stdout
