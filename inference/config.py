@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -92,6 +93,18 @@ def check_layer_options(path: str, raw: dict) -> None:
         )
 
 
+def longrope(raw: dict, rope: dict) -> tuple[dict, int]:
+    """Phi-3's LongRoPE as (the rotary scaling we apply, the positions served). Its short factors hold up to
+    the original context; past it transformers switches every position of a batch to the long factors, so the
+    context is capped there, where the model is exact (as a sliding window caps Mistral's)."""
+    original = rope.get("original_max_position_embeddings") or raw["original_max_position_embeddings"]
+    factor = rope.get("factor") or raw["max_position_embeddings"] / original
+    attention = rope.get("attention_factor") or (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    )
+    return {"rope_type": "longrope", "short_factor": rope["short_factor"], "attention_factor": attention}, original
+
+
 @dataclass
 class ModelConfig:
     """The architecture facts the model code needs, from an HF config.json or GGUF metadata."""
@@ -167,8 +180,11 @@ class ModelConfig:
         rope = raw.get("rope_scaling") or raw.get("rope_parameters")
         theta = raw.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         check_layer_options(path, raw)
+        positions = raw.get("max_position_embeddings", 2048)
         if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
             rope = None
+        elif rope and rope.get("rope_type", rope.get("type")) == "longrope":
+            rope, positions = longrope(raw, rope)
         eos = raw.get("eos_token_id")
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", family in SLIDING_BY_DEFAULT) else None
         return cls(
@@ -185,7 +201,7 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=rope,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
             sliding_window=sliding,

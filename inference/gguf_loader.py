@@ -59,6 +59,8 @@ BLOCK_TENSORS = {
 }
 # Names an architecture uses for another tensor: Phi-3's ffn_up holds gate and up, fused.
 ARCHITECTURE_BLOCK_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# LongRoPE's frequency factors (rotary tables, not weights: config_dict reads the short ones).
+ROPE_FACTORS = {"short": "rope_factors_short.weight", "long": "rope_factors_long.weight"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -124,7 +126,7 @@ def config_dict(path: str) -> dict:
         "head_dim": head_dim,
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": get("rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(get, names),
+        "rope_scaling": _rope_scaling(path, get, names),
         "max_position_embeddings": get("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
         "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim,
@@ -136,9 +138,15 @@ def config_dict(path: str) -> dict:
     }
 
 
-def _rope_scaling(get, names: set[str]) -> dict | None:
-    if "rope_factors_long.weight" in names:  # Phi-3's 128k files: per-frequency factors, as tensors
-        return {"rope_type": "longrope"}
+def _rope_scaling(path: str, get, names: set[str]) -> dict | None:
+    if ROPE_FACTORS["short"] in names:  # Phi-3's LongRoPE files: per-frequency factors, as tensors
+        short = next(t for t in open_gguf(path).tensors if t.name == ROPE_FACTORS["short"])
+        return {
+            "rope_type": "longrope",
+            "short_factor": np.asarray(short.data, dtype=np.float32).tolist(),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "attention_factor": get("rope.scaling.attn_factor"),
+        }
     kind = get("rope.scaling.type")
     if kind in (None, "none"):
         return None
@@ -200,6 +208,8 @@ def iter_weights(path: str, cfg, packed: bool = False) -> Iterator[tuple[str, ob
     arch = metadata(path, "general.architecture")
     header = open_gguf(path)
     for tensor in header.tensors:
+        if tensor.name in ROPE_FACTORS.values():
+            continue
         name = hf_tensor_name(tensor.name, arch)
         kind = tensor.tensor_type.name
         keep_blocks = packed and kind not in FLOAT_TYPES and len(tensor.data.shape) == 2

@@ -4,6 +4,7 @@ tensor types; our engine's greedy output must equal HF transformers loading the 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,15 @@ ENGINE = dict(dtype="float32", device="cpu", max_model_len=256, num_kv_blocks=64
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+
+
+# Phi-3's LongRoPE in a tiny model: one factor per rotary frequency (head_dim 16: 8)
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0],
+}
 
 
 # ---- writing GGUF files the way llama.cpp's convert_hf_to_gguf.py lays them out -----------------
@@ -78,9 +88,8 @@ def write_gguf(
     arch: str | None = None,
     name: str | None = None,
     sampling: dict | None = None,
-    extra: dict | None = None,
 ) -> Path:
-    """hf_dir's model as a GGUF file; matrices cycle through `types`; `extra` tensors (GGUF name: array) after them."""
+    """hf_dir's model as a GGUF file; matrices cycle through `types`."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -127,13 +136,26 @@ def write_gguf(
         else:
             qtype = GGMLQuantizationType[kind]
             writer.add_tensor(gguf_name(hf_name, arch), quants.quantize(data, qtype), raw_dtype=qtype)
-    for gguf_tensor, data in (extra or {}).items():
-        writer.add_tensor(gguf_tensor, data)
+    add_longrope(writer, config)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def add_longrope(writer, config: dict) -> None:
+    """LongRoPE as llama.cpp's Phi-3 converter writes it: both factor lists as F32 tensors, the original
+    context and the attention factor as metadata."""
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "longrope":
+        return
+    original = config["original_max_position_embeddings"]
+    factor = config["max_position_embeddings"] / original
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
+    for kind in ("long", "short"):
+        writer.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
 
 
 # The gguf package dequantizes K-quants but cannot quantize them, so K-quant tensors get random
@@ -377,14 +399,17 @@ def test_an_unsupported_architecture_fails_at_start_naming_it(tmp_path):
         LLM(model=str(file), **ENGINE)
 
 
-def test_phi3_files_with_long_context_factors_are_refused_naming_them(tmp_path):
-    # Phi-3's 128k files carry per-frequency rotary factors as tensors (LongRoPE); the layers have none
-    hf_dir = make_tiny_model(tmp_path / "hf", "phi3")
-    factors = np.ones(8, dtype=np.float32)  # head_dim 16: 8 frequencies
-    extra = {"rope_factors_long.weight": factors, "rope_factors_short.weight": factors}
-    file = write_gguf(hf_dir, tmp_path / "tiny-phi3-128k.gguf", ("F16",), extra=extra)
-    with pytest.raises(ValueError, match="unsupported rope_scaling type 'longrope'"):
-        LLM(model=str(file), **ENGINE)
+def test_a_phi3_longrope_model_serves_its_original_context_exactly(tmp_path):
+    # Phi-3.5 and Phi-3's 128k models: LongRoPE's short factors hold up to the original context (here 128 of
+    # 1024 positions), where the context stops; the file carries the factors as tensors, as llama.cpp's does
+    hf_dir = make_tiny_model(tmp_path / "hf", "phi3", rope_parameters=LONGROPE, original_max_position_embeddings=128)
+    file = write_gguf(hf_dir, tmp_path / "tiny-phi3-longrope.gguf", ("F32",))
+    prompts, max_tokens = [list(range(10, 90)), [5, 17, 42]], [40, 30]  # up to 120 positions
+    reference = hf_greedy(hf_dir, prompts, max_tokens)
+    for model in (hf_dir, file):
+        assert engine_greedy(model, prompts, max_tokens, max_model_len=128) == reference
+        with pytest.raises(ValueError, match="exceeds the model's limit of 128 positions"):
+            LLM(model=str(model), **{**ENGINE, "max_model_len": 256})
 
 
 def test_a_missing_file_names_the_path(tmp_path):
