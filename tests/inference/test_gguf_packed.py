@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from packed_bounds import activation_bound, layer_activation_bound
+from safetensors.torch import load_file
 from test_gguf import ENGINE, PROMPTS, write_gguf
 from tiny_models import chosen_logprobs, make_tiny_model
 
@@ -199,6 +200,17 @@ def test_phi3_fused_tensors_stay_one_packed_weight(tmp_path):
         assert segments == [quant_cpu.kernel_kind(kinds[f"{tensor}.weight"])], name
     assert len({kinds[f"{tensor}.weight"] for tensor in fused.values()}) == 2
     assert_within_bounds(packed, dense, fused)
+
+
+def test_gemma_norms_and_embedding_scale_on_the_packed_path(tmp_path):
+    packed, dense = packed_and_dense(tmp_path, "gemma", ("Q8_0", "Q4_0"))  # o_proj has 128 inputs: no K-quant
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    norms = [name for name, _ in packed.named_parameters() if name.endswith("norm.weight")]
+    assert len(norms) == 2 * 2 + 1
+    for name in norms:  # the file's 1 + w, back to w and forward again: the folder's 1 + w, exactly
+        assert torch.equal(packed.get_parameter(name), 1 + state[f"model.{name}"]), name
+    assert float(packed.embedding_scale) == float(dense.embedding_scale) == 16.0  # sqrt(256)
+    assert_within_bounds(packed, dense, ("layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj"))
 
 
 def packed_and_dense(tmp_path, family: str, types: tuple[str, ...]):
