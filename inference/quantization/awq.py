@@ -12,11 +12,9 @@ import torch
 from inference.quantization.packed_int4 import (
     PACK,
     bind_loaders,
-    cpu_kernels_take,
     group_layout,
-    int4_blocks,
     local_g_idx,
-    pack_for_cpu,
+    pack_int4_for_cpu,
     packed_linear,
     packed_param,
     use_triton,
@@ -62,7 +60,10 @@ class AWQLinearMethod:
         return awq_linear(x, layer.qweight, layer.qzeros, layer.scales, layer.quant_group_size, bias)
 
     def process_weights_after_loading(self, layer: Any) -> None:
-        if cpu_kernels_take(layer.qweight, layer.scales.dtype):
-            q = unpack_int4_cols(layer.qweight, AWQ_UNPACK_ORDER)
-            zeros = unpack_int4_cols(layer.qzeros, AWQ_UNPACK_ORDER)
-            pack_for_cpu(layer, int4_blocks(q, zeros, layer.scales, layer.g_idx), ("qweight", "qzeros", "scales"))
+        pack_int4_for_cpu(
+            layer,
+            lambda: (
+                unpack_int4_cols(layer.qweight, AWQ_UNPACK_ORDER),
+                unpack_int4_cols(layer.qzeros, AWQ_UNPACK_ORDER),
+            ),
+        )

@@ -17,11 +17,9 @@ import torch
 from inference.quantization.packed_int4 import (
     PACK,
     bind_loaders,
-    cpu_kernels_take,
     group_layout,
-    int4_blocks,
     local_g_idx,
-    pack_for_cpu,
+    pack_int4_for_cpu,
     packed_linear,
     packed_param,
     use_triton,
@@ -84,6 +82,6 @@ class GPTQLinearMethod:
     def process_weights_after_loading(self, layer: Any) -> None:
         if not self.desc_act:  # groups in input order: recompute for this rank's inputs
             layer.g_idx.data = local_g_idx(layer.g_idx.shape[0], layer.quant_group_size, layer.g_idx.device)
-        if cpu_kernels_take(layer.qweight, layer.scales.dtype):
-            q, zeros = unpack_int4_rows(layer.qweight), unpack_int4_cols(layer.qzeros) + self.zero_offset
-            pack_for_cpu(layer, int4_blocks(q, zeros, layer.scales, layer.g_idx), ("qweight", "qzeros", "scales"))
+        pack_int4_for_cpu(
+            layer, lambda: (unpack_int4_rows(layer.qweight), unpack_int4_cols(layer.qzeros) + self.zero_offset)
+        )

@@ -10,10 +10,14 @@ no block layout fits or the model computes in float16.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from inference.quantization.gguf import Segment, segment_linear
+from tessera_kernels import native_cpu, quant_cpu
 
 PACK = 8
 
@@ -95,9 +99,15 @@ def int4_blocks(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, grou
 def cpu_kernels_take(param: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a layer whose weight lives where `param` does, computing in `dtype`, runs on the C kernels
     (pack_for_cpu): on CPU, in float32 or bfloat16 (float16 keeps the reference path)."""
-    from tessera_kernels import native_cpu
-
     return param.device.type == "cpu" and dtype in native_cpu.SUPPORTED_DTYPES and native_cpu.load() is not None
+
+
+def pack_int4_for_cpu(layer: Any, codes: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """process_weights_after_loading's CPU step for GPTQ and AWQ: `codes()` unpacks the layer's (codes [K, N],
+    zeros [G, N]), only where the C kernels take the layer."""
+    if cpu_kernels_take(layer.qweight, layer.scales.dtype):
+        q, zeros = codes()
+        pack_for_cpu(layer, int4_blocks(q, zeros, layer.scales, layer.g_idx), ("qweight", "qzeros", "scales"))
 
 
 def pack_for_cpu(layer: Any, found, drop: tuple[str, ...]) -> None:
@@ -105,9 +115,6 @@ def pack_for_cpu(layer: Any, found, drop: tuple[str, ...]) -> None:
     the C kernels of tessera_kernels.quant_cpu multiply as they do a GGUF file's; `drop` names the
     checkpoint's own tensors, freed. `found`: (kind, blocks, input order or None) as int4_blocks gives it;
     None keeps the reference path (dequantize, then matmul)."""
-    from inference.quantization.gguf import Segment
-    from tessera_kernels import quant_cpu
-
     if found is None:
         return
     kind, blocks, order = found
@@ -121,8 +128,6 @@ def pack_for_cpu(layer: Any, found, drop: tuple[str, ...]) -> None:
 
 def packed_linear(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """The product on the layer's packed segment (pack_for_cpu), or None where it has none."""
-    from inference.quantization.gguf import segment_linear
-
     if not getattr(layer, "segments", None):
         return None
     if layer.input_order is not None:
